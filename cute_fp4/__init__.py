@@ -1,0 +1,38 @@
+"""cute_fp4: NVFP4 GEMM kernels declared as composable schedules, compiled with the CuTe DSL.
+
+Importing the package is cheap and has no side effects: torch is imported, the CuTe DSL
+and CUDA only when something is compiled or run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (resolved on first use)
+_EXPORTS = {
+    "NVFP4Tensor": "nvfp4", "quantize": "nvfp4", "swizzle_scales": "nvfp4",
+    "unswizzle_scales": "nvfp4", "scale_offset": "nvfp4",
+    "Schedule": "schedule", "Tile": "schedule", "Warps": "schedule", "WarpRoles": "schedule",
+    "SFLoad": "schedule", "Scheduler": "schedule", "Raster": "schedule",
+    "Epilogue": "schedule", "OutDtype": "schedule", "Problem": "schedule",
+    "Plan": "plan", "plan": "plan", "can_implement": "plan",
+    "Target": "targets", "TARGETS": "targets", "get_target": "targets",
+    "detect_device": "targets",
+    "compile": "compile", "CompiledGemm": "compile", "compile_report": "compile",
+    "gemm": "api", "validate": "api", "NVFP4Linear": "api",
+}
+_SUBMODULES = ("reference", "catalogue", "errors")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"cute_fp4.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"cute_fp4.{name}")
+    raise AttributeError(f"module 'cute_fp4' has no attribute {name!r}")

@@ -1,0 +1,276 @@
+"""NVFP4: E2M1 elements in blocks of 16 with UE4M3 block scales and an FP32 global scale.
+
+Conventions (see ``shared/notes/nvfp4-format.md``):
+
+* ``global_scale`` is the *decode* form, ``amax / (448 * 6)`` (ModelOpt ``weight_scale_2``,
+  torchao ``per_tensor_scale``): ``x ~= e2m1 * float(block_scale) * global_scale``.
+* Two elements per byte; the element with the even K index is the low nibble.
+* ``.scale`` holds the block scales in the 128x4 blocked layout that cuBLASLt, CUTLASS and
+  FlashInfer expect: shape ``[round_up(R, 128), round_up(K/16, 4)]`` whose flat bytes are in
+  the order of :func:`scale_offset`; padding is zero.
+
+Quantization (round to nearest, ties to even, on the E2M1 grid):
+``s = e4m3(min(block_amax / 6 / global_scale, 448))`` (subnormal scales allowed; a non-zero
+block whose scale would round to 0 gets the smallest subnormal, 2^-9), then
+``q = e2m1(x / (float(s) * global_scale))`` saturating at +-6. Arithmetic is float32.
+
+The block format is a parameter (:class:`BlockFormat`) so that MXFP4 (E8M0 scales, blocks
+of 32) can be added without changing the container or the layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cute_fp4.errors import FormatError, InputError, InputTypeError
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; 8..15 are negatives
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN_SUBNORMAL = 2.0**-9
+# Midpoints between consecutive E2M1 magnitudes. A tie between codes i and i+1 goes to
+# the even code: down when i is even, up when i is odd.
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled 4-bit format: element codec, block size and scale dtype."""
+
+    name: str
+    block: int  # elements per scale
+    scale_dtype: torch.dtype
+    scale_max: float
+
+
+NVFP4 = BlockFormat("nvfp4", 16, torch.float8_e4m3fn, E4M3_MAX)
+
+
+# ----------------------------------------------------------------------------- codecs
+
+def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The 16 E2M1 values indexed by code (code 8 is -0.0)."""
+    vals = list(E2M1_VALUES) + [-v for v in E2M1_VALUES]
+    return torch.tensor(vals, dtype=dtype, device=device)
+
+
+def e4m3_decode(code: int) -> float:
+    """The value of an E4M3 (fn) code from its bit fields: bias 7, no infinities,
+    0x7F/0xFF are NaN, exponent 0 is subnormal (``m/8 * 2^-6``)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    if exp == 0xF and man == 0x7:
+        return float("nan")
+    if exp == 0:
+        return sign * man / 8.0 * 2.0**-6
+    return sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7)
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round a float tensor to E2M1 codes (uint8 0..15), nearest-even, saturating at 6."""
+    mag = x.abs().float()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, bound in enumerate(_E2M1_BOUNDS):
+        code += (mag > bound if i % 2 == 0 else mag >= bound).to(torch.uint8)
+    return code | ((x < 0).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return e2m1_table(dtype, codes.device)[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[R, K] codes -> [R, K/2] bytes, even K index in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
+    """[R, K/2] bytes -> [R, K] codes."""
+    lo, hi = data & 0xF, data >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(data.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- layout
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def scale_shape(rows: int, k: int, block: int = 16) -> tuple[int, int]:
+    """Padded shape of the blocked scale tensor for ``rows`` x ``k`` elements."""
+    return _round_up(rows, 128), _round_up(-(-k // block), 4)
+
+
+def scale_offset(r, c, k: int, block: int = 16):
+    """Byte offset of the scale of (row r, scale column c) in the 128x4 blocked layout
+    (the cuBLAS "Block Scaling Factors Layout"). Works on ints and integer tensors."""
+    n_col_blocks = _round_up(-(-k // block), 4) // 4
+    return ((r // 128) * (n_col_blocks * 512) + (c // 4) * 512 + (r % 32) * 16
+            + ((r % 128) // 32) * 4 + (c % 4))
+
+
+def swizzle_scales(sf_linear: torch.Tensor) -> torch.Tensor:
+    """[R, C] row-major scales -> the blocked layout, shape [round_up(R,128), round_up(C,4)],
+    zero padded. Works for any 1-byte dtype (float8_e4m3fn, uint8)."""
+    if sf_linear.dim() != 2:
+        raise FormatError(f"scales must be 2-D [rows, K/16], got shape {tuple(sf_linear.shape)}")
+    rows, cols = sf_linear.shape
+    rp, cp = _round_up(rows, 128), _round_up(cols, 4)
+    raw = _as_bytes(sf_linear)
+    padded = torch.zeros((rp, cp), dtype=torch.uint8, device=raw.device)
+    padded[:rows, :cols] = raw
+    blocked = padded.view(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4).reshape(rp, cp)
+    return blocked.contiguous().view(sf_linear.dtype)
+
+
+def unswizzle_scales(blocked: torch.Tensor, rows: int, k: int, block: int = 16) -> torch.Tensor:
+    """Inverse of :func:`swizzle_scales`: the blocked scales of ``rows`` x ``k`` elements
+    -> [rows, ceil(k/block)] row-major."""
+    cols = -(-k // block)
+    rp, cp = _round_up(rows, 128), _round_up(cols, 4)
+    if blocked.numel() != rp * cp:
+        raise FormatError(f"blocked scales for {rows} rows and K = {k} need {rp} x {cp} = "
+                          f"{rp * cp} bytes, got {blocked.numel()} (shape "
+                          f"{tuple(blocked.shape)})")
+    raw = _as_bytes(blocked.contiguous()).reshape(rp // 128, cp // 4, 32, 4, 4)
+    linear = raw.permute(0, 3, 2, 1, 4).reshape(rp, cp)
+    return linear[:rows, :cols].contiguous().view(blocked.dtype)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.element_size() != 1:
+        raise FormatError(f"scales must be a 1-byte dtype (float8_e4m3fn or uint8), "
+                          f"got {t.dtype}")
+    return t.view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- container
+
+class NVFP4Tensor:
+    """A 2-D NVFP4 tensor ``[R, K]``: packed elements, blocked scales, global scale.
+
+    Attributes: ``data`` uint8 [R, K/2]; ``scale`` float8_e4m3fn, blocked layout (see the
+    module docstring); ``global_scale`` float32 scalar tensor (decode form); ``shape``.
+    """
+
+    fmt: BlockFormat = NVFP4
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, global_scale, shape=None):
+        if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor):
+            raise InputTypeError("NVFP4Tensor(data, scale, ...) takes torch tensors, got "
+                                 f"{type(data).__name__} and {type(scale).__name__}")
+        if data.dtype != torch.uint8 or data.dim() != 2:
+            raise FormatError(f"data must be uint8 [R, K/2], got {data.dtype} with shape "
+                              f"{tuple(data.shape)}")
+        rows, k = (data.shape[0], data.shape[1] * 2) if shape is None else tuple(shape)
+        if (rows, k) != (data.shape[0], data.shape[1] * 2):
+            raise FormatError(f"shape {(rows, k)} does not match data {tuple(data.shape)} "
+                              "(expected [R, K/2])")
+        if k % self.fmt.block:
+            raise FormatError(f"K = {k} is not a multiple of the block size {self.fmt.block}")
+        if scale.dtype not in (self.fmt.scale_dtype, torch.uint8):
+            raise FormatError(f"scale must be {self.fmt.scale_dtype}, got {scale.dtype}")
+        rp, cp = scale_shape(rows, k, self.fmt.block)
+        if scale.numel() != rp * cp:
+            raise FormatError(f"blocked scales for [{rows}, {k}] need {rp} x {cp} = {rp * cp} "
+                              f"bytes, got {scale.numel()} (shape {tuple(scale.shape)}); "
+                              "linear [R, K/16] scales go through swizzle_scales()")
+        if not scale.is_contiguous():
+            raise FormatError("scale must be contiguous (the blocked layout is a flat order)")
+        if scale.device != data.device:
+            raise FormatError(f"data is on {data.device} but scale is on {scale.device}")
+        gs = torch.as_tensor(global_scale, dtype=torch.float32)
+        if gs.numel() != 1:
+            raise FormatError(f"global_scale must be a scalar, got {gs.numel()} elements")
+        if not torch.isfinite(gs).all() or (gs <= 0).any():
+            raise FormatError(f"global_scale must be finite and > 0, got {float(gs):g}")
+        self.data = data
+        self.scale = scale.view(self.fmt.scale_dtype).reshape(rp, cp)
+        self.global_scale = gs.reshape(()).to(data.device)
+        self.shape = (rows, k)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device) -> NVFP4Tensor:
+        return NVFP4Tensor(self.data.to(device), self.scale.to(device),
+                           self.global_scale.to(device), self.shape)
+
+    def cuda(self) -> NVFP4Tensor:
+        return self.to("cuda")
+
+    def scale_linear(self) -> torch.Tensor:
+        """Block scales as [R, K/16] float8_e4m3fn in row-major order."""
+        return unswizzle_scales(self.scale, self.shape[0], self.shape[1], self.fmt.block)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``e2m1 * block_scale * global_scale``, computed in float64 (one rounding, to
+        ``dtype``)."""
+        return (self.block_values(torch.float64) * self.global_scale.double()).to(dtype)
+
+    def block_values(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """``e2m1 * block_scale`` without the global scale: what the tensor cores see."""
+        vals = e2m1_decode(unpack_e2m1(self.data), dtype)
+        return vals * self.scale_linear().to(dtype).repeat_interleave(self.fmt.block, dim=1)
+
+    @classmethod
+    def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2) -> NVFP4Tensor:
+        """From a ModelOpt NVFP4 checkpoint: ``weight`` uint8 [N, K/2], ``weight_scale``
+        e4m3 [N, K/16] (linear layout), ``weight_scale_2`` FP32 global (decode form)."""
+        if weight.dim() != 2 or weight_scale.dim() != 2:
+            raise FormatError(f"weight and weight_scale must be 2-D, got shapes "
+                              f"{tuple(weight.shape)} and {tuple(weight_scale.shape)}")
+        n, k = weight.shape[0], weight.shape[1] * 2
+        if tuple(weight_scale.shape) != (n, k // 16):
+            raise FormatError(f"weight_scale must be [N, K/16] = [{n}, {k // 16}] for weight "
+                              f"[{n}, {k // 2}], got {tuple(weight_scale.shape)}")
+        return cls(weight, swizzle_scales(weight_scale.contiguous()), weight_scale_2, (n, k))
+
+    def __repr__(self) -> str:
+        return (f"NVFP4Tensor(shape={self.shape}, device={self.device}, "
+                f"global_scale={float(self.global_scale):.6g})")
+
+
+# ----------------------------------------------------------------------------- quantize
+
+def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
+    """Quantize a 2-D float tensor ``[R, K]`` (CPU or CUDA) to NVFP4.
+
+    ``global_scale`` is the decode form (``amax / 2688``), computed from ``x`` when None.
+    Raises ValueError subclasses for K not a multiple of 16, NaN/Inf, or a bad scale.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.element_size() == 1:
+        raise InputError(f"quantize() needs a float32/float16/bfloat16/float64 tensor, "
+                         f"got {x.dtype}")
+    if x.dim() != 2:
+        raise InputError(f"quantize() needs a 2-D tensor [R, K], got shape {tuple(x.shape)}")
+    rows, k = x.shape
+    if k % 16:
+        raise InputError(f"K = {k} is not a multiple of 16 (the NVFP4 block size)")
+    if rows == 0 or k == 0:
+        raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
+    xf = x.float()
+    if not torch.isfinite(xf).all():
+        bad = int((~torch.isfinite(xf)).sum())
+        raise InputError(f"x has {bad} NaN/Inf values; NVFP4 has no encoding for them")
+    if global_scale is None:
+        amax = float(xf.abs().max())
+        global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else 1.0
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
+    if not torch.isfinite(gs) or gs <= 0:
+        raise InputError(f"global_scale must be finite and > 0, got {float(gs):g}")
+    blocks = xf.view(rows, k // 16, 16)
+    bamax = blocks.abs().amax(dim=-1)
+    sf = (bamax / E2M1_MAX / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    tiny = (sf.float() == 0) & (bamax > 0)
+    sf = torch.where(tiny, torch.full_like(sf, E4M3_MIN_SUBNORMAL), sf)
+    denom = (sf.float() * gs).unsqueeze(-1)
+    q = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, 1.0), 0.0)
+    codes = e2m1_encode(q).view(rows, k)
+    return NVFP4Tensor(pack_e2m1(codes), swizzle_scales(sf), gs, (rows, k))

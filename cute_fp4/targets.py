@@ -1,0 +1,142 @@
+"""The GPUs this project compiles for, and the facts that drive schedules.
+
+Numbers are public datasheet figures unless a comment says "measured" (with the date).
+Shared memory per block is the opt-in maximum of dynamic shared memory
+(``cudaDevAttrMaxSharedMemoryPerBlockOptin``), which is what a kernel's allocation is
+compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from cute_fp4.errors import DeviceError, InputError
+
+
+class MmaKind(enum.Enum):
+    """Tensor-core instruction families a target offers for NVFP4 work."""
+
+    WARP_BLOCK_SCALED = "mma.sync kind::mxf4nvf4.block_scale (SASS OMMA.SF)"
+    WGMMA_BF16 = "wgmma.mma_async bf16 (SASS HGMMA)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One compilation target (an ``sm_XXXa`` architecture) and its headline numbers."""
+
+    name: str  # e.g. "sm_120a": what ptxas is given
+    cc: tuple[int, int]  # compute capability
+    gpus: tuple[str, ...]  # products that are this target
+    sm_count: int  # of the first product listed
+    smem_per_block: int  # bytes, opt-in maximum of dynamic shared memory
+    mma: MmaKind
+    sass_mma_prefix: str  # opcode prefix the compile report looks for
+    peak_tflops: float  # dense tensor-core TFLOP/s of the operation we run (FP4 or BF16)
+    mem_bw_gbs: float  # DRAM bandwidth, GB/s
+
+    @property
+    def family(self) -> str:
+        """``"sm120"`` for SM120/SM121 (same kernels), ``"sm90"`` for Hopper."""
+        return "sm90" if self.cc[0] == 9 else "sm120"
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target(
+            name="sm_120a",
+            cc=(12, 0),
+            gpus=("RTX PRO 6000 Blackwell", "RTX 5090"),
+            sm_count=188,
+            smem_per_block=101_376,
+            mma=MmaKind.WARP_BLOCK_SCALED,
+            sass_mma_prefix="OMMA.SF",
+            peak_tflops=2000.0,
+            mem_bw_gbs=1790.0,
+        ),
+        Target(
+            name="sm_121a",
+            cc=(12, 1),
+            gpus=("GB10",),
+            sm_count=48,
+            smem_per_block=101_376,
+            mma=MmaKind.WARP_BLOCK_SCALED,
+            sass_mma_prefix="OMMA.SF",
+            peak_tflops=450.0,
+            mem_bw_gbs=273.0,
+        ),
+        Target(
+            name="sm_90a",
+            cc=(9, 0),
+            gpus=("H200", "H100"),
+            sm_count=132,
+            smem_per_block=232_448,
+            mma=MmaKind.WGMMA_BF16,
+            sass_mma_prefix="HGMMA",
+            # BF16 dense peak (there are no FP4 tensor cores on SM90); H200 SXM figures.
+            peak_tflops=989.0,
+            mem_bw_gbs=4800.0,
+        ),
+    )
+}
+
+# Per-product SM counts and bandwidths that differ from the target's first product.
+_PRODUCT_SMS = {"RTX 5090": 170, "RTX PRO 6000": 188, "GB10": 48, "H100": 132, "H200": 132}
+_PRODUCT_BW = {"RTX 5090": 1790.0, "H100": 3350.0, "H200": 4800.0}
+
+
+def get_target(name: str | Target) -> Target:
+    """Look a target up by name (``"sm_120a"``, ``"sm120"`` and ``"120"`` all work)."""
+    if isinstance(name, Target):
+        return name
+    key = str(name).lower().replace("sm", "").strip("_").rstrip("af")
+    for t in TARGETS.values():
+        if t.name == name or f"{t.cc[0]}{t.cc[1]}" == key:
+            return t
+    raise InputError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """The GPU present in this process, as far as the framework cares."""
+
+    index: int
+    name: str
+    cc: tuple[int, int]
+    sm_count: int
+    target: Target | None  # None: a GPU this project has no kernels for
+    mem_bw_gbs: float
+
+
+def detect_device(index: int | None = None) -> Device | None:
+    """Describe the current CUDA device, or return None when there is no GPU.
+
+    Imports torch lazily; never initialises CUDA when torch reports no device.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    idx = torch.cuda.current_device() if index is None else index
+    props = torch.cuda.get_device_properties(idx)
+    cc = (props.major, props.minor)
+    target = next((t for t in TARGETS.values() if t.cc == cc), None)
+    bw = next((v for k, v in _PRODUCT_BW.items() if k in props.name), None)
+    if bw is None:
+        bw = target.mem_bw_gbs if target else 0.0
+    return Device(idx, props.name, cc, props.multi_processor_count, target, bw)
+
+
+def require_device(family: str | None = None) -> Device:
+    """The current device, or a DeviceError saying plainly what is missing."""
+    dev = detect_device()
+    if dev is None:
+        raise DeviceError("no CUDA GPU is visible to this process (torch.cuda.is_available() "
+                          "is False); only `schedules`, `plan` and `compile` work without one")
+    if dev.target is None:
+        raise DeviceError(f"GPU {dev.name!r} (sm_{dev.cc[0]}{dev.cc[1]}) has no kernels here; "
+                          f"supported: {', '.join(TARGETS)}")
+    if family is not None and dev.target.family != family:
+        raise DeviceError(f"GPU {dev.name!r} is {dev.target.name}; this needs a {family} GPU")
+    return dev
