@@ -212,8 +212,6 @@ def _check_features(s: Schedule, p: Problem) -> list[str]:
     if fam == "sm120" and p.w4a16:
         out.append("W4A16 (16-bit A) is not implemented for SM120: quantize A to NVFP4 "
                    "(W4A4) or use an sm_90a schedule")
-    if s.split_k > 1 and not s.scheduler.persistent and fam == "sm120":
-        pass
     if s.split_k > 16:
         out.append(f"split_k {s.split_k} exceeds 16")
     return out
@@ -259,28 +257,27 @@ def _smem_reasons(s: Schedule, p: Problem, stages: int, fit: int) -> list[str]:
 
 
 def plan(schedule: Schedule, problem: Problem | None = None) -> Plan:
-    """Check ``schedule`` (and ``problem`` when given) and account for shared memory."""
+    """Check ``schedule`` (and ``problem`` when given) and account for shared memory.
+
+    The shared-memory check runs even when another check fails, so a refusal always
+    carries the byte counts when memory is also a problem.
+    """
     p = problem or Problem()
     s = schedule
-    reasons: list[str] = []
-    for check in CHECKS:
-        reasons += check(s, p)
-    warnings: list[str] = []
-    fit = max_stages(s, p) if not reasons else 0
-    if not reasons:
-        stages = s.stages or fit
-        reasons += _smem_reasons(s, p, stages, fit)
-        if not s.stages and fit == 1:
-            em, en = epilogue_tile(s)
-            warnings.append(f"auto stages left a single stage (no load/MMA overlap) with a "
-                            f"{em}x{en} epilogue tile; a 64x32 epilogue tile frees "
-                            "shared memory for a second stage")
-    stages = (s.stages or fit) if not reasons else (s.stages or fit)
-    regions = smem_regions(s, p, max(stages, 1))
-    return Plan(schedule=s, problem=p, target=s.arch, stages=stages if not reasons else stages,
+    reasons = [r for check in CHECKS for r in check(s, p)]
+    fit = max_stages(s, p)
+    stages = s.stages or fit
+    reasons += _smem_reasons(s, p, stages, fit)
+    warnings = []
+    if not s.stages and fit == 1:
+        em, en = epilogue_tile(s)
+        warnings.append(f"auto stages left a single stage (no load/MMA overlap) with a "
+                        f"{em}x{en} epilogue tile; a 64x32 epilogue tile frees shared "
+                        "memory for a second stage")
+    return Plan(schedule=s, problem=p, target=s.arch, stages=stages,
                 epi_stages=_epi_stages(s), epi_tile=epilogue_tile(s),
-                stage_bytes=stage_bytes(s, p), regions=regions, reasons=tuple(reasons),
-                warnings=tuple(warnings))
+                stage_bytes=stage_bytes(s, p), regions=smem_regions(s, p, max(stages, 1)),
+                reasons=tuple(reasons), warnings=tuple(warnings))
 
 
 def can_implement(schedule: Schedule, problem: Problem | None = None) -> tuple[bool, tuple]:

@@ -1,0 +1,188 @@
+"""Host side: compile schedules with the CuTe DSL, report on them, cache and launch them.
+
+* :func:`compile_report` cross-compiles a schedule for any target (no GPU needed) and reads
+  the cubin: registers, spills, dynamic shared memory, stages, tensor-core opcodes.
+* :func:`compile` returns a :class:`CompiledGemm` callable on torch CUDA tensors, compiled
+  once per (kernel class, schedule, operand signature) with symbolic M, N, K, so a new
+  shape never recompiles. Compiled kernels are kept in memory for the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from cute_fp4.errors import CompileError, InputError
+from cute_fp4.plan import Plan, plan
+from cute_fp4.schedule import Problem, Schedule
+from cute_fp4.targets import Target, get_target
+
+
+def kernel_class(schedule: Schedule) -> type:
+    """The kernel class that implements ``schedule``'s target family."""
+    if schedule.arch.family == "sm120":
+        from cute_fp4.kernels.sm120 import Sm120Gemm
+
+        return Sm120Gemm
+    from cute_fp4.kernels.sm90 import Sm90Gemm
+
+    return Sm90Gemm
+
+
+def retarget(schedule: Schedule, target: str | Target | None) -> Schedule:
+    """``schedule`` for another target of the same family (sm_120a <-> sm_121a)."""
+    if target is None:
+        return schedule
+    t = get_target(target)
+    if t.family != schedule.arch.family:
+        raise InputError(f"schedule {schedule.name or schedule.label()} is for "
+                         f"{schedule.target}; it cannot be compiled for {t.name}")
+    return schedule.replace(target=t.name)
+
+
+def _options(target: str, dump_dir: str | None) -> str:
+    opts = f"--gpu-arch {target}"
+    if dump_dir:
+        opts += f" --keep-cubin --dump-dir {dump_dir}"
+    return opts
+
+
+def cross_compile(schedule: Schedule, problem: Problem | None = None,
+                  dump_dir: str | None = None):
+    """Compile for ``schedule.target`` (no GPU needed). Returns (compiled, kernel, seconds).
+
+    Raises ScheduleError (with the plan's reasons) before the DSL sees an invalid schedule.
+    """
+    import cutlass.cute as cute
+
+    problem = problem or Problem()
+    plan(schedule, problem).raise_if_invalid()
+    kernel = kernel_class(schedule)(schedule, problem)
+    t0 = time.perf_counter()
+    try:
+        compiled = cute.compile(kernel, *kernel.fake_args(),
+                                options=_options(schedule.target, dump_dir))
+    except Exception as e:  # the DSL raises many types; keep the message
+        raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
+    return compiled, kernel, time.perf_counter() - t0
+
+
+def compile_report(schedule: Schedule, target: str | None = None,
+                   problem: Problem | None = None) -> dict:
+    """Compile-only report for a schedule (JSON-ready). A schedule that cannot be
+    implemented gives ``ok: False`` and a ``reason`` with the byte counts."""
+    from cute_fp4.inspect import inspect_cubin
+
+    s = retarget(schedule, target)
+    pl: Plan = plan(s, problem)
+    row = {"name": s.name, "target": s.target, "tile": list(s.tile), "roles":
+           s.warps.roles.value, "stages": pl.stages, "smem_bytes": pl.smem_bytes,
+           "smem_limit": pl.smem_limit, "ok": pl.ok}
+    if not pl.ok:
+        row["reason"] = "; ".join(pl.reasons)
+        return row
+    with tempfile.TemporaryDirectory(prefix="cute_fp4_") as d:
+        try:
+            _, kernel, secs = cross_compile(s, problem, dump_dir=d)
+        except CompileError as e:
+            row.update(ok=False, reason=str(e))
+            return row
+        cubins = sorted(Path(d).glob("*.cubin"))
+        if not cubins:
+            row.update(ok=False, reason=f"the DSL wrote no cubin to {d}")
+            return row
+        rep = inspect_cubin(cubins[-1], (s.arch.sass_mma_prefix,))
+    row.update(registers=rep.registers, spills=rep.spills,
+               kernel_smem_bytes=kernel.smem_bytes, mma_instructions=list(rep.mma_instructions),
+               mma_count=rep.mma_count, compile_s=round(secs, 2))
+    if kernel.smem_bytes != pl.smem_bytes:
+        row.update(ok=False, reason=f"kernel allocates {kernel.smem_bytes:,} B of shared memory "
+                   f"but plan() accounts {pl.smem_bytes:,} B")
+    return row
+
+
+# ----------------------------------------------------------------------------- runtime
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What a compiled kernel is specialised on besides the schedule (not M, N, K)."""
+
+    a_format: str = "nvfp4"  # "nvfp4" (W4A4) or "bf16"/"fp16" (W4A16)
+
+
+class CompiledGemm:
+    """A compiled kernel for one schedule and operand signature; call it on torch tensors.
+
+    ``out = k(a, b, out=None, alpha=None)`` with ``a`` an NVFP4Tensor (W4A4) or a bf16/fp16
+    tensor (W4A16) and ``b`` an NVFP4Tensor. Inputs are validated (see ``cute_fp4.api``).
+    """
+
+    def __init__(self, schedule: Schedule, signature: Signature, compiled, kernel,
+                 compile_s: float):
+        self.schedule = schedule
+        self.signature = signature
+        self._compiled = compiled
+        self._kernel = kernel
+        self.compile_s = compile_s
+        self.validated = False
+
+    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> None:
+        """Launch on prepared, validated tensors (the API layer's job)."""
+        import torch
+        from cuda.bindings import driver
+
+        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        args = self._kernel.runtime_args(a_data, a_scale, b_data, b_scale, out, alpha,
+                                         workspace, stream)
+        self._compiled(*args)
+
+    def __call__(self, a, b, out=None, alpha=None):
+        from cute_fp4.api import run_compiled
+
+        return run_compiled(self, a, b, out=out, alpha=alpha)
+
+    def __repr__(self) -> str:
+        return (f"CompiledGemm({self.schedule.name or self.schedule.label()}, "
+                f"{self.signature.a_format}, compiled in {self.compile_s:.2f} s)")
+
+
+_CACHE: dict[tuple, CompiledGemm] = {}
+_LOCK = threading.Lock()
+
+
+def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledGemm:  # noqa: A001
+    """Compile ``schedule`` for the present GPU (cached in memory per process)."""
+    from cute_fp4.targets import require_device
+
+    sig = signature or Signature()
+    dev = require_device(schedule.arch.family)
+    s = retarget(schedule, dev.target.name)
+    key = (kernel_class(s).__name__, s, sig)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is None:
+            problem = Problem(a_format=sig.a_format)
+            compiled, kernel, secs = _compile_for_device(s, problem)
+            hit = _CACHE[key] = CompiledGemm(s, sig, compiled, kernel, secs)
+    return hit
+
+
+def _compile_for_device(schedule: Schedule, problem: Problem):
+    import cutlass.cute as cute
+
+    plan(schedule, problem).raise_if_invalid()
+    kernel = kernel_class(schedule)(schedule, problem)
+    t0 = time.perf_counter()
+    try:
+        compiled = cute.compile(kernel, *kernel.fake_args())
+    except Exception as e:
+        raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
+    return compiled, kernel, time.perf_counter() - t0
+
+
+def clear_cache() -> None:
+    with _LOCK:
+        _CACHE.clear()

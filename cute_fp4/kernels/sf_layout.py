@@ -1,0 +1,160 @@
+"""SM120 NVFP4 scale-factor layouts: global (cuBLAS 128x4 blocked), shared memory, MMA fragment.
+
+Three views of the same UE4M3 bytes (one scale per 16 K elements):
+
+* Global memory: the cuBLAS "128x4 blocked" order (:func:`blocked_sf_offset`). Rows are
+  padded to a multiple of 128, scale columns (K/16) to a multiple of 4; each 512-byte atom
+  holds 128 rows x 4 scale columns (one 64-element K block of an m16n8k64 MMA).
+* Shared memory (:func:`sf_smem_layout`): one stage holds ``round_up(tile_rows, 128)`` rows
+  and ``tile_k / 16`` columns in the very same atom order, so a stage is a contiguous copy
+  of ``tile_k / 64`` global atoms (TMA bulk tensor or 16-byte cp.async chunks). Tiles of
+  fewer than 128 rows (64, 32) load the whole 128-row atom and the MMA reads its sub-block
+  through a view with fewer rows (:func:`sf_view_offset` gives the byte offset).
+* Registers (:func:`mma_sf_fragment`): which (row, K block) scale each lane of a warp feeds
+  to ``mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X``.
+
+Only :func:`sf_smem_layout` needs the CuTe DSL (call it while tracing); the rest is pure
+Python so CPU tests can check the kernel's layouts against the formulas here.
+"""
+
+from __future__ import annotations
+
+SF_VEC = 16  # K elements per scale factor
+ATOM_ROWS = 128  # rows of one 512-byte atom
+ATOM_COLS = 4  # scale columns of one atom (= one 64-element K block)
+ATOM_BYTES = ATOM_ROWS * ATOM_COLS
+MMA_K = 64  # K of one m16n8k64 MMA: exactly one atom column group
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_sf_shape(rows: int, k: int) -> tuple[int, int]:
+    """(rows, scale columns) of the padded global scale tensor for ``rows`` x ``k``."""
+    return _ceil_div(rows, ATOM_ROWS) * ATOM_ROWS, _ceil_div(_ceil_div(k, SF_VEC), 4) * 4
+
+
+def blocked_sf_offset(r: int, c: int, k: int) -> int:
+    """Byte offset of scale (row ``r``, scale column ``c``) in the cuBLAS blocked layout."""
+    col_atoms = _ceil_div(_ceil_div(k, SF_VEC), ATOM_COLS)
+    return ((r // ATOM_ROWS) * col_atoms * ATOM_BYTES + (c // ATOM_COLS) * ATOM_BYTES
+            + (r % 32) * 16 + ((r % ATOM_ROWS) // 32) * 4 + c % ATOM_COLS)
+
+
+def sf_smem_rows(tile_rows: int) -> int:
+    """Rows one shared-memory stage holds for a tile of ``tile_rows`` rows."""
+    return _ceil_div(tile_rows, ATOM_ROWS) * ATOM_ROWS
+
+
+def sf_stage_bytes(tile_rows: int, tile_k: int) -> int:
+    """Bytes of one shared-memory stage of scale factors (what plan.py counts)."""
+    return sf_smem_rows(tile_rows) * tile_k // SF_VEC
+
+
+def sf_view_offset(tile_rows: int, sub_tile: int) -> int:
+    """Byte offset of sub-tile ``sub_tile`` (of ``tile_rows`` < 128 rows) in a 128-row atom.
+
+    Row ``r`` of an atom lives at ``(r % 32) * 16 + (r // 32) * 4``: a sub-tile of 64 rows
+    starting at row 64 begins 8 bytes in; one of 32 rows starting at row 96, 12 bytes in.
+    """
+    if tile_rows >= ATOM_ROWS:
+        return 0
+    return sub_tile * (tile_rows // 32) * 4
+
+
+def sf_smem_layout(view_rows: int, tile_k: int, stages: int):
+    """CuTe layout ``((rows), (K), stage) -> byte`` of the scale factors in shared memory.
+
+    ``view_rows`` is the number of rows the layout exposes: the CTA tile's rows for the MMA
+    view, ``sf_smem_rows(tile_rows)`` for the copy (TMA / cp.async) view. The allocation is
+    always ``sf_smem_rows`` rows per stage; the K mode has the mode structure that the DSL's
+    SM120 fragment helpers (``partition_fragment_SFA/SFB``) expect:
+    ``((16, 4), 1, tile_k / 64) : ((0, 1), 4, atoms_per_k_block * 512)``.
+    """
+    import cutlass.cute as cute
+
+    alloc_rows = sf_smem_rows(view_rows)
+    row_atoms = alloc_rows // ATOM_ROWS
+    if view_rows >= ATOM_ROWS:
+        shape_m = ((32, 4), view_rows // ATOM_ROWS)
+        stride_m = ((16, 4), ATOM_BYTES)
+    else:
+        if view_rows % 32:
+            raise ValueError(f"scale-factor view of {view_rows} rows: need a multiple of 32")
+        shape_m = ((32, view_rows // 32), 1)
+        stride_m = ((16, 4), ATOM_BYTES)
+    k_blocks = tile_k // MMA_K
+    shape_k = ((SF_VEC, ATOM_COLS), 1, k_blocks)
+    stride_k = ((0, 1), ATOM_COLS, row_atoms * ATOM_BYTES)
+    per_stage = alloc_rows * tile_k // SF_VEC
+    return cute.make_layout((shape_m, shape_k, stages),
+                            stride=(stride_m, stride_k, per_stage))
+
+
+def mma_sf_fragment(lane: int, operand: str, thread_id_sel: int = 0) -> list[tuple[int, int]]:
+    """Scale factors lane ``lane`` supplies to one ``m16n8k64 ... scale_vec::4X`` MMA.
+
+    Returns ``[(row, k_block) for byte 0..3]`` of the lane's 32-bit scale register, where
+    ``row`` is the M row (operand ``"A"``, 0..15) or N column (operand ``"B"``, 0..7) of the
+    MMA and ``k_block`` the 16-element K block (0..3); an empty list when the selector
+    (``thread-id-a``/``thread-id-b``) does not pick this lane.
+
+    Source: PTX ISA 9.x, section 9.7.14.3 "Block Scaling for mma.sync" (found via a mirror
+    of the ISA, ptx.poole.ai/docs/09-instruction-set/14-warp-level-mma/block-scaling-mma-sync;
+    the figures with the per-lane table could not be retrieved as text, so the table below
+    is written from the ISA's description and checked against CUTLASS's ``SM120`` traits,
+    ``SFALayout = ((2,2,8),64):((8,0,1),16)`` and ``SFBLayout = ((4,8),64):((0,1),8)`` in
+    ``cute/atom/mma_traits_sm120.hpp`` / the DSL's ``thrfrg_SFA/SFB``):
+
+    * ``.scale_vec::4X``: every selected lane provides all 4 bytes, byte ``i`` = K block
+      ``i``; ``byte-id`` must be 0.
+    * scale_A (16 rows): of each quad (lanes ``4g .. 4g+3``), the pair
+      ``{2*thread_id_sel, 2*thread_id_sel + 1}`` is selected; lane ``4g + 2s`` holds row
+      ``g`` and lane ``4g + 2s + 1`` holds row ``g + 8``.
+    * scale_B (8 columns): of each quad, lane ``4g + thread_id_sel`` holds column ``g``.
+    """
+    if not 0 <= lane < 32:
+        raise ValueError(f"lane {lane} out of range")
+    g, t = lane // 4, lane % 4
+    if operand == "A":
+        if not 0 <= thread_id_sel < 2:
+            raise ValueError("thread-id-a must be 0 or 1 for scale_vec::4X")
+        if t // 2 != thread_id_sel:
+            return []
+        row = g + 8 * (t % 2)
+    elif operand == "B":
+        if not 0 <= thread_id_sel < 4:
+            raise ValueError("thread-id-b must be 0..3")
+        if t != thread_id_sel:
+            return []
+        row = g
+    else:
+        raise ValueError(f"operand must be 'A' or 'B', got {operand!r}")
+    return [(row, kb) for kb in range(4)]
+
+
+def cute_sf_fragment(lane: int, operand: str) -> list[tuple[int, int]]:
+    """The same table read off the CUTLASS SM120 thread-value layouts quoted above.
+
+    ``SFALayout``: thread ``(t0, t1, t2)`` = ``(lane % 2, lane // 2 % 2, lane // 4)``, value
+    ``v`` (K element 0..63) -> linear (m + 16 k) coordinate ``8 t0 + t2 + 16 v``;
+    ``SFBLayout``: thread ``(lane % 4, lane // 4)`` -> ``n + 8 k`` = ``lane // 4 + 8 v``.
+    Distinct K blocks are ``v // 16``. Unlike the ISA table, every lane of the quad holds
+    a copy (stride 0 modes); the selector picks which copy the hardware reads.
+    """
+    if operand == "A":
+        rows = {((lane % 2) * 8 + lane // 4 + 16 * v) % 16 for v in range(64)}
+        blocks = sorted({v // SF_VEC for v in range(64)})
+    elif operand == "B":
+        rows = {(lane // 4 + 8 * v) % 8 for v in range(64)}
+        blocks = sorted({v // SF_VEC for v in range(64)})
+    else:
+        raise ValueError(f"operand must be 'A' or 'B', got {operand!r}")
+    (row,) = rows
+    return [(row, kb) for kb in blocks]
+
+
+__all__ = ["SF_VEC", "ATOM_ROWS", "padded_sf_shape", "blocked_sf_offset", "sf_smem_rows",
+           "sf_stage_bytes", "sf_view_offset", "sf_smem_layout", "mma_sf_fragment",
+           "cute_sf_fragment"]
