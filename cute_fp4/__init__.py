@@ -10,6 +10,13 @@ import importlib
 
 __version__ = "0.1.0"
 
+# Two modules share their name with their main function; binding the functions here, when
+# the package loads, keeps ``cute_fp4.plan``/``cute_fp4.compile`` the functions (a later
+# ``import cute_fp4.plan`` does not rebind an already-loaded submodule). Both modules are
+# light: they import the CuTe DSL only inside functions.
+from cute_fp4.compile import compile as compile  # noqa: E402
+from cute_fp4.plan import plan as plan  # noqa: E402
+
 # public name -> module that defines it (resolved on first use)
 _EXPORTS = {
     "NVFP4Tensor": "nvfp4", "quantize": "nvfp4", "swizzle_scales": "nvfp4",
@@ -17,15 +24,15 @@ _EXPORTS = {
     "Schedule": "schedule", "Tile": "schedule", "Warps": "schedule", "WarpRoles": "schedule",
     "SFLoad": "schedule", "Scheduler": "schedule", "Raster": "schedule",
     "Epilogue": "schedule", "OutDtype": "schedule", "Problem": "schedule",
-    "Plan": "plan", "plan": "plan", "can_implement": "plan",
+    "Plan": "plan", "can_implement": "plan",
     "Target": "targets", "TARGETS": "targets", "get_target": "targets",
     "detect_device": "targets",
-    "compile": "compile", "CompiledGemm": "compile", "compile_report": "compile",
+    "CompiledGemm": "compile", "compile_report": "compile",
     "gemm": "api", "validate": "api", "NVFP4Linear": "api",
 }
 _SUBMODULES = ("reference", "catalogue", "errors")
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = sorted([*_EXPORTS, "plan", "compile"]) + list(_SUBMODULES)
 
 
 def __getattr__(name: str):

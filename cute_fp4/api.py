@@ -43,15 +43,17 @@ def _check_tensor(t: torch.Tensor, name: str, dtypes, shape, device) -> None:
                          f"aligned (offset {t.data_ptr() % ALIGN}); TMA needs {ALIGN} bytes")
 
 
-def check_operands(a, b, out, alpha, out_dtype: torch.dtype) -> tuple[int, int, int, str]:
-    """Validate operands; returns (M, N, K, a_format). Raises before anything is written."""
+def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
+                   require_cuda: bool = True) -> tuple[int, int, int, str]:
+    """Validate operands; returns (M, N, K, a_format). Raises before anything is written.
+    ``require_cuda=False`` skips only the device-type check (CPU tests of the rest)."""
     if not isinstance(b, NVFP4Tensor):
         raise InputTypeError(f"b (the weight) must be an NVFP4Tensor [N, K], got "
                              f"{type(b).__name__}; use cute_fp4.quantize() or "
                              "NVFP4Tensor.from_modelopt()")
     n, k = b.shape
     dev = b.device
-    if dev.type != "cuda":
+    if require_cuda and dev.type != "cuda":
         raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
     if isinstance(a, NVFP4Tensor):
         m, ka = a.shape

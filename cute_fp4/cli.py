@@ -17,9 +17,15 @@ EXIT_REFUSED = 1  # a schedule cannot be implemented / validation failed
 EXIT_ERROR = 2  # bad arguments, missing GPU, other errors
 
 
-def _table(rows: list[dict], cols: list[str]) -> str:
+def columns(rows: list[dict]) -> list[str]:
+    """Every key of ``rows``, in order of first appearance."""
+    return list(dict.fromkeys(c for r in rows for c in r))
+
+
+def _table(rows: list[dict], cols: list[str] | None = None) -> str:
     from tabulate import tabulate
 
+    cols = columns(rows) if cols is None else cols
     return tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols,
                     tablefmt="github", floatfmt=".3g", intfmt=",")
 
@@ -49,7 +55,7 @@ def cmd_schedules(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(_table(rows, list(rows[0]) if rows else []))
+        print(_table(rows))
     return 0
 
 
@@ -153,11 +159,11 @@ def _emit(rows: list[dict], args) -> int:
     elif args.csv:
         import csv
 
-        w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else [])
+        w = csv.DictWriter(sys.stdout, fieldnames=columns(rows))
         w.writeheader()
         w.writerows(rows)
     else:
-        print(_table(rows, list(rows[0]) if rows else []))
+        print(_table(rows))
     if getattr(args, "plot", None):
         from cute_fp4.bench import plot_roofline
 

@@ -123,6 +123,13 @@ def stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
     return out
 
 
+def c_elem_bytes(schedule: Schedule) -> int:
+    """Bytes per element of the C staging buffer: SM120 split-K stages FP32 partials."""
+    if schedule.split_k > 1 and schedule.arch.family == "sm120":
+        return 4
+    return schedule.epilogue.out_dtype.nbytes
+
+
 def smem_regions(schedule: Schedule, problem: Problem, stages: int) -> tuple[Region, ...]:
     """The shared-memory regions of a kernel with ``stages`` mainloop stages, in order."""
     t = schedule.tile
@@ -140,7 +147,7 @@ def smem_regions(schedule: Schedule, problem: Problem, stages: int) -> tuple[Reg
         if not problem.w4a16:
             regions.append(Region("A16", conv * t.m * t.k * 2, f"{conv} x BF16 {t.m}x{t.k}"))
         regions.append(Region("B16", conv * t.n * t.k * 2, f"{conv} x BF16 {t.n}x{t.k}"))
-    ob = schedule.epilogue.out_dtype.nbytes
+    ob = c_elem_bytes(schedule)
     regions.append(Region("C", epi_stages * em * en * ob, f"{epi_stages} x {em}x{en}x{ob} B"))
     return tuple(regions)
 
@@ -201,7 +208,7 @@ def _check_epilogue(s: Schedule, p: Problem) -> list[str]:
     t = s.tile
     if t.m % em or t.n % en:
         return [f"epilogue tile {em}x{en} does not divide the CTA tile {t.m}x{t.n}"]
-    if en * s.epilogue.out_dtype.nbytes < 16:
+    if en * c_elem_bytes(s) < 16:
         return [f"epilogue tile N {en} stores rows of under 16 bytes; TMA needs >= 16"]
     return []
 
