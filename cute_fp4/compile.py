@@ -121,8 +121,9 @@ class CompiledGemm:
     """
 
     def __init__(self, schedule: Schedule, signature: Signature, compiled, kernel,
-                 compile_s: float):
+                 compile_s: float, source: str = "built"):
         self.schedule = schedule
+        self.source = source  # "built", "loaded" (disk cache) or "built-uncached"
         self.signature = signature
         self._compiled = compiled
         self._kernel = kernel
@@ -146,7 +147,7 @@ class CompiledGemm:
 
     def __repr__(self) -> str:
         return (f"CompiledGemm({self.schedule.name or self.schedule.label()}, "
-                f"{self.signature.a_format}, compiled in {self.compile_s:.2f} s)")
+                f"{self.signature.a_format}, {self.source} in {self.compile_s:.2f} s)")
 
 
 _CACHE: dict[tuple, CompiledGemm] = {}
@@ -154,7 +155,11 @@ _LOCK = threading.Lock()
 
 
 def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledGemm:  # noqa: A001
-    """Compile ``schedule`` for the present GPU (cached in memory per process)."""
+    """Compile ``schedule`` for the present GPU, through the memory and disk caches.
+
+    Compiled once per (kernel class, schedule, signature) with symbolic M, N, K: any shape
+    of that signature reuses it. ``CompiledGemm.source`` says whether it was loaded from
+    disk or built."""
     from cute_fp4.targets import require_device
 
     sig = signature or Signature()
@@ -164,23 +169,41 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
-            problem = Problem(a_format=sig.a_format)
-            compiled, kernel, secs = _compile_for_device(s, problem)
-            hit = _CACHE[key] = CompiledGemm(s, sig, compiled, kernel, secs)
+            hit = _CACHE[key] = _build(s, sig)
     return hit
 
 
-def _compile_for_device(schedule: Schedule, problem: Problem):
+def _build(schedule: Schedule, sig: Signature) -> CompiledGemm:
     import cutlass.cute as cute
 
+    from cute_fp4 import cache
+
+    problem = Problem(a_format=sig.a_format)
     plan(schedule, problem).raise_if_invalid()
-    kernel = kernel_class(schedule)(schedule, problem)
+    cls = kernel_class(schedule)
+    kernel = cls(schedule, problem)
+    key = cache.entry_key(cls.__name__, schedule.key(), repr(sig), schedule.target,
+                          cache.source_fingerprint())
+    prefix = f"cute_fp4_{key}"
+
+    def build():
+        try:
+            return cute.compile(kernel, *kernel.fake_args())
+        except Exception as e:  # the DSL raises many types; keep the message
+            raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
+
+    def export(compiled, directory: Path) -> None:
+        compiled.export_to_c(str(directory), "kernel", function_prefix=prefix)
+
+    def load(path: Path):
+        return getattr(cute.runtime.load_module(str(path)), prefix)
+
     t0 = time.perf_counter()
-    try:
-        compiled = cute.compile(kernel, *kernel.fake_args())
-    except Exception as e:
-        raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
-    return compiled, kernel, time.perf_counter() - t0
+    if cache.enabled():
+        fn, how = cache.DiskCache().get_or_build(key, build, export, load)
+    else:
+        fn, how = build(), "built-uncached"
+    return CompiledGemm(schedule, sig, fn, kernel, time.perf_counter() - t0, how)
 
 
 def clear_cache() -> None:
