@@ -38,7 +38,7 @@ _TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0*
 def _operand(x, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(values without the global scale as float64, global scale as float64)."""
     if isinstance(x, NVFP4Tensor):
-        return x.block_values(torch.float64), x.global_scale.double().cpu()
+        return x.block_values(torch.float64), x.global_scale.double()
     if isinstance(x, torch.Tensor):
         if x.dtype not in (torch.bfloat16, torch.float16):
             raise InputError(f"{name} must be an NVFP4Tensor or a bfloat16/float16 tensor "
@@ -61,25 +61,25 @@ def _prepare(a, b, alpha):
     if alpha is None:
         alpha64 = (ag * bg).double()
     else:
-        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().cpu().reshape(())
-    return av.cpu(), bv.cpu(), alpha64
+        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().reshape(())
+    dev = bv.device
+    return av.to(dev), bv, alpha64.to(dev)
 
 
 def gemm(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact reference ``alpha * A @ B^T`` on the CPU, returned on ``b``'s device.
+    """Exact reference ``alpha * A @ B^T``, computed in float64 on ``b``'s device.
 
     ``a``: NVFP4Tensor [M, K] (W4A4) or a bf16/fp16 tensor [M, K] (W4A16); ``b``:
     NVFP4Tensor [N, K]. ``alpha`` defaults to the product of the global scales (W4A16: the
     global scale of ``b``); when given, it replaces that product, as in the kernels.
     """
     av, bv, alpha64 = _prepare(a, b, alpha)
-    d = (av @ bv.T) * alpha64
-    return d.to(out_dtype).to(b.device)
+    return ((av @ bv.T) * alpha64).to(out_dtype)
 
 
 def error_bound(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32,
                 ref: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-element tolerance of the error rule (float64, CPU)."""
+    """Per-element tolerance of the error rule (float64, on ``b``'s device)."""
     av, bv, alpha64 = _prepare(a, b, alpha)
     k = av.shape[1]
     if ref is None:
@@ -87,7 +87,7 @@ def error_bound(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.fl
     absdot = (av.abs() @ bv.abs().T) * alpha64.abs()
     p = _PRECISION[out_dtype]
     acc = absdot * ((-(-k // 16) + 16) * 2.0**-23)
-    return ref.double().cpu().abs() * 2.0**-p + acc * (1 + 2.0**-p) + _TINY[out_dtype]
+    return ref.double().abs() * 2.0**-p + acc * (1 + 2.0**-p) + _TINY[out_dtype]
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
     """Compare ``out`` with the reference under the error rule (poison-aware)."""
     av, bv, alpha64 = _prepare(a, b, alpha)
     ref = (av @ bv.T) * alpha64
-    got = out.detach().double().cpu()
+    got = out.detach().double().to(ref.device)
     if got.shape != ref.shape:
         raise InputError(f"output shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
     bound = error_bound(a, b, alpha, out.dtype, ref)
