@@ -118,14 +118,16 @@ def stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
         out["SFA"] = _align(t.m, SF_ATOM_ROWS) * sf_cols
         out["SFB"] = _align(t.n, SF_ATOM_ROWS) * sf_cols
     else:
-        out["SFA"] = 0 if problem.w4a16 else t.m * sf_cols
-        out["SFB"] = t.n * sf_cols
+        # SM90 TMA-loads whole 512-byte scale atoms (128 rows x 4 columns), also for
+        # 64-row tiles (which then use half of the atom).
+        out["SFA"] = 0 if problem.w4a16 else _align(t.m, SF_ATOM_ROWS) * sf_cols
+        out["SFB"] = _align(t.n, SF_ATOM_ROWS) * sf_cols
     return out
 
 
 def c_elem_bytes(schedule: Schedule) -> int:
-    """Bytes per element of the C staging buffer: SM120 split-K stages FP32 partials."""
-    if schedule.split_k > 1 and schedule.arch.family == "sm120":
+    """Bytes per element of the C staging buffer: split-K stages FP32 partials."""
+    if schedule.split_k > 1 and schedule.arch.family in ("sm120", "sm90"):
         return 4
     return schedule.epilogue.out_dtype.nbytes
 
@@ -136,8 +138,11 @@ def smem_regions(schedule: Schedule, problem: Problem, stages: int) -> tuple[Reg
     per = stage_bytes(schedule, problem)
     em, en = epilogue_tile(schedule)
     epi_stages = _epi_stages(schedule)
-    n_barriers = 2 * stages + 2 * schedule.warps.groups + (
-        2 * SM90_CONVERT_STAGES if schedule.arch.family == "sm90" else 0)
+    if schedule.arch.family == "sm90":
+        # full/empty mbarrier per stage; conversion buffers and the epilogue use named barriers
+        n_barriers = 2 * stages
+    else:
+        n_barriers = 2 * stages + 2 * schedule.warps.groups
     regions = [Region("barriers", 8 * n_barriers, f"{n_barriers} mbarriers")]
     for op in ("A", "B", "SFA", "SFB"):
         if per[op]:
@@ -148,7 +153,12 @@ def smem_regions(schedule: Schedule, problem: Problem, stages: int) -> tuple[Reg
             regions.append(Region("A16", conv * t.m * t.k * 2, f"{conv} x BF16 {t.m}x{t.k}"))
         regions.append(Region("B16", conv * t.n * t.k * 2, f"{conv} x BF16 {t.n}x{t.k}"))
     ob = c_elem_bytes(schedule)
-    regions.append(Region("C", epi_stages * em * en * ob, f"{epi_stages} x {em}x{en}x{ob} B"))
+    if schedule.arch.family == "sm90" and ob == 4:
+        # SM90 stores 32-bit results (FP32 output, split-K partials) from registers
+        regions.append(Region("C", 0, "none: 32-bit results stored from registers"))
+    else:
+        regions.append(Region("C", epi_stages * em * en * ob,
+                              f"{epi_stages} x {em}x{en}x{ob} B"))
     return tuple(regions)
 
 
@@ -180,6 +190,9 @@ def _check_tile(s: Schedule, p: Problem) -> list[str]:
             out.append(f"tile N {t.n} is not a multiple of 8 x {wn} MMA warps along N")
         if t.k % 64 or t.k > 256:
             out.append(f"tile K {t.k} must be 64, 128, 192 or 256 (the MMA consumes K=64)")
+        if t.m % 32 or t.n % 32:
+            out.append(f"tile {t.m}x{t.n}: M and N must be multiples of 32 on SM120 (scale "
+                       "sub-atoms of 32 rows; the MMA permutation interleaves 2 x 16 columns)")
         if t.m > 128 or t.n > 128:
             out.append(f"tile {t.m}x{t.n} exceeds 128x128: the accumulators of one CTA "
                        "would need more than 255 registers per thread on SM120")
@@ -189,8 +202,18 @@ def _check_tile(s: Schedule, p: Problem) -> list[str]:
         if t.n % (8 * wn) or t.n // wn > 256:
             out.append(f"tile N {t.n} must be a multiple of 8 x {wn} with at most 256 "
                        "per warpgroup")
-        if t.k % 64:
-            out.append(f"tile K {t.k} must be a multiple of 64 (4 scale-factor blocks)")
+        for dim, v in (("M", t.m), ("N", t.n)):
+            if v != 64 and v % SF_ATOM_ROWS:
+                out.append(f"tile {dim} {v} must be 64 or a multiple of 128 (scale-factor "
+                           "atoms cover 128 rows)")
+        if t.k % 64 or t.k > 256:
+            out.append(f"tile K {t.k} must be 64, 128, 192 or 256 (whole 4-column "
+                       "scale-factor atoms)")
+        threads, chunks = 128 * wm * wn, t.k // SF_VEC
+        if not out and (threads % chunks or (t.m * chunks) % threads
+                        or (t.n * chunks) % threads):
+            out.append(f"the {threads} converting threads do not split a {t.m}x{t.k} / "
+                       f"{t.n}x{t.k} tile into whole passes of 16-element chunks")
     return out
 
 
@@ -208,6 +231,12 @@ def _check_epilogue(s: Schedule, p: Problem) -> list[str]:
     t = s.tile
     if t.m % em or t.n % en:
         return [f"epilogue tile {em}x{en} does not divide the CTA tile {t.m}x{t.n}"]
+    if s.arch.family == "sm90" and c_elem_bytes(s) == 2:
+        wm, wn = s.warps.mma
+        if em % (64 * wm) or (wn > 1 and en != t.n):
+            return [f"epilogue tile {em}x{en} does not fit {wm}x{wn} warpgroups on sm_90a: "
+                    f"its M must be a multiple of {64 * wm}"
+                    + (f" and its N the whole tile N {t.n}" if wn > 1 else "")]
     if en * c_elem_bytes(s) < 16:
         return [f"epilogue tile N {en} stores rows of under 16 bytes; TMA needs >= 16"]
     return []
@@ -219,6 +248,8 @@ def _check_features(s: Schedule, p: Problem) -> list[str]:
     if fam == "sm120" and p.w4a16:
         out.append("W4A16 (16-bit A) is not implemented for SM120: quantize A to NVFP4 "
                    "(W4A4) or use an sm_90a schedule")
+    if fam == "sm90" and s.warps.roles is WarpRoles.PINGPONG:
+        out.append("pingpong warp roles are not implemented for sm_90a: use cooperative")
     if s.split_k > 16:
         out.append(f"split_k {s.split_k} exceeds 16")
     return out

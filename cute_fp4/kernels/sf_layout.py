@@ -155,6 +155,54 @@ def cute_sf_fragment(lane: int, operand: str) -> list[tuple[int, int]]:
     return [(row, kb) for kb in blocks]
 
 
+_DSL_TV_CACHE: dict = {}
+
+
+def dsl_sf_fragment(lane: int, operand: str, tile=(128, 128, 128), warps=(4, 2),
+                    arch: str = "sm_120a") -> list[tuple[int, int]]:
+    """What the kernel's register copies give lane ``lane`` of warp 0 for its first MMA.
+
+    Traces (no GPU needed) the tiled MMA the kernel builds for ``tile``/``warps`` and reads
+    ``get_layoutSFA_TV`` / ``get_layoutSFB_TV`` (thread, value) -> (row, K) off it: the
+    values of the first 64-wide K step of warp 0's first atom. Compare with
+    :func:`mma_sf_fragment` (the ISA table) in CPU tests.
+    """
+    key = (operand, tuple(tile), tuple(warps), arch)
+    if key not in _DSL_TV_CACHE:
+        _DSL_TV_CACHE[key] = _trace_sf_tv(operand, tuple(tile), tuple(warps), arch)
+    rows_of, perm_rows = _DSL_TV_CACHE[key]
+    pairs = set()
+    for idx in rows_of[lane]:
+        row, k = idx % perm_rows, idx // perm_rows
+        if k < MMA_K and row < (16 if operand == "A" else 8):
+            pairs.add((row, k // SF_VEC))
+    return sorted(pairs)
+
+
+def _trace_sf_tv(operand, tile, warps, arch):
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm120_utils
+    from cutlass.cute.nvgpu import warp
+
+    out = {}
+    is_a = operand == "A"
+
+    @cute.jit
+    def probe():
+        op = warp.MmaMXF4NVF4Op(cutlass.Float4E2M1FN, cutlass.Float32, cutlass.Float8E4M3FN)
+        perm = sm120_utils.get_permutation_mnk(tile, SF_VEC, False)
+        mma = cute.make_tiled_mma(op, cute.make_layout((*warps, 1)), permutation_mnk=perm)
+        get_tv = sm120_utils.get_layoutSFA_TV if is_a else sm120_utils.get_layoutSFB_TV
+        tv = get_tv(mma)
+        out["rows"] = cute.size(perm[0] if is_a else perm[1])
+        n_val = cute.size(tv, mode=[1])
+        out["idx"] = [[tv((t, v)) for v in range(n_val)] for t in range(32)]
+
+    cute.compile(probe, options=f"--gpu-arch {arch}")
+    return out["idx"], out["rows"]
+
+
 __all__ = ["SF_VEC", "ATOM_ROWS", "padded_sf_shape", "blocked_sf_offset", "sf_smem_rows",
            "sf_stage_bytes", "sf_view_offset", "sf_smem_layout", "mma_sf_fragment",
-           "cute_sf_fragment"]
+           "cute_sf_fragment", "dsl_sf_fragment"]

@@ -17,9 +17,13 @@ Constraints
   (or at least not NaN: padded scales multiply zero-filled data). Passed flat as uint8.
 * K a multiple of 32 (16-byte rows for TMA); M, N arbitrary >= 1 with N % 8 == 0
   (16-byte output rows). Partial tiles: TMA zero-fills loads and clips stores.
-* Tile: M, N in {32, 64, 128} with M a multiple of 16 x warps along M and N a multiple of
-  32 (the N permutation of the SM120 atom); K in {64, 128, 192, 256}. Tiles under 128
-  rows load the whole 128-row scale atom and read their sub-block (sf_layout.py).
+* Tile: M, N multiples of 32 up to 128, M a multiple of 16 x warps along M, N a multiple
+  of 8 x warps along N (the SM120 N permutation interleaves 2 x 16 columns); K in
+  {64, 128, 192, 256}. Tiles under 128 rows load the whole 128-row scale atom and the MMA
+  reads their sub-block through an offset view (sf_layout.py), as plan() counts it.
+* Scale factors by TMA (Int16 bulk tensor copies) or by cp.async (the producer warp's 32
+  lanes copy 16-byte chunks of the same bytes into the same layout and arrive, no-inc, on
+  the stage's full barrier, whose count is then 1 + 32).
 * Accumulation FP32; output BF16, FP16 or FP32 with alpha (1-element float32 device
   tensor) applied. ``split_k > 1`` writes FP32 partials without alpha to a workspace
   [split_k, M, N]; the host reduces ``workspace.sum(0) * alpha``.
@@ -27,10 +31,13 @@ Constraints
   SFA | SFB | C, each 1024-byte aligned); at most 101,376 B. Cluster 1x1x1 (SM120 has no
   multicast).
 * Pingpong: two MMA groups alternate work units; their mainloops and their epilogues are
-  each serialized by a pair of mbarriers (the groups share the one C buffer).
+  each serialized by a pair of mbarriers (the groups share the one C buffer). The CTA is
+  padded to whole warpgroups so setmaxnreg can hand the producer's registers to the MMA
+  warps (168 -> 232 per thread with 2 x 4 MMA warps).
+* Compiled signature: ``(a, sfa, b, sfb, c, alpha, max_ctas, stream)`` with ``c`` =
+  ``out[None]`` ([1, M, N]) or the split-K workspace; see :meth:`Sm120Gemm.runtime_args`.
+  M = 0 or N = 0 would launch an empty grid: the host layer must skip those.
 """
-
-from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
@@ -57,6 +64,20 @@ from cute_fp4.schedule import Problem, Raster, Schedule, SFLoad, WarpRoles
 SF_VEC = sf_layout.SF_VEC
 WARP = 32
 ALIGN = 1024
+REG_FILE = 65536  # 32-bit registers per SM (one CTA per SM: ~89 KiB of shared memory)
+LOAD_REGS, MMA_REGS_MAX = 40, 232  # setmaxnreg budgets of the producer / MMA warpgroups
+
+
+def _register_split(threads: int, mma_threads: int):
+    """(producer, MMA) registers per thread for setmaxnreg, or None when it cannot help.
+
+    Pingpong with 2 x 4 MMA warps: 2 x 128 x 232 + 128 x 40 = 64,512 of 65,536 registers.
+    """
+    entry = REG_FILE // threads // 8 * 8
+    mma = min(MMA_REGS_MAX,
+              (REG_FILE - (threads - mma_threads) * LOAD_REGS) // mma_threads // 8 * 8)
+    return (LOAD_REGS, mma) if mma > entry else None
+
 
 
 class Sm120Gemm:
@@ -79,6 +100,12 @@ class Sm120Gemm:
         self.group_threads = self.group_warps * WARP
         self.producer_warp = self.group_warps * self.groups
         self.threads = (self.producer_warp + 1) * WARP
+        # Pingpong holds two accumulators' worth of warps: pad the CTA to whole warpgroups
+        # so setmaxnreg can move registers from the producer warpgroup to the MMA warps.
+        self.regs = None
+        if self.pingpong and self.producer_warp % 4 == 0:
+            self.threads = (self.producer_warp + 4) * WARP
+            self.regs = _register_split(self.threads, self.producer_warp * WARP)
         self.sf_cp_async = schedule.sf_load is SFLoad.CP_ASYNC
         self.split_k = schedule.split_k
         self.sched = schedule.scheduler
@@ -91,7 +118,11 @@ class Sm120Gemm:
     # ------------------------------------------------------------------ setup (trace time)
 
     def _setup(self):
-        """MMA atom, permutation, shared-memory layouts and storage struct."""
+        """MMA atom, permutation, shared-memory layouts and the storage struct.
+
+        Called in the host launcher and again at the top of the kernel: CuTe layout values
+        belong to the function being traced, so the kernel builds its own copies.
+        """
         tm, tn, tk = self.tile_mnk
         op = warp.MmaMXF4NVF4Op(cutlass.Float4E2M1FN, cutlass.Float32, cutlass.Float8E4M3FN)
         perm = sm120_utils.get_permutation_mnk(self.tile_mnk, SF_VEC, False)
@@ -177,9 +208,10 @@ class Sm120Gemm:
             grid = cutlass.min(units.total, max_ctas)
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB, tma_c, tma_mC,
-            sfa, sfb, alpha, units.tiles_m, units.tiles_n, units.k_tiles,
+            sfa, sfb, alpha, units.tiles_m, units.tiles_n, units.k_tiles, units.k_blocks,
         ).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[1, 1, 1],
-                 smem=self.smem_bytes, stream=stream)
+                 smem=self.smem_bytes, stream=stream,
+                 max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @staticmethod
     def _fp4_view(t: cute.Tensor) -> cute.Tensor:
@@ -204,7 +236,8 @@ class Sm120Gemm:
                tma_sfb: cute.CopyAtom, mSFB: cute.Tensor, tma_c: cute.CopyAtom,
                mC: cute.Tensor, sfa_bytes: cute.Tensor, sfb_bytes: cute.Tensor,
                alpha: cute.Tensor, tiles_m: cutlass.Int32, tiles_n: cutlass.Int32,
-               k_tiles: cutlass.Int32):
+               k_tiles: cutlass.Int32, k_blocks: cutlass.Int32):
+        self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp:
             for atom in (tma_a, tma_b, tma_sfa, tma_sfb, tma_c):
@@ -214,12 +247,17 @@ class Sm120Gemm:
         mainloop = self._make_mainloop_pipeline(bars)
         self._init_turns(bars + 2 * self.stages, warp_idx)
         cute.arch.sync_threads()
-        units = WorkUnits(tiles_m, tiles_n, k_tiles, self.split_k, self.sched.group_size,
-                          self.along_m)
-        if warp_idx == self.producer_warp:
-            self.load_tiles(storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa, mSFA,
-                            tma_sfb, mSFB, sfa_bytes, sfb_bytes)
-        if warp_idx < self.producer_warp:
+        units = WorkUnits(tiles_m, tiles_n, k_tiles, k_blocks, self.split_k,
+                          self.sched.group_size, self.along_m)
+        if warp_idx >= self.producer_warp:
+            if cutlass.const_expr(self.regs is not None):
+                cute.arch.setmaxregister_decrease(self.regs[0])
+            if warp_idx == self.producer_warp:
+                self.load_tiles(storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa,
+                                mSFA, tma_sfb, mSFB, sfa_bytes, sfb_bytes)
+        else:
+            if cutlass.const_expr(self.regs is not None):
+                cute.arch.setmaxregister_increase(self.regs[1])
             self.mma_and_store(storage, mainloop, units, bars + 2 * self.stages, tma_c, mC,
                                alpha, warp_idx)
 
@@ -237,6 +275,7 @@ class Sm120Gemm:
             defer_sync=True,
         )
 
+    @cute.jit
     def _init_turns(self, turn_bars, warp_idx):
         """Pingpong: mbarriers [mma turn g0, g1, epilogue turn g0, g1]."""
         if cutlass.const_expr(self.pingpong):
@@ -253,6 +292,7 @@ class Sm120Gemm:
 
     # ------------------------------------------------------------------ producer warp
 
+    @cute.jit
     def load_tiles(self, storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa, mSFA,
                    tma_sfb, mSFB, sfa_bytes, sfb_bytes):
         """Producer warp: for each work unit, its K tiles of A, B, SFA, SFB into the ring."""
@@ -296,6 +336,7 @@ class Sm120Gemm:
         mainloop.producer_tail(state)
 
     @staticmethod
+    @cute.jit
     def _tma_views(atom, sX, mX, tile, filter_zeros=False):
         """TMA partition: (TMA, stage) smem view and (TMA, rest_rows, rest_k, L) gmem view."""
         gX = cute.local_tile(mX, tile, (None, None, None))
@@ -308,6 +349,7 @@ class Sm120Gemm:
 
     # ------------------------------------------------------------------ MMA warps
 
+    @cute.jit
     def mma_and_store(self, storage, mainloop, units, turn_bars, tma_c, mC, alpha, warp_idx):
         """MMA warps: per work unit, the K mainloop into registers, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -338,6 +380,7 @@ class Sm120Gemm:
             step += 1
             unit += nctas
 
+    @cute.jit
     def _mma_fragments(self, storage, gtid):
         """Register fragments and smem->register copies of A, B, SFA, SFB; the accumulator."""
         tiled_mma = self.tiled_mma
@@ -350,8 +393,8 @@ class Sm120Gemm:
         sfb0 = cute.make_tensor(storage.sSFB.data_ptr(), self.sSFB_view)
         tCrSFA = sm120_utils.partition_fragment_SFA(sfa0[None, None, 0], thr_mma, gtid)
         tCrSFB = sm120_utils.partition_fragment_SFB(sfb0[None, None, 0], thr_mma, gtid)
-        tCrSFA = cute.group_modes(tCrSFA, 2, cute.rank(tCrSFA))
-        tCrSFB = cute.group_modes(tCrSFB, 2, cute.rank(tCrSFB))
+        tCrSFA = self._sf_fragment_vmk(tCrSFA)
+        tCrSFB = self._sf_fragment_vmk(tCrSFB)
         ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
         copy_a = cute.make_tiled_copy_A(
             cute.make_copy_atom(ldsm, cutlass.Float4E2M1FN), tiled_mma)
@@ -366,7 +409,7 @@ class Sm120Gemm:
             sf_atom, sm120_utils.get_layoutSFB_TV(tiled_mma),
             (cute.size(perm[1]), cute.size(perm[2])))
         thr_a, thr_b = copy_a.get_slice(gtid), copy_b.get_slice(gtid)
-        acc_shape = thr_mma.partition_shape_C(self.tile_mnk[:2])
+        acc_shape = tiled_mma.partition_shape_C(self.tile_mnk[:2])
         return {
             "acc": cute.make_rmem_tensor(acc_shape, cutlass.Float32),
             "copy_a": copy_a, "copy_b": copy_b, "copy_sfa": copy_sfa, "copy_sfb": copy_sfb,
@@ -377,18 +420,44 @@ class Sm120Gemm:
             "sfa_ptr": storage.sSFA.data_ptr(), "sfb_ptr": storage.sSFB.data_ptr(),
         }
 
+    @staticmethod
+    def _sf_fragment_vmk(frag):
+        """Scale fragment as (value, rest rows, K blocks), like the A/B fragments.
+
+        The DSL helpers return the rest modes flattened differently per warp layout:
+        (V, M, (K...)) for some, (V, (N, K)) when N has a single rest mode.
+        """
+        if cutlass.const_expr(cute.rank(frag) > 2):
+            return cute.group_modes(frag, 2, cute.rank(frag))
+        shape, stride = frag.layout.shape, frag.layout.stride
+        if cutlass.const_expr(isinstance(shape[1], int)):
+            layout = cute.make_layout((shape[0], shape[1], 1), stride=(stride[0], stride[1], 0))
+        else:
+            layout = cute.make_layout((shape[0], shape[1][0], shape[1][1]),
+                                      stride=(stride[0], stride[1][0], stride[1][1]))
+        return cute.make_tensor(frag.iterator, layout)
+
+    @staticmethod
+    def _sub_atom(ptr, tile_idx, tile_rows):
+        """Start of a sub-128-row tile's rows inside the stage's 128-row scale atom."""
+        if cutlass.const_expr(tile_rows >= sf_layout.ATOM_ROWS):
+            return ptr
+        step = sf_layout.sf_view_offset(tile_rows, 1)
+        off = (tile_idx % (sf_layout.ATOM_ROWS // tile_rows)) * step
+        return ptr + cute.assume(off, divby=step)
+
+    @cute.jit
     def _sf_sources(self, f, cm, cn):
         """(smem view, register view) pairs of the scale factors of this work unit."""
         tm, tn, _ = self.tile_mnk
-        off_a = (cm % (self.sf_rows[0] // tm)) * sf_layout.sf_view_offset(tm, 1)
-        off_b = (cn % (self.sf_rows[1] // tn)) * sf_layout.sf_view_offset(tn, 1)
-        sfa = cute.make_tensor(f["sfa_ptr"] + off_a, self.sSFA_view)
-        sfb = cute.make_tensor(f["sfb_ptr"] + off_b, self.sSFB_view)
+        sfa = cute.make_tensor(self._sub_atom(f["sfa_ptr"], cm, tm), self.sSFA_view)
+        sfb = cute.make_tensor(self._sub_atom(f["sfb_ptr"], cn, tn), self.sSFB_view)
         return (cute.filter_zeros(f["thr_sfa"].partition_S(sfa)),
                 cute.filter_zeros(f["thr_sfa"].retile(f["tCrSFA"])),
                 cute.filter_zeros(f["thr_sfb"].partition_S(sfb)),
                 cute.filter_zeros(f["thr_sfb"].retile(f["tCrSFB"])))
 
+    @cute.jit
     def _load_k_block(self, f, sf, s, kb):
         tCsSFA, tCrSFA_v, tCsSFB, tCrSFB_v = sf
         cute.copy(f["copy_a"], f["tCsA"][None, None, kb, s], f["tCrA_v"][None, None, kb])
@@ -396,6 +465,7 @@ class Sm120Gemm:
         cute.copy(f["copy_sfa"], tCsSFA[None, None, kb, s], tCrSFA_v[None, None, kb])
         cute.copy(f["copy_sfb"], tCsSFB[None, None, kb, s], tCrSFB_v[None, None, kb])
 
+    @cute.jit
     def mainloop(self, mainloop, state, f, k_count, cm, cn):
         """K tiles of one work unit: wait stage, ldmatrix + OMMA.SF per 64-wide K block."""
         sf = self._sf_sources(f, cm, cn)
@@ -452,7 +522,9 @@ class Sm120Gemm:
             return ct.mark_compact_shape_dynamic(mode=lead, divisibility=div)
 
         c = workspace if self.split_k > 1 else out.unsqueeze(0)
-        sms = torch.cuda.get_device_properties(out.device).multi_processor_count
+        sms = self.schedule.arch.sm_count
+        if out.is_cuda:
+            sms = torch.cuda.get_device_properties(out.device).multi_processor_count
         alpha_t = from_dlpack(alpha.reshape(1), assumed_align=4)
         return (dyn(a, 1, 16), dyn(a_scale.view(torch.uint8).reshape(-1), 0, 512),
                 dyn(b, 1, 16), dyn(b_scale.view(torch.uint8).reshape(-1), 0, 512),

@@ -1,0 +1,116 @@
+"""The SM120 kernel's scale-factor layouts on the CPU.
+
+* global memory: the kernel's blocked offsets equal the cuBLAS formula and the format
+  module's swizzle (the bytes quantize() writes);
+* shared memory: the kernel's CuTe layout (traced without a GPU) puts every
+  (row, k, stage) at the byte a contiguous copy of the global atoms gives it, for 32-, 64-
+  and 128-row tiles and every sub-tile offset;
+* registers: each lane's scale fragment, as the DSL's thread-value layouts give it for the
+  kernel's tiled MMA, is the one the PTX ISA documents for
+  ``mma.sync.m16n8k64 ... block_scale.scale_vec::4X``;
+* split-K work units partition every output tile's K range exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cute_fp4 import nvfp4
+from cute_fp4.kernels import sf_layout as L
+from cute_fp4.kernels.sm120_parts import unit_coords
+
+
+@pytest.mark.parametrize("rows, k", [(1, 32), (130, 96), (256, 128), (300, 1040)])
+def test_global_offsets_match_cublas_formula_and_swizzle(rows, k):
+    cols = k // 16
+    lin = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    flat = nvfp4.swizzle_scales(lin).reshape(-1)
+    for r, c in itertools.product(range(rows), range(cols)):
+        off = L.blocked_sf_offset(r, c, k)
+        assert off == nvfp4.scale_offset(r, c, k)
+        assert int(flat[off]) == int(lin[r, c])
+    assert L.padded_sf_shape(rows, k) == nvfp4.scale_shape(rows, k)
+
+
+def test_isa_fragment_table_shape():
+    # scale_vec::4X: selected lanes hold 4 bytes = K blocks 0..3 of one row / column
+    for sel in (0, 1):
+        lanes = [ln for ln in range(32) if L.mma_sf_fragment(ln, "A", sel)]
+        rows = sorted(L.mma_sf_fragment(ln, "A", sel)[0][0] for ln in lanes)
+        assert len(lanes) == 16 and rows == list(range(16))
+    for sel in range(4):
+        lanes = [ln for ln in range(32) if L.mma_sf_fragment(ln, "B", sel)]
+        assert sorted(L.mma_sf_fragment(ln, "B", sel)[0][0] for ln in lanes) == list(range(8))
+    assert L.mma_sf_fragment(5, "A", 0) == [(9, 0), (9, 1), (9, 2), (9, 3)]
+
+
+def _selector(lane, op):
+    return (lane % 4) // 2 if op == "A" else lane % 4
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile, warps", [((128, 128, 128), (4, 2)), ((64, 128, 128), (2, 4)),
+                                         ((128, 64, 128), (4, 2)), ((128, 128, 128), (2, 2))])
+@pytest.mark.parametrize("op", ["A", "B"])
+def test_kernel_fragments_are_the_isa_table(tile, warps, op):
+    for lane in range(32):
+        isa = L.mma_sf_fragment(lane, op, _selector(lane, op))
+        assert L.dsl_sf_fragment(lane, op, tile, warps) == isa, lane
+        assert L.cute_sf_fragment(lane, op) == isa, lane
+
+
+@pytest.mark.compile
+def test_smem_layout_is_a_copy_of_global_atoms():
+    import cutlass.cute as cute
+
+    probes = {}
+
+    @cute.jit
+    def probe():
+        for rows in (32, 64, 128):
+            for tk in (64, 128, 256):
+                lay = L.sf_smem_layout(rows, tk, 2)
+                probes[(rows, tk)] = [[[lay((m, k, s)) for k in range(0, tk, 16)]
+                                       for m in range(rows)] for s in range(2)]
+
+    cute.compile(probe, options="--gpu-arch sm_120a")
+    for (rows, tk), vals in probes.items():
+        for sub in range(max(1, 128 // rows)):
+            for s, m, kb in itertools.product(range(2), range(rows), range(tk // 16)):
+                got = int(vals[s][m][kb]) + L.sf_view_offset(rows, sub)
+                want = s * L.sf_stage_bytes(rows, tk) + L.blocked_sf_offset(
+                    sub * rows + m, kb, tk)
+                assert got == want, (rows, tk, sub, s, m, kb)
+
+
+def test_stage_bytes_agree_with_plan():
+    from cute_fp4.plan import stage_bytes
+    from cute_fp4.schedule import Problem, Schedule, Tile
+
+    for m, n, k in [(128, 128, 128), (64, 128, 256), (128, 64, 64), (32, 128, 128)]:
+        per = stage_bytes(Schedule(tile=Tile(m, n, k)), Problem())
+        assert per["SFA"] == L.sf_stage_bytes(m, k) and per["SFB"] == L.sf_stage_bytes(n, k)
+
+
+@pytest.mark.parametrize("tiles_m, tiles_n, k_tiles, splits, group, along_m", [
+    p for p in itertools.product([1, 3, 9], [1, 2, 17], [1, 4, 7], [1, 2, 4], [1, 8],
+                                 [True, False]) if p[3] <= p[2]])
+def test_work_units_cover_every_tile_and_k_once(tiles_m, tiles_n, k_tiles, splits, group,
+                                                along_m):
+    seen = {}
+    for u in range(tiles_m * tiles_n * splits):
+        cm, cn, s, k0, kc = unit_coords(u, tiles_m, tiles_n, k_tiles, splits, group, along_m)
+        assert 0 <= cm < tiles_m and 0 <= cn < tiles_n and kc >= 1
+        seen.setdefault((cm, cn), []).append((s, k0, kc))
+    assert len(seen) == tiles_m * tiles_n
+    for parts in seen.values():
+        parts.sort()
+        assert [p[0] for p in parts] == list(range(splits))
+        pos = 0
+        for _, k0, kc in parts:
+            assert k0 == pos
+            pos += kc
+        assert pos == k_tiles
