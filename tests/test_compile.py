@@ -14,17 +14,20 @@ import pytest
 from cute_fp4 import catalogue
 from cute_fp4.cli import main
 from cute_fp4.compile import compile_report
+from cute_fp4.schedule import Problem
 from cute_fp4.targets import TARGETS
 
 pytestmark = pytest.mark.compile
 REFUSED = {"sm100_style_256x128x256"}
-CASES = [(s, t.name) for s in catalogue.all_schedules() for t in TARGETS.values()
-         if t.family == s.arch.family]
+CASES = [(s, t.name, fmt) for s in catalogue.all_schedules() for t in TARGETS.values()
+         if t.family == s.arch.family
+         for fmt in (("nvfp4", "bf16") if t.family == "sm90" else ("nvfp4",))]
 
 
-@pytest.mark.parametrize("s, target", CASES, ids=[f"{s.name}@{t}" for s, t in CASES])
-def test_catalogue_compiles(s, target):
-    row = compile_report(s, target)
+@pytest.mark.parametrize("s, target, fmt", CASES,
+                         ids=[f"{s.name}@{t}-{f}" for s, t, f in CASES])
+def test_catalogue_compiles(s, target, fmt):
+    row = compile_report(s, target, Problem(a_format=fmt))
     if s.name in REFUSED:
         assert not row["ok"] and "B of shared memory per block" in row["reason"]
         return

@@ -1,0 +1,101 @@
+"""In-kernel NVFP4 -> 16-bit conversion for the SM90 GEMM (shared memory to shared memory).
+
+SM90 has no FP4 tensor cores, so each consumer thread turns 16 packed E2M1 elements (one
+scale-factor block: 8 bytes) into 16 FP16 or BF16 values and stores them, 32 bytes, into the
+128-byte-swizzled K-major buffer that WGMMA reads.
+
+The arithmetic, exact for every E2M1 x UE4M3 pair:
+* E2M1 nibble ``s e1 e0 m`` placed at FP16 bits 15 and 11..9 is the FP16 number ``v * 2^-14``
+  (code 1, 0.5, becomes the FP16 subnormal 2^-15; FP16 arithmetic keeps subnormals).
+* The UE4M3 scale byte shifted left by 7 is the FP16 number ``s * 2^-8``; one HMUL2 by 2^15
+  gives ``S = s * 2^7`` (at most 448 * 128 = 57,344 < 65,504).
+* ``v * 2^-14 * S = v * s * 2^-7``, exact in FP16 (6 significant bits, at least 2^-17).
+  The GEMM therefore accumulates ``2^-7`` per converted operand; the epilogue multiplies by
+  ``2^7`` (W4A16) or ``2^14`` (W4A4), which is exact.
+* For BF16 (W4A16 with a BF16 activation) the FP16 product is widened to FP32 and rounded to
+  BF16, both exact.
+
+Per 8 elements: one PRMT, two shifts, one LOP3 and one HMUL2 per output word after two
+shared LOP3/SHF; about 3 instructions per element (FP16), 5 (BF16).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+# Byte selectors: word j takes the low nibbles of byte j (from qe) into byte 0 and the
+# high nibbles of byte j (from qo) into byte 2; bytes 1 and 3 are don't-care copies.
+_SELECT = (0x4400, 0x5511, 0x6622, 0x7733)
+
+_FP4_MASK = 0x8E008E00  # sign bit 15 and magnitude bits 11..9 of each FP16 half
+
+
+def _word_ptx(j: int, out: str, bf16: bool) -> str:
+    lines = [
+        f"prmt.b32 w, qe, qo, {_SELECT[j]:#x};",
+        "shl.b32 t, w, 9;",
+        "shl.b32 u, w, 12;",
+        "or.b32 t, t, u;",
+        f"and.b32 t, t, {_FP4_MASK:#x};",
+    ]
+    if bf16:
+        lines += [
+            "mul.rn.f16x2 t, t, {$r1};",
+            "mov.b32 {hl, hh}, t;",
+            "cvt.f32.f16 fl, hl;",
+            "cvt.f32.f16 fh, hh;",
+            f"cvt.rn.bf16x2.f32 {out}, fh, fl;",
+        ]
+    else:
+        lines.append(f"mul.rn.f16x2 {out}, t, {{$r1}};")
+    return "\n".join(lines)
+
+
+def _convert_ptx(bf16: bool) -> str:
+    body = [
+        "{",
+        ".reg .b32 qe, qo, w, t, u;",
+        ".reg .b16 hl, hh;",
+        ".reg .f32 fl, fh;",
+        "and.b32 qe, {$r0}, 0x0F0F0F0F;",
+        "shr.u32 qo, {$r0}, 4;",
+        "and.b32 qo, qo, 0x0F0F0F0F;",
+    ]
+    for j in range(4):
+        body.append(_word_ptx(j, "{$w" + str(j) + "}", bf16))
+    body.append("}")
+    return "\n".join(body)
+
+
+_PTX_F16 = _convert_ptx(False)
+_PTX_BF16 = _convert_ptx(True)
+
+_SCALE_PTX = "\n".join([
+    "{",
+    ".reg .b32 t, c;",
+    "and.b32 t, {$r0}, 0x7F;",
+    "mul.lo.u32 t, t, 0x00800080;",
+    "mov.b32 c, 0x78007800;",
+    "mul.rn.f16x2 {$w0}, t, c;",
+    "}",
+])
+
+
+def scale_word(sf: cutlass.Uint8) -> cutlass.Uint32:
+    """UE4M3 scale byte -> FP16x2 word holding ``s * 2^7`` in both halves."""
+    return cute.arch.inline_ptx(
+        _SCALE_PTX,
+        write_only_types=[cutlass.Uint32],
+        read_only_args=[cutlass.Uint32(sf)],
+    )
+
+
+def convert_word(q: cutlass.Uint32, scale: cutlass.Uint32, bf16: bool):
+    """8 packed E2M1 elements (one uint32, element 0 in the low nibble) times the scale
+    word -> four 32-bit words of two 16-bit values each (``v * s * 2^-7``)."""
+    return cute.arch.inline_ptx(
+        _PTX_BF16 if bf16 else _PTX_F16,
+        write_only_types=[cutlass.Uint32] * 4,
+        read_only_args=[q, scale],
+    )
