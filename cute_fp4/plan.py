@@ -210,8 +210,8 @@ def _check_tile(s: Schedule, p: Problem) -> list[str]:
             out.append(f"tile K {t.k} must be 64, 128, 192 or 256 (whole 4-column "
                        "scale-factor atoms)")
         threads, chunks = 128 * wm * wn, t.k // SF_VEC
-        if not out and (threads % chunks or (t.m * chunks) % threads
-                        or (t.n * chunks) % threads):
+        a_split = p.w4a16 or (t.m * chunks) % threads == 0  # W4A16 converts only B
+        if not out and (threads % chunks or not a_split or (t.n * chunks) % threads):
             out.append(f"the {threads} converting threads do not split a {t.m}x{t.k} / "
                        f"{t.n}x{t.k} tile into whole passes of 16-element chunks")
     return out
