@@ -228,6 +228,15 @@ class NVFP4Tensor:
         if tuple(weight_scale.shape) != (n, k // 16):
             raise FormatError(f"weight_scale must be [N, K/16] = [{n}, {k // 16}] for weight "
                               f"[{n}, {k // 2}], got {tuple(weight_scale.shape)}")
+        raw = _as_bytes(weight_scale)
+        bad = int(((raw & 0x7F) == 0x7F).sum())
+        if bad:
+            raise FormatError(f"weight_scale holds {bad} NaN bytes (0x7F/0xFF); NVFP4 block "
+                              "scales are finite UE4M3")
+        neg = int(((raw & 0x80) != 0).sum())
+        if neg:
+            raise FormatError(f"weight_scale holds {neg} negative bytes; NVFP4 block scales "
+                              "are unsigned (UE4M3)")
         return cls(weight, swizzle_scales(weight_scale.contiguous()), weight_scale_2, (n, k))
 
     def __repr__(self) -> str:
