@@ -302,10 +302,10 @@ def plan(schedule: Schedule, problem: Problem | None = None) -> Plan:
     """
     p = problem or Problem()
     s = schedule
-    reasons = [r for check in CHECKS for r in check(s, p)]
     fit = max_stages(s, p)
     stages = s.stages or fit
-    reasons += _smem_reasons(s, p, stages, fit)
+    # shared memory first: it is the refusal users of SM100-sized tiles need to see
+    reasons = _smem_reasons(s, p, stages, fit) + [r for check in CHECKS for r in check(s, p)]
     warnings = []
     if not s.stages and fit == 1:
         em, en = epilogue_tile(s)
