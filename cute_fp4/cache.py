@@ -144,9 +144,9 @@ class DiskCache:
             final = self.root / key
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        except OSError as e:
-            _say_once("store", f"could not store entry {key} in {self.root} ({e}); "
-                      "it will be compiled again next time")
+        except Exception as e:  # a full disk, or an exporter that cannot export this kernel
+            _say_once("store", f"could not store entry {key} in {self.root} "
+                      f"({type(e).__name__}: {e}); it will be compiled again next time")
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
 

@@ -124,3 +124,15 @@ def test_fingerprint_and_env(monkeypatch, tmp_path):
     assert not cache.enabled()
     assert cache.entry_key("a", "b") != cache.entry_key("a", "c")
     assert os.path.basename(str(cache.cache_dir())) == tmp_path.name
+
+
+def test_failing_export_still_returns_the_kernel(tmp_path):
+    calls = Calls()
+
+    def export(art, d):
+        raise NotImplementedError("cannot export")
+
+    with pytest.warns(CacheWarning, match="could not store entry k1.*NotImplementedError"):
+        art, how = DiskCache(tmp_path, "fp").get_or_build("k1", calls.build, export, calls.load)
+    assert how == "built" and art.startswith(b"OBJECT")
+    assert not (tmp_path / "k1").exists()
