@@ -121,8 +121,9 @@ class CompiledGemm:
     """
 
     def __init__(self, schedule: Schedule, signature: Signature, compiled, kernel,
-                 compile_s: float, source: str = "built"):
+                 compile_s: float, source: str = "built", rebuild=None):
         self.schedule = schedule
+        self._rebuild = rebuild  # compiles afresh (used if a cached kernel fails to launch)
         self.source = source  # "built", "loaded" (disk cache) or "built-uncached"
         self.signature = signature
         self._compiled = compiled
@@ -138,7 +139,20 @@ class CompiledGemm:
         stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
         args = self._kernel.runtime_args(a_data, a_scale, b_data, b_scale, out, alpha,
                                          workspace, stream)
-        self._compiled(*args)
+        try:
+            self._compiled(*args)
+        except Exception as e:
+            if self.source != "loaded" or self._rebuild is None:
+                raise
+            # a disk-cache entry that loaded but cannot run here: compile and retry once
+            import warnings
+
+            from cute_fp4.cache import CacheWarning
+
+            warnings.warn(f"cute_fp4 cache: a cached kernel failed to launch "
+                          f"({type(e).__name__}: {e}); recompiling", CacheWarning, stacklevel=2)
+            self._compiled, self.source = self._rebuild(), "built"
+            self._compiled(*args)
 
     def __call__(self, a, b, out=None, alpha=None):
         from cute_fp4.api import run_compiled
@@ -203,7 +217,7 @@ def _build(schedule: Schedule, sig: Signature) -> CompiledGemm:
         fn, how = cache.DiskCache().get_or_build(key, build, export, load)
     else:
         fn, how = build(), "built-uncached"
-    return CompiledGemm(schedule, sig, fn, kernel, time.perf_counter() - t0, how)
+    return CompiledGemm(schedule, sig, fn, kernel, time.perf_counter() - t0, how, build)
 
 
 def clear_cache() -> None:
