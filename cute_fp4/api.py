@@ -260,23 +260,23 @@ def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0
                   dist: str = "awkward", device="cuda"):
     """Random operands: ``awkward`` gives rows whose magnitudes span 2^-12..2^12, zero
     blocks and saturated blocks, so scale handling bugs show up; ``normal`` is N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def mat(rows):
-        x = torch.randn(rows, k, generator=g)
+        x = torch.randn(rows, k, generator=g, device=device)
         if dist == "awkward":
-            x *= torch.exp2(torch.randint(-12, 13, (rows, 1), generator=g).float())
+            x *= torch.exp2(torch.randint(-12, 13, (rows, 1), generator=g, device=device).float())
             blocks = x.view(rows, k // 16, 16)
-            blocks[torch.rand(rows, k // 16, generator=g) < 0.05] = 0.0
-            blocks[torch.rand(rows, k // 16, generator=g) < 0.02] *= 1e4
+            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.05] = 0.0
+            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.02] *= 1e4
         return x
 
-    b = quantize(mat(n)).to(device)
+    b = quantize(mat(n))
     a_raw = mat(m)
     if a_format == "nvfp4":
-        return quantize(a_raw).to(device), b
+        return quantize(a_raw), b
     dt = torch.bfloat16 if a_format == "bf16" else torch.float16
-    return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt).to(device), b
+    return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt), b
 
 
 def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int = 0,

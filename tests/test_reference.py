@@ -76,3 +76,17 @@ def test_reference_errors(rng):
         reference.gemm(torch.ones(2, 32), b)
     with pytest.raises(TypeError, match="NVFP4Tensor"):
         reference.gemm(a, torch.ones(8, 32))
+
+
+def test_awkward_operands_have_the_hard_cases():
+    from cute_fp4.api import make_operands
+
+    a, b = make_operands(64, 128, 1024, device="cpu", seed=3)
+    sf = b.scale_linear().float()
+    assert (sf == 0).any()  # zero blocks
+    assert sf[sf > 0].max() / sf[sf > 0].min() > 2.0**20  # scales spanning many binades
+    x, _ = make_operands(8, 128, 64, "bf16", device="cpu")
+    assert x.dtype == torch.bfloat16 and x.shape == (8, 64)
+    # the same seed gives the same operands (validation runs are reproducible)
+    a2, _ = make_operands(64, 128, 1024, device="cpu", seed=3)
+    assert torch.equal(a.data, a2.data)
