@@ -84,7 +84,8 @@ def test_awkward_operands_have_the_hard_cases():
     a, b = make_operands(64, 128, 1024, device="cpu", seed=3)
     sf = b.scale_linear().float()
     assert (sf == 0).any()  # zero blocks
-    assert sf[sf > 0].max() / sf[sf > 0].min() > 2.0**20  # scales spanning many binades
+    assert sf[sf > 0].max() / sf[sf > 0].min() > 2.0**12  # scales spanning many binades
+    assert (sf[sf > 0] < 2.0**-6).any()  # subnormal UE4M3 scales
     x, _ = make_operands(8, 128, 64, "bf16", device="cpu")
     assert x.dtype == torch.bfloat16 and x.shape == (8, 64)
     # the same seed gives the same operands (validation runs are reproducible)
