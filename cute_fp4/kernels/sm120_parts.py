@@ -140,12 +140,18 @@ def skip_stages(state, count):
 # ----------------------------------------------------------------------------- epilogue
 
 def _r2s_copy(k):
-    """Register -> shared copy of the accumulator, matching the tiled MMA's C layout."""
+    """Register -> shared copy of the accumulator, matching the tiled MMA's C layout.
+
+    The tiler always comes from the 16-bit stmatrix atom: tiled from a one-value
+    universal atom (FP32 output, split-K partials) the copy's (V, M, N) modes no longer
+    line up with the accumulator's, and the epilogue would store the wrong elements.
+    """
+    tiler_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 2), cutlass.BFloat16)
     if cutlass.const_expr(k.c_dtype.width == 16):
         atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 2), k.c_dtype)
     else:
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), k.c_dtype)
-    return cute.make_tiled_copy_S(atom, cute.make_tiled_copy_C_atom(atom, k.tiled_mma))
+    return cute.make_tiled_copy_S(atom, cute.make_tiled_copy_C_atom(tiler_atom, k.tiled_mma))
 
 
 @cute.jit
