@@ -21,6 +21,7 @@ from cute_fp4.schedule import OutDtype, Problem, Schedule
 
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
+SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
 ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row pitches
 
 
@@ -113,9 +114,7 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tenso
     if a_format != kernel.signature.a_format:
         raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
                          f"got {a_format}")
-    from cute_fp4.plan import plan
-
-    plan(s, Problem(m, n, k, a_format)).raise_if_invalid()
+    _check_plan(s, Problem(m, n, k, a_format))
     alpha_t = _alpha_tensor(a, b, alpha)
     result = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device)
     a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
@@ -126,6 +125,16 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tenso
     else:
         kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, None)
     return result
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_plan(s: Schedule, p: Problem) -> None:
+    """``plan(s, p).raise_if_invalid()``, memoised: plan() is pure but costs ~150 us of
+    Python, which at decode sizes is several times the kernel. Refusals are not cached
+    (the exception propagates), so they are re-raised with their message every call."""
+    from cute_fp4.plan import plan
+
+    plan(s, p).raise_if_invalid()
 
 
 def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
@@ -153,6 +162,18 @@ def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
     from cute_fp4 import catalogue
 
     if family == "sm90":
+        if m <= SWAPAB_MAX_M:
+            # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
+            tm = 8 if m <= 8 else 16 if m <= 16 else 32
+            s = catalogue.get("sm90_decode_swapab")
+            if s.tile.m != tm:
+                s = s.replace(tile=(tm, s.tile.n, s.tile.k))
+            # one CTA per 64 weight rows: when that leaves over half the SMs idle and K is
+            # long, split K in two (measured on H200: N=4096, K=14336, M=1: 37.6 -> 31.7 us
+            # with the host reduction; N=6144, K=4096 got slower, 17.1 -> 24.4 us)
+            if -(-n // s.tile.n) * 2 <= s.arch.sm_count and k >= 8192:
+                s = s.replace(split_k=2)
+            return s
         name = "sm90_decode" if m <= 64 else "sm90_default"
     else:
         name = "sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default"

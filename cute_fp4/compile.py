@@ -27,6 +27,10 @@ def kernel_class(schedule: Schedule) -> type:
         from cute_fp4.kernels.sm120 import Sm120Gemm
 
         return Sm120Gemm
+    if schedule.swap_ab:
+        from cute_fp4.kernels.sm90_swapab import Sm90SwapAB
+
+        return Sm90SwapAB
     from cute_fp4.kernels.sm90 import Sm90Gemm
 
     return Sm90Gemm

@@ -10,7 +10,8 @@ total is the kernel's dynamic shared memory, byte for byte (CI checks this).
 Shared-memory model (both families): regions are laid out in order, each starting on a
 1,024-byte boundary (TMA with 128-byte swizzles needs 1,024-byte aligned buffers):
 ``barriers | A | B | SFA | SFB | [A16 | B16] | C``. ``A16``/``B16`` exist only on SM90,
-where FP4 tiles are converted to BF16 for WGMMA.
+where FP4 tiles are converted to BF16 for WGMMA (with ``swap_ab``: ``A16`` only, two
+buffers per consumer warpgroup, and no C).
 """
 
 from __future__ import annotations
@@ -147,6 +148,13 @@ def smem_regions(schedule: Schedule, problem: Problem, stages: int) -> tuple[Reg
     for op in ("A", "B", "SFA", "SFB"):
         if per[op]:
             regions.append(Region(op, per[op] * stages, f"{stages} x {per[op]:,} B"))
+    if schedule.arch.family == "sm90" and schedule.swap_ab:
+        # swap-AB: the weight is converted in registers; the activation (WGMMA's B) gets
+        # two 16-bit buffers per consumer warpgroup; results are stored from registers
+        bufs = SM90_CONVERT_STAGES * schedule.warps.mma[1]
+        regions.append(Region("A16", bufs * t.m * t.k * 2, f"{bufs} x 16-bit {t.m}x{t.k}"))
+        regions.append(Region("C", 0, "none: D^T stored from registers"))
+        return tuple(regions)
     if schedule.arch.family == "sm90":
         conv = SM90_CONVERT_STAGES
         if not problem.w4a16:
@@ -183,6 +191,16 @@ def max_stages(schedule: Schedule, problem: Problem) -> int:
 def _check_tile(s: Schedule, p: Problem) -> list[str]:
     t, (wm, wn) = s.tile, s.warps.mma
     out = []
+    if s.swap_ab:
+        if s.arch.family != "sm90":
+            return [f"swap_ab is implemented for sm_90a only, not {s.target}"]
+        if t.n != 64 or t.k != 256 or t.m not in (8, 16, 32, 64):
+            out.append(f"swap_ab tile {t} must be Mx64x256 with M (activation rows, "
+                       "WGMMA's N) 8, 16, 32 or 64")
+        if wm != 1 or not 1 <= wn <= 4:
+            out.append(f"swap_ab takes Warps.mma = (1, W) with W in 1..4 consumer "
+                       f"warpgroups splitting K, got {s.warps.mma}")
+        return out
     if s.arch.family == "sm120":
         if t.m % (16 * wm):
             out.append(f"tile M {t.m} is not a multiple of 16 x {wm} MMA warps along M")
@@ -227,6 +245,8 @@ def _check_warps(s: Schedule, p: Problem) -> list[str]:
 
 
 def _check_epilogue(s: Schedule, p: Problem) -> list[str]:
+    if s.swap_ab:
+        return []  # D^T is stored from registers; no epilogue tile
     em, en = epilogue_tile(s)
     t = s.tile
     if t.m % em or t.n % en:

@@ -143,6 +143,9 @@ class Schedule:
     ``stages=None`` means auto: as many mainloop stages as fit in shared memory.
     ``split_k > 1`` splits the K loop over that many CTAs per output tile and reduces the
     FP32 partials in a fixed order (deterministic).
+    ``swap_ab`` (sm_90a decode): the weight B is WGMMA's A operand (64 rows per CTA,
+    converted in registers) and the activations are its N (``tile.m`` columns); the kernel
+    computes ``D^T`` tiles and stores them transposed. ``tile.n`` must be 64.
     ``name`` and ``doc`` are labels only; they take no part in equality or hashing.
     """
 
@@ -154,6 +157,7 @@ class Schedule:
     scheduler: Scheduler = Scheduler()
     split_k: int = 1
     epilogue: Epilogue = Epilogue()
+    swap_ab: bool = False
     name: str = dataclasses.field(default="", compare=False)
     doc: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -162,6 +166,8 @@ class Schedule:
         if self.stages is not None:
             _positive("Schedule.stages", self.stages)
         _positive("Schedule.split_k", self.split_k)
+        if not isinstance(self.swap_ab, bool):
+            raise InputError(f"Schedule.swap_ab must be a bool, got {self.swap_ab!r}")
         for f, typ in (("tile", Tile), ("warps", Warps), ("scheduler", Scheduler),
                        ("epilogue", Epilogue), ("sf_load", SFLoad)):
             if not isinstance(getattr(self, f), typ):
@@ -203,6 +209,8 @@ class Schedule:
             parts.append(f"sf={self.sf_load.value}")
         if self.split_k > 1:
             parts.append(f"splitk={self.split_k}")
+        if self.swap_ab:
+            parts.append("swap_ab")
         if self.epilogue.tile:
             parts.append(f"epi={self.epilogue.tile[0]}x{self.epilogue.tile[1]}")
         return " ".join(parts)
@@ -212,6 +220,8 @@ class Schedule:
         d = dataclasses.asdict(self)
         d.pop("name")
         d.pop("doc")
+        if not d["swap_ab"]:
+            d.pop("swap_ab")  # keys of existing schedules (and their caches) are unchanged
         return repr(_plain(d))
 
 

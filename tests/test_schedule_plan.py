@@ -138,3 +138,38 @@ def test_tile_checks():
 def test_sf_load_and_roles_are_fields():
     base = catalogue.get("sm120_default")
     assert catalogue.get("sm120_sf_cp_async") == base.replace(sf_load=SFLoad.CP_ASYNC)
+
+
+def test_swap_ab_plan_accounting_and_checks():
+    s = catalogue.get("sm90_decode_swapab")
+    assert s.swap_ab and "swap_ab" in s.label() and "swap_ab" in s.key()
+    # schedules without swap-AB keep their key (and compile-cache entries)
+    assert "swap_ab" not in catalogue.get("sm90_decode").key()
+    for fmt in ("nvfp4", "bf16"):
+        p = Problem(a_format=fmt)
+        pl = plan(s, p)
+        assert pl.ok and pl.stages >= 8, pl.summary()
+        names = [r.name for r in pl.regions]
+        assert "B16" not in names and names[-2:] == ["A16", "C"]
+        a16 = dict((r.name, r.bytes) for r in pl.regions)["A16"]
+        assert a16 == 2 * s.warps.mma[1] * s.tile.m * s.tile.k * 2
+        assert pl.smem_bytes == sum(_align(r.bytes) for r in pl.regions) <= pl.smem_limit
+    for bad, needle in [(s.replace(tile=(16, 128, 256)), "Mx64x256"),
+                        (s.replace(tile=(24, 64, 256)), "Mx64x256"),
+                        (s.replace(tile=(16, 64, 128)), "Mx64x256"),
+                        (s.replace(mma=(2, 1)), "Warps.mma = (1, W)"),
+                        (s.replace(target="sm_120a"), "sm_90a only")]:
+        pl = plan(bad)
+        assert not pl.ok and any(needle in r for r in pl.reasons), pl.reasons
+
+
+def test_sm90_heuristic_picks_swap_ab_for_small_m():
+    from cute_fp4.api import heuristic
+
+    for m, tm in ((1, 8), (7, 8), (16, 16), (32, 32)):
+        s = heuristic("sm90", m, 8192, 8192)
+        assert s.swap_ab and s.tile.m == tm and s.split_k == 1 and plan(s).ok
+    assert heuristic("sm90", 1, 4096, 14336).split_k == 2
+    assert heuristic("sm90", 1, 6144, 4096).split_k == 1
+    assert not heuristic("sm90", 64, 8192, 8192).swap_ab
+    assert not heuristic("sm90", 4096, 8192, 8192).swap_ab

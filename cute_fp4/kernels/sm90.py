@@ -28,6 +28,9 @@ Constraints:
 * W4A4 runs FP16 WGMMA (exact: products are at least 2^-17 after the 2^-7 offset);
   W4A16 runs the activation's dtype (BF16 or FP16).
 * The dynamic shared memory equals ``plan(schedule, problem).smem_bytes``.
+
+``Schedule.swap_ab`` selects the decode variant in ``sm90_swapab.py`` (a subclass of this
+class): the weight is WGMMA's A operand, converted in registers, and the kernel stores D^T.
 """
 
 import cuda.bindings.driver as cuda
