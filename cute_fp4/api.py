@@ -223,7 +223,7 @@ def _op_call(a, b, schedule, out_dtype, alpha):
     if not isinstance(schedule, str):
         raise InputTypeError("under torch.compile, pass schedule as a catalogue name or 'auto'")
     a_t, a_sf, b_t, b_sf, alpha_t = _flatten(a, b, alpha)
-    return _ops().mm(a_t, a_sf, b_t, b_sf, alpha_t, b.shape[1], out_dtype, schedule)
+    return torch.ops.cute_fp4.mm(a_t, a_sf, b_t, b_sf, alpha_t, b.shape[1], out_dtype, schedule)
 
 
 @functools.cache
@@ -379,3 +379,6 @@ class NVFP4Linear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+
+_ops()

@@ -9,8 +9,11 @@ Formulas (also written into every results file):
 * roofline time = max(FLOP / peak, bytes / bandwidth) of the detected GPU (peak: BF16 dense
   on SM90, FP4 dense on SM120); "% roof" = roofline time / measured time.
 
-Timing: CUDA events around each call, the L2 flushed (a 256 MiB write) before every
-repetition so a 36 MiB NVFP4 weight is not served from the 50 MiB L2; median of ``reps``.
+Timing: each provider's call is captured in a CUDA graph and its replay timed with CUDA
+events (device time), the L2 flushed before every repetition by reading a 256 MiB buffer
+(so a 36 MiB NVFP4 weight is not served from the 50 MiB L2, and no dirty lines are left
+for the timed kernel to write back); median of ``reps``. ``eager_us`` is the host-inclusive
+time per call of back-to-back eager calls (what a caller without CUDA graphs pays).
 """
 
 from __future__ import annotations
@@ -54,18 +57,43 @@ def nbytes(m: int, n: int, k: int, kind: str, out_bytes: int = 2) -> int:
 
 
 class Timer:
-    """Median CUDA-event time of a callable with the L2 flushed before each repetition."""
+    """Median device time of a callable, L2 flushed before each repetition.
 
-    def __init__(self, reps: int = 20, warmup: int = 3):
-        self.reps, self.warmup = reps, warmup
-        self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    ``graph=True`` (default) captures the callable in a CUDA graph and times its replay:
+    device time only, the same for every provider, as a decode loop under CUDA graphs sees
+    it. The flush *reads* a 256 MiB buffer, so L2 is left holding clean lines: a flush
+    that writes (``zero_()``) leaves up to 50 MiB of dirty lines that the timed kernel must
+    write back, adding ~10 us to every measurement. :meth:`eager` measures the host-
+    inclusive time per call of back-to-back eager calls.
+    """
+
+    def __init__(self, reps: int = 20, warmup: int = 3, graph: bool = True):
+        self.reps, self.warmup, self.graph = reps, warmup, graph
+        self._flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+
+    def _flush_l2(self) -> None:
+        self._flush.sum()
+
+    @staticmethod
+    def _graphed(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # warm up allocations outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay
 
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
             fn()
+        if self.graph:
+            fn = self._graphed(fn)
         times = []
         for _ in range(self.reps):
-            self._flush.zero_()
+            self._flush_l2()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -74,6 +102,18 @@ class Timer:
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)  # us
         return statistics.median(times)
+
+    def eager(self, fn, calls: int = 200) -> float:
+        """Wall-clock microseconds per call of ``calls`` back-to-back eager calls."""
+        import time
+
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e6
 
 
 def _baselines(m, n, k, timer: Timer) -> dict[str, float]:
@@ -134,8 +174,10 @@ def run_bench(schedules, shapes=None, formats=("nvfp4",), validate=True, reps=20
                     print(f"bench {m}x{n}x{k} {fmt} {s.name}", file=sys.stderr)
                 kern = compile(s, Signature(fmt))
                 out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-                us = timer(lambda: run_compiled(kern, a, b, out=out))  # noqa: B023
+                call = lambda: run_compiled(kern, a, b, out=out)  # noqa: B023, E731
+                us = timer(call)
                 row = _row(s.name, fmt, m, n, k, us, dev, base)
+                row["eager_us"] = round(timer.eager(call), 1)
                 if validate:
                     out.fill_(float("nan"))
                     run_compiled(kern, a, b, out=out)

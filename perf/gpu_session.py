@@ -164,30 +164,35 @@ def cache(name: str) -> dict:
 
 
 def checks_cost() -> dict:
-    """Host time of gemm()'s per-call validation vs launching the compiled kernel directly."""
-    from cute_fp4.api import check_operands
+    """Host time per call of each step of ``run_compiled`` (back-to-back, then synchronize):
+    the operand checks, building the DSL arguments, the compiled call alone, the whole."""
+    from cute_fp4.api import _alpha_tensor, check_operands
+    from cute_fp4.bench import Timer
 
-    s = family_schedules()[0]
-    kern = compile(s)
-    a, b = make_operands(16, 512, 4096)
-    out = torch.empty((16, 512), dtype=torch.bfloat16, device="cuda")
-    reps = 2000
+    rows = []
+    timer = Timer()
+    for s in family_schedules()[:2]:
+        kern = compile(s)
+        a, b = make_operands(16, 8192, 8192)
+        out = torch.empty((16, 8192), dtype=torch.bfloat16, device="cuda")
+        alpha = _alpha_tensor(a, b, None)
+        ws = torch.empty((s.split_k, 16, 8192), dtype=torch.float32, device="cuda")
+        from cuda.bindings import driver
 
-    def per_call(fn):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps * 1e6
-
-    checks = per_call(lambda: check_operands(a, b, out, None, torch.bfloat16))
-    full = per_call(lambda: run_compiled(kern, a, b, out=out))
-    res = {"check_operands_us": round(checks, 2), "run_compiled_us": round(full, 2),
-           "check_share": round(checks / full, 3)}
-    print(f"checks: {res}", flush=True)
-    return res
+        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        args = kern._kernel.runtime_args(a.data, a.scale, b.data, b.scale, out, alpha, ws,
+                                         stream)
+        row = {"schedule": s.name,
+               "check_operands_us": timer.eager(
+                   lambda: check_operands(a, b, out, None, torch.bfloat16)),  # noqa: B023
+               "runtime_args_us": timer.eager(lambda: kern._kernel.runtime_args(  # noqa: B023
+                   a.data, a.scale, b.data, b.scale, out, alpha, ws, stream)),  # noqa: B023
+               "compiled_call_us": timer.eager(lambda: kern._compiled(*args)),  # noqa: B023
+               "run_compiled_us": timer.eager(lambda: run_compiled(kern, a, b, out=out)),  # noqa: B023
+               "device_us (graph)": timer(lambda: run_compiled(kern, a, b, out=out))}  # noqa: B023
+        rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+        print(f"checks: {rows[-1]}", flush=True)
+    return {"rows": rows}
 
 
 def bench(quick: bool) -> dict:

@@ -189,3 +189,37 @@ def test_linear_round_trip_of_weights():
     q = cf.NVFP4Linear.from_linear(lin)
     assert q.weight.shape == (32, 64)
     assert torch.equal(q.weight.dequantize(), cf.quantize(lin.weight.detach()).dequantize())
+
+
+def test_custom_op_is_registered_with_a_fake_impl():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import cute_fp4.api  # noqa: F401  (registers cute_fp4::mm)
+
+    with FakeTensorMode():
+        a = torch.empty(16, 32, dtype=torch.uint8)
+        b = torch.empty(64, 32, dtype=torch.uint8)
+        sf = torch.empty(128, 4, dtype=E4)
+        y = torch.ops.cute_fp4.mm(a, sf, b, sf, torch.ones(1), 64, torch.bfloat16, "auto")
+    assert y.shape == (16, 64) and y.dtype == torch.bfloat16
+
+
+def test_gemm_traces_into_one_op_under_torch_compile():
+    from cute_fp4 import gemm
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    a, b = fp4(16, 64), fp4(64, 64)
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def f(x, w):
+        return gemm(x, w) * 2
+
+    with pytest.raises(DeviceError, match="CUDA device"):  # traced fine; runs only on a GPU
+        f(a, b)
+    assert len(graphs) == 1
+    assert "cute_fp4.mm" in graphs[0].code
