@@ -106,6 +106,11 @@ def _alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- running
 
+def out_dtype_of(schedule: Schedule) -> torch.dtype:
+    """The torch dtype a schedule's epilogue writes."""
+    return _TORCH_OUT[schedule.epilogue.out_dtype]
+
+
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials."""
     s: Schedule = kernel.schedule

@@ -58,11 +58,18 @@ def lookup(device, m: int, n: int, k: int, a_format: str) -> Schedule | None:
         return None
 
 
-def candidates(family: str, problem: Problem) -> list[Schedule]:
+def candidates(family: str, problem: Problem, out_dtype: str = "bf16") -> list[Schedule]:
+    """Catalogue schedules of ``family`` that plan() accepts for ``problem``, all writing
+    ``out_dtype`` (schedules that differ only in their output dtype collapse into one)."""
     from cute_fp4 import catalogue
     from cute_fp4.plan import plan
 
-    return [s for s in catalogue.all_schedules(family) if plan(s, problem).ok]
+    out = {}
+    for s in catalogue.all_schedules(family):
+        s = s.replace(out_dtype=out_dtype)
+        if s not in out and plan(s, problem).ok:
+            out[s] = s
+    return list(out)
 
 
 def tune(shapes=None, formats=("nvfp4",), reps: int = 10) -> list[dict]:

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cute_fp4 import catalogue, reference  # noqa: E402
-from cute_fp4.api import make_operands, run_compiled  # noqa: E402
+from cute_fp4.api import make_operands, out_dtype_of, run_compiled  # noqa: E402
 from cute_fp4.compile import Signature, compile  # noqa: E402
 from cute_fp4.plan import plan  # noqa: E402
 from cute_fp4.schedule import Problem  # noqa: E402
@@ -61,7 +61,7 @@ def env() -> dict:
 
 def _run_case(kern, m, n, k, fmt, seed, dist="awkward"):
     a, b = make_operands(m, n, k, fmt, seed=seed, dist=dist)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=out_dtype_of(kern.schedule), device="cuda")
     run_compiled(kern, a, b, out=out)
     torch.cuda.synchronize()
     return reference.check(out, a, b)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lent H200's whole session in one call (see perf/README.md). Writes $OUT/*.json and
 # $OUT/log.txt (pytest's GPU tests and the CLI's validate/bench/tune output).
+# SECTIONS=validate,fuzz (say) runs only those sections of perf/gpu_session.py.
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/activate.sh >/dev/null
@@ -10,7 +11,8 @@ mkdir -p "$OUT"
 log="$OUT/log.txt"
 {
   echo "## nvidia-smi"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 perf/gpu_session.py --out "$OUT" --only env,checks,validate,fuzz,determinism,cache,bench
+  python3 perf/gpu_session.py --out "$OUT" \
+    --only "${SECTIONS:-env,checks,validate,fuzz,determinism,cache,bench}"
   echo "## pytest tests/gpu"; timeout 150 python3 -m pytest -q -x tests/gpu -p no:cacheprovider
   echo "## cute-fp4 validate sm90_default --formats nvfp4 bf16"
   timeout 60 python3 -m cute_fp4 validate sm90_default --formats nvfp4 bf16

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cute_fp4 import catalogue, reference
-from cute_fp4.api import make_operands, run_compiled
+from cute_fp4.api import make_operands, out_dtype_of, run_compiled
 from cute_fp4.compile import Signature, compile
 
 SHAPES = [(1, 264, 320), (7, 136, 4096), (16, 512, 8256), (127, 136, 320), (128, 256, 448),
@@ -44,7 +44,7 @@ def test_schedule_matches_reference(s, fmt):
     kern = compile(s, Signature(fmt))
     for i, (m, n, k) in enumerate(SHAPES):
         a, b = make_operands(m, n, k, fmt, seed=i)
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full((m, n), float("nan"), dtype=out_dtype_of(s), device="cuda")
         assert not reference.check(out, a, b).passed  # the poison is detectable
         run_compiled(kern, a, b, out=out)
         torch.cuda.synchronize()
