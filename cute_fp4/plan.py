@@ -208,9 +208,12 @@ def _check_tile(s: Schedule, p: Problem) -> list[str]:
             out.append(f"tile N {t.n} is not a multiple of 8 x {wn} MMA warps along N")
         if t.k % 64 or t.k > 256:
             out.append(f"tile K {t.k} must be 64, 128, 192 or 256 (the MMA consumes K=64)")
-        if t.m % 32 or t.n % 32:
-            out.append(f"tile {t.m}x{t.n}: M and N must be multiples of 32 on SM120 (scale "
-                       "sub-atoms of 32 rows; the MMA permutation interleaves 2 x 16 columns)")
+        if SF_ATOM_ROWS % t.m or SF_ATOM_ROWS % t.n:
+            out.append(f"tile {t.m}x{t.n}: M and N must be 32, 64 or 128 on SM120 (a tile "
+                       "must not straddle two 128-row scale atoms)")
+        if wn not in (2, 4):
+            out.append(f"SM120 needs 2 or 4 MMA warps along N (the accumulator's column "
+                       f"permutation), got {wn}")
         if t.m > 128 or t.n > 128:
             out.append(f"tile {t.m}x{t.n} exceeds 128x128: the accumulators of one CTA "
                        "would need more than 255 registers per thread on SM120")
@@ -251,6 +254,12 @@ def _check_epilogue(s: Schedule, p: Problem) -> list[str]:
     t = s.tile
     if t.m % em or t.n % en:
         return [f"epilogue tile {em}x{en} does not divide the CTA tile {t.m}x{t.n}"]
+    if s.arch.family == "sm120":
+        wm, wn = s.warps.mma
+        rows, cols = 16 * wm, max(32, 8 * wn)
+        if em % rows or en % cols:
+            return [f"epilogue tile {em}x{en} must be whole MMA sub-tiles on SM120 with "
+                    f"{wm}x{wn} MMA warps: M a multiple of {rows}, N a multiple of {cols}"]
     if s.arch.family == "sm90" and c_elem_bytes(s) == 2:
         wm, wn = s.warps.mma
         if em % (64 * wm) or (wn > 1 and en != t.n):

@@ -80,6 +80,8 @@ def test_epilogue_places_every_accumulator(name):
 ])
 def test_silently_wrong_shapes_are_refused(s):
     from cute_fp4.kernels.sm120 import Sm120Gemm
+    from cute_fp4.plan import plan
 
+    assert not plan(s).ok  # refused up front, for the CLI, the tuner and the API alike
     with pytest.raises(ScheduleError):
         Sm120Gemm(s)

@@ -20,8 +20,8 @@ Constraints
 * Tile: M, N in {32, 64, 128} (dividing the 128-row scale atom), M a multiple of 16 x
   warps along M, 2 or 4 warps along N, N a multiple of 8 x warps along N (the SM120 N
   permutation interleaves 2 x 16 columns); K in {64, 128, 192, 256}. Epilogue tiles are
-  whole MMA sub-tiles (see ``_check_shapes``). Tiles under 128 rows load the whole
-  128-row scale atom and the MMA reads their sub-block through an offset view
+  whole MMA sub-tiles. plan() refuses everything else. Tiles under 128 rows load the
+  whole 128-row scale atom and the MMA reads their sub-block through an offset view
   (sf_layout.py), as plan() counts it.
 * Scale factors by TMA (Int16 bulk tensor copies) or by cp.async (the producer warp's 32
   lanes copy 16-byte chunks of the same bytes into the same layout and arrive, no-inc, on
@@ -50,7 +50,6 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_fp4.errors import ScheduleError
 from cute_fp4.kernels import sf_layout
 from cute_fp4.kernels.sm120_parts import (
     WorkUnits,
@@ -82,31 +81,6 @@ def _register_split(threads: int, mma_threads: int):
     return (LOAD_REGS, mma) if mma > entry else None
 
 
-def _check_shapes(tile, epi_tile, warps_mn):
-    """Refuse, before tracing, tiles the kernel would get silently wrong:
-
-    * tile M or N not dividing the 128-row scale atom (96): tiles would straddle atoms and
-      read another tile's scale rows;
-    * one MMA warp along N: the accumulator's N order is permuted, the shared-memory
-      copy's is not, so columns 8-15 and 16-23 of every 32 would swap;
-    * epilogue tiles that are not whole MMA sub-tiles (16 x warps_m rows; max(32,
-      8 x warps_n) columns, the N permutation interleaving 2 x 16 columns): unwritten
-      registers stored, or columns misplaced.
-    """
-    em, en = epi_tile
-    rows, cols = 16 * warps_mn[0], max(32, 8 * warps_mn[1])
-    reason = None
-    if sf_layout.ATOM_ROWS % tile[0] or sf_layout.ATOM_ROWS % tile[1]:
-        reason = f"SM120 tile {tile[0]}x{tile[1]}: M and N must be 32, 64 or 128"
-    elif warps_mn[1] not in (2, 4):
-        reason = f"SM120 needs 2 or 4 MMA warps along N, got {warps_mn[1]}"
-    elif em % rows or en % cols:
-        reason = (f"epilogue tile {em}x{en} must have M a multiple of {rows} and N a "
-                  f"multiple of {cols} on SM120 with {warps_mn[0]}x{warps_mn[1]} MMA warps")
-    if reason:
-        raise ScheduleError(reason, (reason,))
-
-
 class Sm120Gemm:
     """NVFP4 x NVFP4 -> BF16/FP16/FP32 GEMM for SM120, configured by a :class:`Schedule`."""
 
@@ -120,7 +94,6 @@ class Sm120Gemm:
         self.epi_tile = pl.epi_tile
         self.epi_stages = pl.epi_stages
         self.plan_smem_bytes = pl.smem_bytes
-        _check_shapes((t.m, t.n), self.epi_tile, schedule.warps.mma)
         self.groups = schedule.warps.groups
         self.pingpong = schedule.warps.roles is WarpRoles.PINGPONG
         self.warps_mn = schedule.warps.mma
