@@ -96,14 +96,17 @@ def test_awkward_operands_have_the_hard_cases():
 def test_overflow_to_inf_is_accepted_only_where_the_exact_result_overflows(rng):
     a = cf.quantize(torch.full((2, 64), 6.0))
     b = cf.quantize(torch.full((3, 64), 6.0))
-    ref = reference.gemm(a, b, alpha=30.0, out_dtype=torch.float64)  # 30 * 64 * 36 = 69,120
+    gs = float(a.global_scale * b.global_scale)
+    big, one = 30.0 * gs, gs  # results 30 * 64 * 36 = 69,120 (> FP16 max) and 2,304
+    ref = reference.gemm(a, b, alpha=big, out_dtype=torch.float64)
     assert float(ref.min()) > 65504
     out = ref.to(torch.float16)  # IEEE: +inf
-    assert torch.isinf(out).all() and reference.check(out, a, b, alpha=30.0).passed
-    assert not reference.check(-out, a, b, alpha=30.0).passed  # wrong sign
+    assert torch.isinf(out).all() and reference.check(out, a, b, alpha=big).passed
+    assert not reference.check(-out, a, b, alpha=big).passed  # wrong sign
     nan = out.clone()
     nan[0, 0] = float("nan")
-    assert not reference.check(nan, a, b, alpha=30.0).passed
-    small = reference.gemm(a, b, alpha=1.0, out_dtype=torch.float16)
+    assert not reference.check(nan, a, b, alpha=big).passed
+    small = reference.gemm(a, b, alpha=one, out_dtype=torch.float16)
+    assert reference.check(small, a, b, alpha=one).passed
     small[1, 1] = float("inf")  # an infinity where the result fits fails
-    assert not reference.check(small, a, b, alpha=1.0).passed
+    assert not reference.check(small, a, b, alpha=one).passed
