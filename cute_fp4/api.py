@@ -179,7 +179,11 @@ def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
             if -(-n // s.tile.n) * 2 <= s.arch.sm_count and k >= 8192:
                 s = s.replace(split_k=2)
             return s
-        name = "sm90_decode" if m <= 64 else "sm90_default"
+        # measured on H200, N = K = 8192 (perf/results/2026-11-30-h200.md): at M = 256
+        # 128x128x64 takes 96 us vs 138 us for 128x256x64 (twice the tiles); from M = 1024
+        # the 128x256x64 default is fastest
+        name = ("sm90_decode" if m <= 64 else "sm90_128x128x64" if m <= 512
+                else "sm90_default")
     else:
         name = "sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default"
     return catalogue.get(name)
