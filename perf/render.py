@@ -44,7 +44,7 @@ def render(d: Path) -> str:
                       lambda r: [f"M in {r['M']}, N in {r['N']}, K in {r['K']}; outputs "
                                  f"poisoned with NaN before each run. Failures: "
                                  f"{r['failures']}.", "", _table(r["rows"]), "",
-                                 "Error rule:", "", "```", r["rule"], "```", ""])
+                                 f"Error rule (docs/correctness.md): `{r['rule']}`", ""])
     lines += _section("Fuzzing", _load(d, "fuzz"),
                       lambda r: [f"{r['count']} random (schedule, A format, M, N, K, "
                                  f"distribution) cases, seed {r['seed']}: "
