@@ -96,11 +96,20 @@ def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
 
 
 def _alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
+    """alpha as a one-element float32 tensor on b's device (0-d when it comes from the
+    global scales: the kernels read only its data pointer). No copy when the global scale
+    already is float32 on b's device; W4A4 multiplies the two (one elementwise op)."""
     if alpha is None:
-        gs = b.global_scale.to(b.device, torch.float32)
+        dev = b.device
+        gs = b.global_scale
+        if gs.dtype != torch.float32 or gs.device != dev:
+            gs = gs.to(dev, torch.float32)
         if isinstance(a, NVFP4Tensor):
-            gs = gs * a.global_scale.to(b.device, torch.float32)
-        return gs.reshape(1)
+            ga = a.global_scale
+            if ga.dtype != torch.float32 or ga.device != dev:
+                ga = ga.to(dev, torch.float32)
+            gs = gs * ga
+        return gs if gs.dim() == 0 or gs.shape == (1,) else gs.reshape(1)
     return torch.as_tensor(alpha, dtype=torch.float32, device=b.device).reshape(1)
 
 
@@ -126,7 +135,10 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tenso
     if s.split_k > 1:
         ws = torch.empty((s.split_k, m, n), dtype=torch.float32, device=b.device)
         kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
-        result.copy_(ws.sum(dim=0).mul_(alpha_t))
+        # sum over the split in a fixed order (deterministic), then alpha, rounded once
+        # into result's dtype: bit-identical to result.copy_(ws.sum(0).mul_(alpha_t)) with
+        # two elementwise kernels instead of three
+        torch.mul(ws.sum(dim=0), alpha_t, out=result)
     else:
         kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, None)
     return result

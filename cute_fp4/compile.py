@@ -134,13 +134,20 @@ class CompiledGemm:
         self._kernel = kernel
         self.compile_s = compile_s
         self.validated = False
+        self._streams: dict[int, object] = {}  # CUstream per raw stream handle
 
     def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> None:
         """Launch on prepared, validated tensors (the API layer's job)."""
         import torch
-        from cuda.bindings import driver
 
-        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        handle = torch.cuda.current_stream().cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            from cuda.bindings import driver
+
+            if len(self._streams) >= 64:  # many short-lived streams: don't grow forever
+                self._streams.clear()
+            stream = self._streams[handle] = driver.CUstream(handle)
         args = self._kernel.runtime_args(a_data, a_scale, b_data, b_scale, out, alpha,
                                          workspace, stream)
         try:

@@ -36,10 +36,14 @@ Constraints
   each serialized by a pair of mbarriers (the groups share the one C buffer). The CTA is
   padded to whole warpgroups so setmaxnreg can hand the producer's registers to the MMA
   warps (168 -> 232 per thread with 2 x 4 MMA warps).
-* Compiled signature: ``(a, sfa, b, sfb, c, alpha, max_ctas, stream)`` with ``c`` =
-  ``out[None]`` ([1, M, N]) or the split-K workspace; see :meth:`Sm120Gemm.runtime_args`.
+* Compiled signature: ``(pA, pSFA, pB, pSFB, pC, pAlpha, M, N, K, L, max_ctas, stream)``:
+  raw global pointers (``pC`` = out, seen as [1, M, N], or the split-K workspace) and Int32
+  sizes; ``__call__`` builds the compact row-major tensors (``_launch`` is the launcher).
+  See :meth:`Sm120Gemm.runtime_args`.
   M = 0 or N = 0 would launch an empty grid: the host layer must skip those.
 """
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -174,8 +178,34 @@ class Sm120Gemm:
     # ------------------------------------------------------------------ host launcher
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, sfa: cute.Tensor, b: cute.Tensor, sfb: cute.Tensor,
-                 c: cute.Tensor, alpha: cute.Tensor, max_ctas: cutlass.Int32, stream):
+    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
+                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
+                 m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, splits: cutlass.Int32,
+                 max_ctas: cutlass.Int32, stream):
+        """Entry point: raw global pointers (``pC`` = out, or the split-K workspace) and
+        M, N, K, ``splits`` (= split_k, C's leading mode L: a runtime value so the C TMA
+        stays 3-D as when C came from DLPack); builds the compact row-major tensors below
+        and launches."""
+        n = cute.assume(n, divby=8)
+        half_k = cute.assume(k // 2, divby=16)
+        a = cute.make_tensor(pA, cute.make_layout(
+            (m, half_k), stride=(cute.assume(cutlass.Int64(half_k), divby=16), 1)))
+        b = cute.make_tensor(pB, cute.make_layout(
+            (n, half_k), stride=(cute.assume(cutlass.Int64(half_k), divby=16), 1)))
+        n_cb = (half_k + 31) // 32  # 4-column (64 K) scale blocks
+        sfa = cute.make_tensor(pSFA, cute.make_layout(
+            (cute.assume((m + 127) // 128 * n_cb * 512, divby=512),), stride=(1,)))
+        sfb = cute.make_tensor(pSFB, cute.make_layout(
+            (cute.assume((n + 127) // 128 * n_cb * 512, divby=512),), stride=(1,)))
+        ldc = cute.assume(cutlass.Int64(n), divby=8)
+        c = cute.make_tensor(pC, cute.make_layout(
+            (splits, m, n), stride=(cute.assume(ldc * m, divby=8), ldc, 1)))
+        alpha = cute.make_tensor(pAlpha, cute.make_layout((1,), stride=(1,)))
+        self._launch(a, sfa, b, sfb, c, alpha, max_ctas, stream)
+
+    @cute.jit
+    def _launch(self, a: cute.Tensor, sfa: cute.Tensor, b: cute.Tensor, sfb: cute.Tensor,
+                c: cute.Tensor, alpha: cute.Tensor, max_ctas: cutlass.Int32, stream):
         """a/b: uint8 [rows, K/2]; sfa/sfb: uint8 flat blocked scales; c: [L, M, N]."""
         self._setup()
         tm, tn, tk = self.tile_mnk
@@ -490,46 +520,41 @@ class Sm120Gemm:
     # ------------------------------------------------------------------ host-side args
 
     def fake_args(self):
-        """Compile-time arguments: symbolic M, N, K; uint8 operands; fake stream."""
-        from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+        """Compile-time arguments: placeholder pointers, M, N, K, max CTAs; fake stream."""
+        from cutlass.cute.runtime import make_fake_stream, make_ptr
 
-        m = cute.sym_int32()
-        n = cute.sym_int32(divisibility=8)
-        half_k = cute.sym_int32(divisibility=16)
-        sfa_len = cute.sym_int32(divisibility=512)
-        sfb_len = cute.sym_int32(divisibility=512)
-        lda = cute.sym_int64(divisibility=16)
-        ldb = cute.sym_int64(divisibility=16)
-        ldc = cute.sym_int64(divisibility=8)
-        ldl = cute.sym_int64(divisibility=8)
+        gmem = cute.AddressSpace.gmem
         u8 = cutlass.Uint8
-        a = make_fake_tensor(u8, (m, half_k), (lda, 1), assumed_align=16)
-        b = make_fake_tensor(u8, (n, half_k), (ldb, 1), assumed_align=16)
-        sfa = make_fake_tensor(u8, (sfa_len,), (1,), assumed_align=16)
-        sfb = make_fake_tensor(u8, (sfb_len,), (1,), assumed_align=16)
-        lc = cute.sym_int32()
-        c = make_fake_tensor(self.c_dtype, (lc, m, n), (ldl, ldc, 1), assumed_align=16)
-        alpha = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-        return (a, sfa, b, sfb, c, alpha, cutlass.Int32(self.schedule.arch.sm_count),
-                make_fake_stream())
+        ptrs = [make_ptr(t, 0, gmem, assumed_align=16) for t in (u8, u8, u8, u8, self.c_dtype)]
+        return (*ptrs, make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
+                cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
+                cutlass.Int32(self.schedule.arch.sm_count), make_fake_stream())
 
     def runtime_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream):
-        """The arguments of :meth:`fake_args` built from torch CUDA tensors (see contract)."""
-        import torch
-        from cutlass.cute.runtime import from_dlpack
+        """``(pA, pSFA, pB, pSFB, pC, pAlpha, M, N, K, L, max_ctas, stream)`` from torch
+        tensors (see contract): data pointers and sizes only, no DLPack."""
+        from cutlass.cute.runtime import make_ptr
 
-        def dyn(t, lead, div):
-            ct = from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
-            return ct.mark_compact_shape_dynamic(mode=lead, divisibility=div)
+        gmem = cute.AddressSpace.gmem
+        u8 = cutlass.Uint8
+        m, n = out.shape
+        c = workspace if self.split_k > 1 else out
+        sms = _sm_count(out.device.index) if out.is_cuda else self.schedule.arch.sm_count
+        return (make_ptr(u8, a.data_ptr(), gmem, assumed_align=16),
+                make_ptr(u8, a_scale.data_ptr(), gmem, assumed_align=16),
+                make_ptr(u8, b.data_ptr(), gmem, assumed_align=16),
+                make_ptr(u8, b_scale.data_ptr(), gmem, assumed_align=16),
+                make_ptr(self.c_dtype, c.data_ptr(), gmem, assumed_align=16),
+                make_ptr(cutlass.Float32, alpha.data_ptr(), gmem, assumed_align=4),
+                cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(b.shape[1] * 2),
+                cutlass.Int32(self.split_k), cutlass.Int32(sms), stream)
 
-        c = workspace if self.split_k > 1 else out.unsqueeze(0)
-        sms = self.schedule.arch.sm_count
-        if out.is_cuda:
-            sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-        alpha_t = from_dlpack(alpha.reshape(1), assumed_align=4)
-        return (dyn(a, 1, 16), dyn(a_scale.view(torch.uint8).reshape(-1), 0, 512),
-                dyn(b, 1, 16), dyn(b_scale.view(torch.uint8).reshape(-1), 0, 512),
-                dyn(c, 2, 8), alpha_t, cutlass.Int32(sms), stream)
+
+@functools.cache
+def _sm_count(device_index) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 __all__ = ["Sm120Gemm"]

@@ -41,7 +41,7 @@ import cutlass.pipeline as pipeline
 import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_tensor
+from cutlass.cute.runtime import make_ptr
 
 from cute_fp4.kernels.sm90_convert import convert_word, scale_word
 from cute_fp4.plan import plan
@@ -53,6 +53,8 @@ _WG = 128  # threads per warpgroup
 _SF_ATOM_BYTES = 512  # 128 rows x 4 scale columns
 _PRODUCER_REGS = 40
 _ALIGN = 1024
+_GMEM = cute.AddressSpace.gmem
+_I32 = cutlass.Int32
 
 
 class Sm90Gemm:
@@ -94,6 +96,9 @@ class Sm90Gemm:
         self.sfb_row_blocks = max(1, t.n // 128)
         self.plan_smem_bytes = pl.smem_bytes
         self.smem_bytes: int | None = None
+        # element types of the pointers pA, pSFA, pB, pSFB, pC (see runtime_args)
+        a_t = self.mma_dtype if self.w4a16 else cutlass.Uint8
+        self._ptr_types = (a_t, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, self.out_dtype)
 
     # ------------------------------------------------------------------ setup (traced)
     def _setup(self):
@@ -154,9 +159,48 @@ class Sm90Gemm:
 
     # ------------------------------------------------------------------ host launcher
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mSFA: cute.Tensor, mB: cute.Tensor,
-                 mSFB: cute.Tensor, mC: cute.Tensor, mAlpha: cute.Tensor,
-                 mWork: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
+                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
+                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """Entry point: raw global pointers and M, N, K (cheap to pass from the host; see
+        :meth:`runtime_args`). Builds the row-major global tensors and launches."""
+        self._launch(*self._global_tensors(pA, pSFA, pB, pSFB, pC, pAlpha, pWork, m, n, k),
+                     stream)
+
+    @cute.jit
+    def _global_tensors(self, pA, pSFA, pB, pSFB, pC, pAlpha, pWork, m, n, k):
+        """Compact row-major tensors over the pointers, with the divisibility the host
+        layer guarantees (N % 8, K % 32; 16-byte aligned bases, see ``cute_fp4.api``)."""
+        n = cute.assume(n, divby=8)
+        half_k = cute.assume(k // 2, divby=16)
+        ld_b = cute.assume(cutlass.Int64(half_k), divby=16)
+        if cutlass.const_expr(self.w4a16):
+            kk = cute.assume(k, divby=32)
+            mA = cute.make_tensor(pA, cute.make_layout(
+                (m, kk), stride=(cute.assume(cutlass.Int64(kk), divby=8), 1)))
+        else:
+            mA = cute.make_tensor(pA, cute.make_layout((m, half_k), stride=(ld_b, 1)))
+        mB = cute.make_tensor(pB, cute.make_layout((n, half_k), stride=(ld_b, 1)))
+        n_cb = (half_k + 31) // 32
+        sfa_len = cute.assume((m + 127) // 128 * n_cb * _SF_ATOM_BYTES, divby=_SF_ATOM_BYTES)
+        sfb_len = cute.assume((n + 127) // 128 * n_cb * _SF_ATOM_BYTES, divby=_SF_ATOM_BYTES)
+        mSFA = cute.make_tensor(pSFA, cute.make_layout((sfa_len,), stride=(1,)))
+        mSFB = cute.make_tensor(pSFB, cute.make_layout((sfb_len,), stride=(1,)))
+        ld_c = cute.assume(cutlass.Int64(n), divby=8)
+        mC = cute.make_tensor(pC, cute.make_layout((m, n), stride=(ld_c, 1)))
+        mAlpha = cute.make_tensor(pAlpha, cute.make_layout((1,), stride=(1,)))
+        if cutlass.const_expr(self.split_k > 1):
+            mWork = cute.make_tensor(pWork, cute.make_layout(
+                (self.split_k, m, n), stride=(cute.assume(ld_c * m, divby=8), ld_c, 1)))
+        else:
+            mWork = cute.make_tensor(pWork, cute.make_layout((1,), stride=(1,)))
+        return mA, mSFA, mB, mSFB, mC, mAlpha, mWork
+
+    @cute.jit
+    def _launch(self, mA: cute.Tensor, mSFA: cute.Tensor, mB: cute.Tensor,
+                mSFB: cute.Tensor, mC: cute.Tensor, mAlpha: cute.Tensor,
+                mWork: cute.Tensor, stream: cuda.CUstream):
         self._setup()
         tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
         m = mC.shape[0]
@@ -564,53 +608,44 @@ class Sm90Gemm:
 
     # ------------------------------------------------------------------ host-side arguments
     def fake_args(self) -> tuple:
-        """Symbolic M, N, K arguments for ``cute.compile`` (one compile serves all shapes)."""
+        """Placeholder pointers and sizes for ``cute.compile`` (one compile serves all
+        shapes: M, N, K are runtime Int32 arguments)."""
         from cutlass.cute.runtime import make_fake_stream
 
-        m = cute.sym_int32()
-        n = cute.sym_int32(divisibility=8)
-        half_k = cute.sym_int32(divisibility=16)
-        u8 = cutlass.Uint8
-        if self.w4a16:
-            k = cute.sym_int32(divisibility=32)
-            a = make_fake_tensor(self.mma_dtype, (m, k), (cute.sym_int64(divisibility=8), 1),
-                                 assumed_align=16)
-        else:
-            a = make_fake_tensor(u8, (m, half_k), (cute.sym_int64(divisibility=16), 1),
-                                 assumed_align=16)
-        b = make_fake_tensor(u8, (n, half_k), (cute.sym_int64(divisibility=16), 1),
-                             assumed_align=16)
-        sfa = make_fake_tensor(u8, (cute.sym_int32(divisibility=_SF_ATOM_BYTES),), (1,),
-                               assumed_align=16)
-        sfb = make_fake_tensor(u8, (cute.sym_int32(divisibility=_SF_ATOM_BYTES),), (1,),
-                               assumed_align=16)
-        out = make_fake_tensor(self.out_dtype, (m, n), (cute.sym_int64(divisibility=8), 1),
-                               assumed_align=16)
-        alpha = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-        if self.split_k > 1:
-            work = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), m, n),
-                                    (cute.sym_int64(divisibility=8),
-                                     cute.sym_int64(divisibility=8), 1), assumed_align=16)
-        else:
-            work = make_fake_tensor(cutlass.Float32, (1,), (1,), assumed_align=4)
-        return (a, sfa, b, sfb, out, alpha, work, make_fake_stream())
+        t = self._ptr_types
+        work_align = 16 if self.split_k > 1 else 4
+        return (*(make_ptr(d, 0, _GMEM, assumed_align=16) for d in t),
+                make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4),
+                make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=work_align),
+                cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), make_fake_stream())
 
     def runtime_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream) -> tuple:
-        """The same arguments from torch CUDA tensors (scales as flat float8_e4m3fn)."""
-        import torch
-        from cutlass.cute.runtime import from_dlpack
+        """The same arguments from torch tensors: their data pointers (the API layer has
+        checked shapes, contiguity and 16-byte alignment) and M, N, K. Reads only
+        ``data_ptr()`` and ``shape``; no DLPack."""
+        return _pointer_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream)
 
-        def dyn(t, div):
-            lead = t.dim() - 1
-            ct = from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=lead)
-            return ct.mark_compact_shape_dynamic(mode=lead, divisibility=div)
 
-        sfb = b_scale.view(torch.uint8).reshape(-1)
-        sfa = sfb if a_scale is None else a_scale.view(torch.uint8).reshape(-1)
-        alpha_t = from_dlpack(alpha.reshape(1), assumed_align=4)
-        work = dyn(workspace, 8) if self.split_k > 1 else alpha_t
-        return (dyn(a, 32 if self.w4a16 else 16), dyn(sfa, _SF_ATOM_BYTES), dyn(b, 16),
-                dyn(sfb, _SF_ATOM_BYTES), dyn(out, 8), alpha_t, work, stream)
+def _pointer_args(kernel, a, a_scale, b, b_scale, out, alpha, workspace, stream) -> tuple:
+    """``(pA, pSFA, pB, pSFB, pC, pAlpha, pWork, M, N, K, stream)`` for the pointer-taking
+    launchers (Sm90Gemm, Sm90SwapAB, Sm120Gemm). A W4A16 ``a`` has no scale: its scale
+    pointer is B's (unused by the kernel)."""
+    t = kernel._ptr_types
+    m, n = out.shape
+    k = b.shape[1] * 2
+    sfb = b_scale.data_ptr()
+    alpha_p = alpha.data_ptr()
+    return (make_ptr(t[0], a.data_ptr(), _GMEM, assumed_align=16),
+            make_ptr(t[1], sfb if a_scale is None else a_scale.data_ptr(), _GMEM,
+                     assumed_align=16),
+            make_ptr(t[2], b.data_ptr(), _GMEM, assumed_align=16),
+            make_ptr(t[3], sfb, _GMEM, assumed_align=16),
+            make_ptr(t[4], out.data_ptr(), _GMEM, assumed_align=16),
+            make_ptr(cutlass.Float32, alpha_p, _GMEM, assumed_align=4),
+            make_ptr(cutlass.Float32, workspace.data_ptr(), _GMEM, assumed_align=16)
+            if kernel.split_k > 1 else make_ptr(cutlass.Float32, alpha_p, _GMEM,
+                                                assumed_align=4),
+            _I32(m), _I32(n), _I32(k), stream)
 
 
 __all__ = ["Sm90Gemm"]

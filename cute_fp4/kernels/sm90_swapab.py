@@ -152,9 +152,9 @@ class Sm90SwapAB(Sm90Gemm):
 
     # ------------------------------------------------------------------ host launcher
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mSFA: cute.Tensor, mB: cute.Tensor,
-                 mSFB: cute.Tensor, mC: cute.Tensor, mAlpha: cute.Tensor,
-                 mWork: cute.Tensor, stream: cuda.CUstream):
+    def _launch(self, mA: cute.Tensor, mSFA: cute.Tensor, mB: cute.Tensor,
+                mSFB: cute.Tensor, mC: cute.Tensor, mAlpha: cute.Tensor,
+                mWork: cute.Tensor, stream: cuda.CUstream):
         self._setup()
         tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
         m = mC.shape[0]
