@@ -92,7 +92,10 @@ def cmd_compile(args) -> int:
             r["status"] = "ok" if r["ok"] else "REFUSED: " + r.get("reason", "")
         print(_table(rows, ["name", "target", "tile", "roles", "stages", "smem_bytes",
                             "registers", "spills", "compile_s", "mma", "status"]))
-    return 0 if all(r["ok"] or args.all for r in rows) else EXIT_REFUSED
+    # --all expects the catalogue's deliberate refusals; a compile failure never passes
+    expected = args.all
+    return 0 if all(r["ok"] or (expected and r.get("refused_by_plan")) for r in rows) \
+        else EXIT_REFUSED
 
 
 def cmd_validate(args) -> int:

@@ -86,7 +86,7 @@ def compile_report(schedule: Schedule, target: str | None = None,
            s.warps.roles.value, "stages": pl.stages, "smem_bytes": pl.smem_bytes,
            "smem_limit": pl.smem_limit, "ok": pl.ok}
     if not pl.ok:
-        row["reason"] = "; ".join(pl.reasons)
+        row.update(reason="; ".join(pl.reasons), refused_by_plan=True)
         return row
     with tempfile.TemporaryDirectory(prefix="cute_fp4_") as d:
         try:

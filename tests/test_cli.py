@@ -78,3 +78,17 @@ def test_help_on_every_subcommand():
         r = subprocess.run([sys.executable, "-m", "cute_fp4.cli", sub, "--help"],
                            capture_output=True, text=True)
         assert r.returncode == 0 and "usage: cute-fp4" in r.stdout
+
+
+def test_compile_all_fails_on_a_compile_error(capsys, monkeypatch):
+    import cute_fp4.compile as host
+    from cute_fp4.errors import CompileError
+
+    def broken(*a, **k):
+        raise CompileError("CuTe DSL failed on x: boom")
+
+    monkeypatch.setattr(host, "cross_compile", broken)
+    code, out, _ = run(capsys, "compile", "--all", "--target", "sm_121a", "--json")
+    rows = json.loads(out)
+    assert code == 1 and any("boom" in r.get("reason", "") for r in rows)
+    assert all(not r["ok"] for r in rows)
