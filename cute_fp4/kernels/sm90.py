@@ -265,28 +265,16 @@ class Sm90Gemm:
             cute.slice_(s_layout, (None, None, None, None, 0)),
             (16, 32, self.sf_cols_blocks, row_blocks))
 
-    # ------------------------------------------------------------------ kernel
-    @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, gA: cute.Tensor, tma_b: cute.CopyAtom,
-               gB: cute.Tensor, tma_sfa: cute.CopyAtom, gSFA: cute.Tensor,
-               tma_sfb: cute.CopyAtom, gSFB: cute.Tensor, tma_c: cute.CopyAtom,
-               gD: cute.Tensor, mAlpha: cute.Tensor, tiled_mma: cute.TiledMma,
-               sA_layout, sB_layout, sSFA_layout, sSFB_layout, sA16_layout, sB16_layout,
-               sC_layout, m: cutlass.Int32, n: cutlass.Int32, k_tiles: cutlass.Int32,
-               num_m: cutlass.Int32, num_n: cutlass.Int32, total: cutlass.Int32):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
+    @cute.jit
+    def _prologue(self, warp_idx, tma_atoms, sA_layout, sB_layout, sSFA_layout, sSFB_layout,
+                  consumer_warps: int):
+        """Shared by every SM90 kernel body: prefetch the TMA descriptors, allocate the
+        shared storage, create the TMA -> consumers mainloop pipeline (one transaction of
+        A, B and the scale atoms per stage) and arrive on its init barrier."""
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_sfb)
-            if cutlass.const_expr(not self.w4a16):
-                cpasync.prefetch_descriptor(tma_sfa)
-            if cutlass.const_expr(not self.direct_store):
-                cpasync.prefetch_descriptor(tma_c)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+            for atom in tma_atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         tx_bytes = (cute.size_in_bytes(self._a_type(), cute.slice_(sA_layout, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.Uint8, cute.slice_(sB_layout, (None, None, 0)))
                     + cute.size_in_bytes(cutlass.Uint8,
@@ -298,13 +286,32 @@ class Sm90Gemm:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_mma_wg * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        return storage, mainloop
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, gA: cute.Tensor, tma_b: cute.CopyAtom,
+               gB: cute.Tensor, tma_sfa: cute.CopyAtom, gSFA: cute.Tensor,
+               tma_sfb: cute.CopyAtom, gSFB: cute.Tensor, tma_c: cute.CopyAtom,
+               gD: cute.Tensor, mAlpha: cute.Tensor, tiled_mma: cute.TiledMma,
+               sA_layout, sB_layout, sSFA_layout, sSFB_layout, sA16_layout, sB16_layout,
+               sC_layout, m: cutlass.Int32, n: cutlass.Int32, k_tiles: cutlass.Int32,
+               num_m: cutlass.Int32, num_n: cutlass.Int32, total: cutlass.Int32):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        tma_atoms = [tma_a, tma_b, tma_sfb]
+        if cutlass.const_expr(not self.w4a16):
+            tma_atoms.append(tma_sfa)
+        if cutlass.const_expr(not self.direct_store):
+            tma_atoms.append(tma_c)
+        storage, mainloop = self._prologue(warp_idx, tma_atoms, sA_layout, sB_layout,
+                                           sSFA_layout, sSFB_layout, self.num_mma_wg * 4)
 
         if cutlass.const_expr(self.w4a16):
             sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)

@@ -205,32 +205,11 @@ class Sm90SwapAB(Sm90Gemm):
                     n: cutlass.Int32, k_tiles: cutlass.Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_sfb)
-            if cutlass.const_expr(not self.w4a16):
-                cpasync.prefetch_descriptor(tma_sfa)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        tx_bytes = (cute.size_in_bytes(self._a_type(), cute.slice_(sA_layout, (None, None, 0)))
-                    + cute.size_in_bytes(cutlass.Uint8, cute.slice_(sB_layout, (None, None, 0)))
-                    + cute.size_in_bytes(cutlass.Uint8,
-                                         cute.slice_(sSFB_layout, (None,) * 4 + (0,))))
+        tma_atoms = [tma_a, tma_b, tma_sfb]
         if cutlass.const_expr(not self.w4a16):
-            tx_bytes += cute.size_in_bytes(cutlass.Uint8,
-                                           cute.slice_(sSFA_layout, (None,) * 4 + (0,)))
-        mainloop = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            tma_atoms.append(tma_sfa)
+        storage, mainloop = self._prologue(warp_idx, tma_atoms, sA_layout, sB_layout,
+                                           sSFA_layout, sSFB_layout, 4)
 
         sA = storage.sA.get_tensor(sA_layout)
         sSFA = None
