@@ -209,18 +209,8 @@ class Sm90Gemm:
         k_tiles = (k_bytes * 2 + tk - 1) // tk
         n_cb = (k_bytes + 31) // 32  # 4-column scale blocks along K
 
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        a_tile_k = tk if self.w4a16 else tk // 2
-        tma_a, gA = cpasync.make_tiled_tma_atom(
-            g2s, mA, cute.slice_(self.sA_layout, (None, None, 0)), (tm, a_tile_k))
-        tma_b, gB = cpasync.make_tiled_tma_atom(
-            g2s, mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
-        tma_sfb, gSFB = self._make_sf_tma(mSFB, n, n_cb, self.sSFB_layout, self.sfb_row_blocks)
-        if cutlass.const_expr(self.w4a16):
-            tma_sfa, gSFA = tma_sfb, gSFB
-        else:
-            tma_sfa, gSFA = self._make_sf_tma(mSFA, m, n_cb, self.sSFA_layout,
-                                              self.sfa_row_blocks)
+        tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB = self._make_load_atoms(
+            mA, mSFA, mB, mSFB, m, n, n_cb)
 
         if cutlass.const_expr(self.split_k > 1):
             # workspace [split, M, N] seen as (M, N, split)
@@ -254,6 +244,24 @@ class Sm90Gemm:
             m, n, k_tiles, num_m, num_n, total,
         ).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
                  stream=stream)
+
+    def _make_load_atoms(self, mA, mSFA, mB, mSFB, m, n, n_cb):
+        """TMA load atoms (and the tensors they partition) of A, B and both scale tensors,
+        for the tile and stage layouts of ``_setup`` (shared by both SM90 kernels)."""
+        tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        a_tile_k = tk if self.w4a16 else tk // 2
+        tma_a, gA = cpasync.make_tiled_tma_atom(
+            g2s, mA, cute.slice_(self.sA_layout, (None, None, 0)), (tm, a_tile_k))
+        tma_b, gB = cpasync.make_tiled_tma_atom(
+            g2s, mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
+        tma_sfb, gSFB = self._make_sf_tma(mSFB, n, n_cb, self.sSFB_layout, self.sfb_row_blocks)
+        if cutlass.const_expr(self.w4a16):
+            tma_sfa, gSFA = tma_sfb, gSFB
+        else:
+            tma_sfa, gSFA = self._make_sf_tma(mSFA, m, n_cb, self.sSFA_layout,
+                                              self.sfa_row_blocks)
+        return tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB
 
     def _make_sf_tma(self, mSF, rows, n_cb, s_layout, row_blocks):
         """TMA over the blocked scale layout viewed as (16, 32, col block, row block)."""

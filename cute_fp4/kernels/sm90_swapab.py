@@ -163,18 +163,8 @@ class Sm90SwapAB(Sm90Gemm):
         k_tiles = (k_bytes * 2 + tk - 1) // tk
         n_cb = (k_bytes + 31) // 32
 
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        a_cols = tk if self.w4a16 else tk // 2
-        tma_a, gA = cpasync.make_tiled_tma_atom(
-            g2s, mA, cute.slice_(self.sA_layout, (None, None, 0)), (tm, a_cols))
-        tma_b, gB = cpasync.make_tiled_tma_atom(
-            g2s, mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
-        tma_sfb, gSFB = self._make_sf_tma(mSFB, n, n_cb, self.sSFB_layout, self.sfb_row_blocks)
-        if cutlass.const_expr(self.w4a16):
-            tma_sfa, gSFA = tma_sfb, gSFB
-        else:
-            tma_sfa, gSFA = self._make_sf_tma(mSFA, m, n_cb, self.sSFA_layout,
-                                              self.sfa_row_blocks)
+        tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB = self._make_load_atoms(
+            mA, mSFA, mB, mSFB, m, n, n_cb)
         # D^T views: (N, M, split)
         if cutlass.const_expr(self.split_k > 1):
             gD = cute.make_tensor(mWork.iterator, cute.make_layout(
