@@ -186,8 +186,9 @@ def run_bench(schedules, shapes=None, formats=("nvfp4",), validate=True, reps=20
     return rows
 
 
-def plot_roofline(rows: list[dict], path: str) -> None:
-    """Achieved TFLOP/s against arithmetic intensity, with the GPU's roofline."""
+def plot_roofline(rows: list[dict], path: str, device=None) -> None:
+    """Achieved TFLOP/s against arithmetic intensity, with the roofline of ``device``
+    (default: the present GPU)."""
     try:
         import matplotlib
 
@@ -199,7 +200,7 @@ def plot_roofline(rows: list[dict], path: str) -> None:
         raise CuteFp4Error("--plot needs matplotlib: pip install 'cute-fp4[plot]'") from None
     from cute_fp4.targets import require_device
 
-    dev = require_device()
+    dev = device or require_device()
     fig, ax = plt.subplots(figsize=(7, 5))
     for key in sorted({r["schedule"] for r in rows}):
         pts = [(2 * r["M"] * r["N"] * r["K"] / nbytes(
@@ -208,7 +209,9 @@ def plot_roofline(rows: list[dict], path: str) -> None:
         ax.scatter(*zip(*pts), label=key, s=14)
     xs = [2.0**i for i in range(-2, 14)]
     ax.plot(xs, [min(dev.target.peak_tflops, x * dev.mem_bw_gbs / 1e3) for x in xs], "k--",
-            label=f"roofline {dev.name}")
+            label=f"roofline {dev.name}: {dev.target.peak_tflops:.0f} TFLOP/s "
+                  f"({'BF16' if dev.target.family == 'sm90' else 'FP4'}), "
+                  f"{dev.mem_bw_gbs:.0f} GB/s")
     ax.set(xscale="log", yscale="log", xlabel="FLOP / byte", ylabel="TFLOP/s")
     ax.legend(fontsize=7)
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -95,3 +95,18 @@ def test_compile_all_fails_on_a_compile_error(capsys, monkeypatch):
     rows = json.loads(out)
     assert code == 1 and any("boom" in r.get("reason", "") for r in rows)
     assert all(not r["ok"] for r in rows)
+
+
+def test_roofline_plot_from_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cute_fp4.bench import plot_roofline
+    from cute_fp4.targets import TARGETS, Device
+
+    dev = Device(0, "H200 (stand-in)", (9, 0), 132, TARGETS["sm_90a"], 4800.0)
+    rows = [{"M": m, "N": 8192, "K": 8192, "schedule": s, "A": a, "TFLOP/s": t}
+            for m, s, a, t in [(1, "torch_bf16", "-", 3.6), (1, "sm90_decode_swapab", "nvfp4",
+                                                                 4.9), (4096, "sm90_default",
+                                                                        "nvfp4", 480.0)]]
+    out = tmp_path / "roof.png"
+    plot_roofline(rows, str(out), dev)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
