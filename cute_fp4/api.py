@@ -356,8 +356,10 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
 class NVFP4Linear(torch.nn.Module):
     """``y = x @ W^T (+ bias)`` with W stored as NVFP4 ``[out_features, in_features]``.
 
-    ``mode="w4a4"`` quantizes activations to NVFP4 on the fly (per-call global scale);
-    ``mode="w4a16"`` keeps them in bf16/fp16. The output has the activation's dtype.
+    ``mode="w4a4"`` quantizes activations to NVFP4 on the fly (per-call global scale; the
+    amax and the NaN/Inf check synchronise with the GPU once per call, and the quantization
+    is plain torch ops, not a fused kernel); ``mode="w4a16"`` keeps them in bf16/fp16 (no
+    sync). The output has the activation's dtype.
     """
 
     def __init__(self, weight: NVFP4Tensor, bias: torch.Tensor | None = None,
