@@ -60,18 +60,27 @@ def cross_compile(schedule: Schedule, problem: Problem | None = None,
 
     Raises ScheduleError (with the plan's reasons) before the DSL sees an invalid schedule.
     """
+    kernel = _make_kernel(schedule, problem or Problem())
+    t0 = time.perf_counter()
+    compiled = _dsl_compile(kernel, schedule, _options(schedule.target, dump_dir))
+    return compiled, kernel, time.perf_counter() - t0
+
+
+def _make_kernel(schedule: Schedule, problem: Problem):
+    """The kernel object for an accepted (schedule, problem); ScheduleError otherwise."""
+    plan(schedule, problem).raise_if_invalid()
+    return kernel_class(schedule)(schedule, problem)
+
+
+def _dsl_compile(kernel, schedule: Schedule, options: str | None = None):
+    """``cute.compile`` against the kernel's fake arguments, failures as CompileError."""
     import cutlass.cute as cute
 
-    problem = problem or Problem()
-    plan(schedule, problem).raise_if_invalid()
-    kernel = kernel_class(schedule)(schedule, problem)
-    t0 = time.perf_counter()
+    kwargs = {"options": options} if options else {}
     try:
-        compiled = cute.compile(kernel, *kernel.fake_args(),
-                                options=_options(schedule.target, dump_dir))
+        return cute.compile(kernel, *kernel.fake_args(), **kwargs)
     except Exception as e:  # the DSL raises many types; keep the message
         raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
-    return compiled, kernel, time.perf_counter() - t0
 
 
 def compile_report(schedule: Schedule, target: str | None = None,
@@ -203,19 +212,13 @@ def _build(schedule: Schedule, sig: Signature) -> CompiledGemm:
 
     from cute_fp4 import cache
 
-    problem = Problem(a_format=sig.a_format)
-    plan(schedule, problem).raise_if_invalid()
-    cls = kernel_class(schedule)
-    kernel = cls(schedule, problem)
-    key = cache.entry_key(cls.__name__, schedule.key(), repr(sig), schedule.target,
+    kernel = _make_kernel(schedule, Problem(a_format=sig.a_format))
+    key = cache.entry_key(type(kernel).__name__, schedule.key(), repr(sig), schedule.target,
                           cache.source_fingerprint())
     prefix = f"cute_fp4_{key}"
 
     def build():
-        try:
-            return cute.compile(kernel, *kernel.fake_args())
-        except Exception as e:  # the DSL raises many types; keep the message
-            raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
+        return _dsl_compile(kernel, schedule)
 
     def export(compiled, directory: Path) -> None:
         compiled.export_to_c(str(directory), "kernel", function_prefix=prefix)

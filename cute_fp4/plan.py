@@ -128,7 +128,7 @@ def stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
 
 def c_elem_bytes(schedule: Schedule) -> int:
     """Bytes per element of the C staging buffer: split-K stages FP32 partials."""
-    if schedule.split_k > 1 and schedule.arch.family in ("sm120", "sm90"):
+    if schedule.split_k > 1:
         return 4
     return schedule.epilogue.out_dtype.nbytes
 
