@@ -123,7 +123,7 @@ def out_dtype_of(schedule: Schedule) -> torch.dtype:
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials."""
     s: Schedule = kernel.schedule
-    out_dtype = _TORCH_OUT[s.epilogue.out_dtype]
+    out_dtype = out_dtype_of(s)
     m, n, k, a_format = check_operands(a, b, out, alpha, out_dtype)
     if a_format != kernel.signature.a_format:
         raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
@@ -336,7 +336,7 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
 
             s = catalogue.get(s)
         kern = compile(s, Signature(a_format))
-    out_dtype = _TORCH_OUT[kern.schedule.epilogue.out_dtype]
+    out_dtype = out_dtype_of(kern.schedule)
     results = []
     poison_ok = True
     for i, (m, n, k) in enumerate(shapes or DEFAULT_SHAPES):
