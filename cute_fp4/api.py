@@ -322,6 +322,17 @@ def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0
     return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt), b
 
 
+def poisoned_check(kernel, a, b: NVFP4Tensor) -> reference.CheckResult:
+    """Run ``kernel`` into an output filled with NaN (so an unwritten element fails) and
+    compare it with the exact reference."""
+    m, n = a.shape[0], b.shape[0]
+    out = torch.full((m, n), float("nan"), dtype=out_dtype_of(kernel.schedule),
+                     device=b.device)
+    run_compiled(kernel, a, b, out=out)
+    torch.cuda.synchronize()
+    return reference.check(out, a, b)
+
+
 def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int = 0,
              dist: str = "awkward") -> ValidationReport:
     """Run a schedule (or a CompiledGemm) on many shapes against the exact reference,
@@ -341,12 +352,10 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
     poison_ok = True
     for i, (m, n, k) in enumerate(shapes or DEFAULT_SHAPES):
         a, b = make_operands(m, n, k, a_format, seed + i, dist)
-        out = torch.full((m, n), float("nan"), dtype=out_dtype, device=b.device)
         if i == 0:
-            poison_ok = not reference.check(out, a, b).passed
-        run_compiled(kern, a, b, out=out)
-        torch.cuda.synchronize()
-        results.append(reference.check(out, a, b))
+            poison = torch.full((m, n), float("nan"), dtype=out_dtype, device=b.device)
+            poison_ok = not reference.check(poison, a, b).passed
+        results.append(poisoned_check(kern, a, b))
     return ValidationReport(kern.schedule.name or kern.schedule.label(), a_format, results,
                             poison_ok)
 
