@@ -26,11 +26,24 @@ def _key(device_name: str, m: int, n: int, k: int, a_format: str) -> str:
     return f"{device_name}|{a_format}|{m}x{n}x{k}"
 
 
+_STORE: dict = {}  # path -> (mtime_ns, parsed store): gemm("auto") must not parse per call
+
+
 def load_store() -> dict:
+    """The tuning store, parsed again only when the file changed (it is read on every
+    ``schedule="auto"`` call). Returns a copy; a missing or corrupt file reads as empty."""
+    path = store_path()
     try:
-        return json.loads(store_path().read_text())
-    except (OSError, ValueError):
+        mtime = path.stat().st_mtime_ns
+    except OSError:
         return {}
+    hit = _STORE.get(path)
+    if hit is None or hit[0] != mtime:
+        try:
+            hit = _STORE[path] = (mtime, json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return {}
+    return dict(hit[1])
 
 
 def save_entry(key: str, name: str) -> None:
