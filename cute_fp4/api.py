@@ -122,9 +122,15 @@ def out_dtype_of(schedule: Schedule) -> torch.dtype:
 
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials."""
+    dims = check_operands(a, b, out, alpha, out_dtype_of(kernel.schedule))
+    return _run_checked(kernel, a, b, out, alpha, dims)
+
+
+def _run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
+    """:func:`run_compiled` after :func:`check_operands` returned ``dims``."""
     s: Schedule = kernel.schedule
     out_dtype = out_dtype_of(s)
-    m, n, k, a_format = check_operands(a, b, out, alpha, out_dtype)
+    m, n, k, a_format = dims
     if a_format != kernel.signature.a_format:
         raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
                          f"got {a_format}")
@@ -204,10 +210,11 @@ def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
 def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
     from cute_fp4.compile import Signature, compile
 
-    m, n, k, a_format = check_operands(a, b, out, alpha, out_dtype)
+    dims = check_operands(a, b, out, alpha, out_dtype)
+    m, n, k, a_format = dims
     s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
     kern = compile(s, Signature(a_format))
-    result = run_compiled(kern, a, b, out=out, alpha=alpha)
+    result = _run_checked(kern, a, b, out, alpha, dims)  # checked once, above
     if check and not kern.validated:
         reference.assert_close(result, a, b, alpha)
         kern.validated = True
