@@ -44,7 +44,7 @@ def retarget(schedule: Schedule, target: str | Target | None) -> Schedule:
     if t.family != schedule.arch.family:
         raise InputError(f"schedule {schedule.name or schedule.label()} is for "
                          f"{schedule.target}; it cannot be compiled for {t.name}")
-    return schedule.replace(target=t.name)
+    return schedule if schedule.target == t.name else schedule.replace(target=t.name)
 
 
 def _options(target: str, dump_dir: str | None) -> str:
