@@ -2,26 +2,59 @@
 
 Each file defines ``SCHEDULE = Schedule(...)`` and opens with a docstring saying what it
 changes and why; the file name is the schedule's name. Extra directories can be added with
-the ``CUTE_FP4_SCHEDULES`` environment variable (``os.pathsep``-separated).
+the ``CUTE_FP4_SCHEDULES`` environment variable (``os.pathsep``-separated); a schedule of
+an extra directory replaces a built-in one of the same name.
+
+Where the built-in files live: in a source checkout (editable install or ``PYTHONPATH``)
+they are the top-level ``schedules/`` folder next to the package; a wheel or a non-editable
+install maps that folder into the package as ``cute_fp4/schedules`` (see pyproject.toml).
+
+A file that fails to load (a typo, a missing ``SCHEDULE``) is reported once, as a
+:class:`CatalogueWarning` naming its path, and left out; the rest of the catalogue works.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib.util
 import os
+import warnings
 from pathlib import Path
+from typing import NamedTuple
 
-from cute_fp4.errors import InputError
-from cute_fp4.schedule import Schedule
+from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.schedule import Problem, Schedule
 
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "schedules"
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class CatalogueWarning(UserWarning):
+    """A schedule file could not be loaded (the message names the file and the error)."""
+
+
+class LoadError(NamedTuple):
+    path: Path
+    error: str  # "ExceptionType: message"
+
+
+def builtin_dir(package_dir: Path = PACKAGE_DIR) -> Path | None:
+    """The built-in catalogue folder: ``<package>/schedules`` in an installed wheel, else
+    ``<package>/../schedules`` in a source checkout (recognised by its pyproject.toml, so
+    an unrelated ``site-packages/schedules`` is never taken); None when neither exists."""
+    installed, checkout = package_dir / "schedules", package_dir.parent / "schedules"
+    if installed.is_dir():
+        return installed
+    if checkout.is_dir() and (package_dir.parent / "pyproject.toml").is_file():
+        return checkout
+    return None
 
 
 def directories() -> list[Path]:
+    """The catalogue folders in load order (built-in first, then ``CUTE_FP4_SCHEDULES``)."""
     extra = [Path(p) for p in os.environ.get("CUTE_FP4_SCHEDULES", "").split(os.pathsep) if p]
-    return [d for d in [BUILTIN_DIR, *extra] if d.is_dir()]
+    return [d for d in [builtin_dir(), *extra] if d is not None and d.is_dir()]
 
 
 def _load_file(path: Path) -> Schedule:
@@ -35,30 +68,81 @@ def _load_file(path: Path) -> Schedule:
     return dataclasses.replace(sched, name=sched.name or path.stem, doc=sched.doc or doc)
 
 
+class _Loaded(NamedTuple):
+    table: dict[str, Schedule]
+    errors: tuple[LoadError, ...]
+
+
 @functools.cache
-def _load_all(dirs: tuple[Path, ...]) -> dict[str, Schedule]:
-    out: dict[str, Schedule] = {}
+def _load_all(dirs: tuple[Path, ...]) -> _Loaded:
+    table: dict[str, Schedule] = {}
+    errors: list[LoadError] = []
     for d in dirs:
         for path in sorted(d.glob("*.py")):
             if path.name.startswith("_"):
                 continue
-            s = _load_file(path)
-            out[s.name] = s
-    return out
+            try:
+                s = _load_file(path)
+            except Exception as e:  # any error in a user's file: report it, keep the rest
+                err = LoadError(path, f"{type(e).__name__}: {e}")
+                errors.append(err)
+                warnings.warn(f"schedule file {path} was skipped: {err.error}",
+                              CatalogueWarning, stacklevel=4)
+                continue
+            table[s.name] = s
+    return _Loaded(table, tuple(errors))
+
+
+def _loaded() -> _Loaded:
+    return _load_all(tuple(directories()))
+
+
+def load_errors() -> tuple[LoadError, ...]:
+    """The schedule files that failed to load (each was warned about once)."""
+    return _loaded().errors
 
 
 def all_schedules(family: str | None = None) -> list[Schedule]:
     """Every catalogue schedule (optionally of one family: ``"sm120"`` or ``"sm90"``)."""
-    scheds = _load_all(tuple(directories())).values()
+    scheds = _loaded().table.values()
     return [s for s in scheds if family is None or s.arch.family == family]
 
 
 def get(name: str) -> Schedule:
-    table = _load_all(tuple(directories()))
-    if name not in table:
-        raise InputError(f"no schedule named {name!r}; known: {', '.join(sorted(table))}")
-    return table[name]
+    """The catalogue schedule ``name``; an unknown name is an InputError suggesting the
+    closest names (or saying that its file failed to load, and why)."""
+    loaded = _loaded()
+    if name in loaded.table:
+        return loaded.table[name]
+    broken = [e for e in loaded.errors if e.path.stem == name]
+    if broken:
+        raise InputError(f"schedule {name!r} did not load: {broken[0].path}: "
+                         f"{broken[0].error}")
+    known = sorted(loaded.table)
+    if not known:
+        raise InputError(f"no schedule named {name!r}: the catalogue is empty (no schedule "
+                         "files found; is the package installed with its schedules/?)")
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if close:
+        quoted = [repr(c) for c in close]
+        alts = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        raise InputError(f"no schedule named {name!r}; did you mean {alts}? "
+                         f"({len(known)} schedules: catalogue.names() lists them)")
+    raise InputError(f"no schedule named {name!r}; known: {', '.join(known)}")
 
 
 def names() -> list[str]:
-    return sorted(_load_all(tuple(directories())))
+    return sorted(_loaded().table)
+
+
+def resolve(schedule: Schedule | str,
+            problem: Problem | tuple | None = None) -> tuple[Schedule, Problem | None]:
+    """What ``plan()`` and ``compile_report()`` accept, as a Schedule and a Problem:
+    a schedule or a catalogue name; a Problem, ``None`` or an ``(m, n, k[, a_format])``
+    tuple."""
+    if isinstance(schedule, str):
+        schedule = get(schedule)
+    elif not isinstance(schedule, Schedule):
+        raise InputTypeError(f"a schedule must be a Schedule or a catalogue name, got "
+                             f"{type(schedule).__name__}")
+    return schedule, Problem.of(problem)

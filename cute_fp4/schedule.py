@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from cute_fp4.errors import InputError
+from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.targets import Target, get_target
 
 
@@ -48,19 +48,55 @@ class OutDtype(enum.Enum):
         return 4 if self is OutDtype.FP32 else 2
 
     @classmethod
-    def of(cls, x: object) -> OutDtype:
-        """Accept an OutDtype, its value string, or a torch dtype."""
+    def of(cls, x: object, field: str = "out_dtype") -> OutDtype:
+        """Accept an OutDtype, its value string (``"fp16"``), a torch dtype name
+        (``"float16"``) or a torch dtype; anything else is an InputError naming ``field``."""
         if isinstance(x, cls):
             return x
-        names = {"torch.bfloat16": cls.BF16, "torch.float16": cls.FP16,
-                 "torch.float32": cls.FP32}
-        if str(x) in names:
-            return names[str(x)]
+        alias = {"bfloat16": cls.BF16, "float16": cls.FP16, "half": cls.FP16,
+                 "float32": cls.FP32, "float": cls.FP32}
+        text = str(x).removeprefix("torch.").lower()
+        if text in alias:
+            return alias[text]
         try:
-            return cls(str(x))
-        except ValueError:
-            raise InputError(f"unsupported output dtype {x!r}: use bfloat16, float16 "
-                             "or float32") from None
+            return as_enum(cls, x, field)
+        except InputError:
+            allowed = ", ".join(repr(m.value) for m in cls)
+            raise InputError(f"unsupported output dtype {x!r} for {field}: use one of "
+                             f"{allowed}, a torch dtype or its name (float16, ...)") from None
+
+
+def as_enum(cls: type[enum.Enum], value: object, field: str) -> enum.Enum:
+    """``value`` as a member of ``cls``: a member, its value string (``"pingpong"``) or its
+    name in any case (``"PINGPONG"``). Otherwise an InputError naming the field, the bad
+    value and the allowed values."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if value.lower() in (str(member.value).lower(), member.name.lower()):
+                return member
+    allowed = ", ".join(repr(m.value) for m in cls)
+    raise InputError(f"{field} = {value!r} is not allowed: use one of {allowed} "
+                     f"(or {cls.__name__}.<NAME>)")
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    """Normalise a field of a frozen dataclass in ``__post_init__``."""
+    object.__setattr__(obj, name, value)
+
+
+def _pair(name: str, v: object) -> tuple[int, int]:
+    if not isinstance(v, (tuple, list)) or len(v) != 2:
+        raise InputError(f"{name} must be a pair of positive ints, got {v!r}")
+    for x in v:
+        _positive(f"{name} entry", x)
+    return tuple(v)
+
+
+def _bool(name: str, v: object) -> None:
+    if not isinstance(v, bool):
+        raise InputError(f"{name} must be True or False, got {v!r}")
 
 
 def _positive(name: str, v: int) -> None:
@@ -99,10 +135,8 @@ class Warps:
     mma: tuple[int, int] = (4, 2)
 
     def __post_init__(self) -> None:
-        if len(self.mma) != 2:
-            raise InputError(f"Warps.mma must be (along M, along N), got {self.mma!r}")
-        for v in self.mma:
-            _positive("Warps.mma entry", v)
+        _set(self, "roles", as_enum(WarpRoles, self.roles, "Warps.roles"))
+        _set(self, "mma", _pair("Warps.mma (along M, along N)", self.mma))
 
     @property
     def groups(self) -> int:
@@ -118,6 +152,8 @@ class Scheduler:
     group_size: int = 8  # tiles along the raster direction before moving on (L2 reuse)
 
     def __post_init__(self) -> None:
+        _bool("Scheduler.persistent", self.persistent)
+        _set(self, "raster", as_enum(Raster, self.raster, "Scheduler.raster"))
         _positive("Scheduler.group_size", self.group_size)
 
 
@@ -129,11 +165,9 @@ class Epilogue:
     tile: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        _set(self, "out_dtype", OutDtype.of(self.out_dtype, "Epilogue.out_dtype"))
         if self.tile is not None:
-            if len(self.tile) != 2:
-                raise InputError(f"Epilogue.tile must be (m, n), got {self.tile!r}")
-            for v in self.tile:
-                _positive("Epilogue.tile entry", v)
+            _set(self, "tile", _pair("Epilogue.tile (m, n)", self.tile))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +200,10 @@ class Schedule:
         if self.stages is not None:
             _positive("Schedule.stages", self.stages)
         _positive("Schedule.split_k", self.split_k)
-        if not isinstance(self.swap_ab, bool):
-            raise InputError(f"Schedule.swap_ab must be a bool, got {self.swap_ab!r}")
+        _bool("Schedule.swap_ab", self.swap_ab)
+        _set(self, "sf_load", as_enum(SFLoad, self.sf_load, "Schedule.sf_load"))
         for f, typ in (("tile", Tile), ("warps", Warps), ("scheduler", Scheduler),
-                       ("epilogue", Epilogue), ("sf_load", SFLoad)):
+                       ("epilogue", Epilogue)):
             if not isinstance(getattr(self, f), typ):
                 raise InputError(f"Schedule.{f} must be a {typ.__name__}, "
                                  f"got {type(getattr(self, f)).__name__}")
@@ -179,27 +213,34 @@ class Schedule:
         return get_target(self.target)
 
     def replace(self, **changes: object) -> Schedule:
-        """``dataclasses.replace`` that also takes component fields by their own names:
-        ``roles``, ``raster``, ``persistent``, ``group_size``, ``out_dtype``, ``epi_tile``."""
-        nested = {
-            "roles": ("warps", "roles"), "mma": ("warps", "mma"),
-            "raster": ("scheduler", "raster"), "persistent": ("scheduler", "persistent"),
-            "group_size": ("scheduler", "group_size"),
-            "out_dtype": ("epilogue", "out_dtype"), "epi_tile": ("epilogue", "tile"),
-        }
+        """``dataclasses.replace`` that also takes component fields by their own names
+        (``roles``, ``mma``, ``raster``, ``persistent``, ``group_size``, ``out_dtype``,
+        ``epi_tile``), a tuple for ``tile`` and value strings for enums (``roles="pingpong"``).
+
+        The result is named after what changed, so a derived schedule never passes for its
+        catalogue original: ``sm120_default+epi_tile=64x32``. A change of ``target`` (to
+        another member of the family) keeps the name; ``name=`` sets one explicitly.
+        """
+        unknown = sorted(set(changes) - set(_NESTED) - {f.name for f in
+                                                        dataclasses.fields(self)})
+        if unknown:
+            allowed = sorted({f.name for f in dataclasses.fields(self)} | set(_NESTED))
+            raise InputError(f"Schedule.replace got unknown field(s) {', '.join(unknown)}; "
+                             f"fields are {', '.join(allowed)}")
         top: dict[str, object] = {}
         for key, value in changes.items():
-            if key in nested:
-                comp, field = nested[key]
+            if key in _NESTED:
+                comp, field = _NESTED[key]
                 base = top.get(comp, getattr(self, comp))
-                if field == "out_dtype":
-                    value = OutDtype.of(value)
                 top[comp] = dataclasses.replace(base, **{field: value})
             else:
                 top[key] = value
         if isinstance(top.get("tile"), tuple):
             top["tile"] = Tile(*top["tile"])
-        return dataclasses.replace(self, **top)
+        new = dataclasses.replace(self, **top)
+        if "name" not in changes and self.name:
+            new = dataclasses.replace(new, name=_derived_name(self, new))
+        return new
 
     def label(self) -> str:
         """A short human description, e.g. ``sm_120a 128x128x128 cooperative s=auto``."""
@@ -223,6 +264,45 @@ class Schedule:
         if not d["swap_ab"]:
             d.pop("swap_ab")  # keys of existing schedules (and their caches) are unchanged
         return repr(_plain(d))
+
+
+# replace() keywords that name a field of a component: keyword -> (component, field)
+_NESTED = {
+    "roles": ("warps", "roles"), "mma": ("warps", "mma"),
+    "raster": ("scheduler", "raster"), "persistent": ("scheduler", "persistent"),
+    "group_size": ("scheduler", "group_size"),
+    "out_dtype": ("epilogue", "out_dtype"), "epi_tile": ("epilogue", "tile"),
+}
+
+
+def _leaves(s: Schedule) -> dict[str, object]:
+    """The fields that make up a schedule, by the short names ``replace`` takes."""
+    out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+           if f.name not in ("name", "doc", "target", "warps", "scheduler", "epilogue")}
+    out.update({k: getattr(getattr(s, comp), field) for k, (comp, field) in _NESTED.items()})
+    return out
+
+
+def _text(key: str, v: object) -> str:
+    if isinstance(v, enum.Enum):
+        return str(v.value)
+    if isinstance(v, tuple):
+        return "x".join(map(str, v))
+    if v is None:
+        return "auto" if key == "stages" else "none"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _derived_name(old: Schedule, new: Schedule) -> str:
+    """``old.name`` plus ``+field=value`` for each field that changed; a field changed again
+    replaces its earlier entry (``a+stages=3`` -> ``a+stages=4``)."""
+    base, *parts = old.name.split("+")
+    changed = dict(p.split("=", 1) for p in parts if "=" in p)
+    a, b = _leaves(old), _leaves(new)
+    for key in b:
+        if a[key] != b[key]:
+            changed[key] = _text(key, b[key])
+    return "+".join([base, *(f"{k}={v}" for k, v in changed.items())])
 
 
 def _plain(x: object) -> object:
@@ -260,3 +340,14 @@ class Problem:
     @property
     def w4a16(self) -> bool:
         return self.a_format != "nvfp4"
+
+    @classmethod
+    def of(cls, x: object) -> Problem | None:
+        """Accept a Problem, ``None`` (any problem), an ``(m, n, k)`` tuple or an
+        ``(m, n, k, a_format)`` tuple."""
+        if x is None or isinstance(x, cls):
+            return x
+        if isinstance(x, (tuple, list)) and len(x) in (3, 4):
+            return cls(*x)
+        raise InputTypeError(f"a problem must be a Problem or an (m, n, k) tuple, "
+                             f"got {type(x).__name__} {x!r}")
