@@ -83,11 +83,15 @@ def _dsl_compile(kernel, schedule: Schedule, options: str | None = None):
         raise CompileError(f"CuTe DSL failed on {schedule.label()}: {e}") from e
 
 
-def compile_report(schedule: Schedule, target: str | None = None,
-                   problem: Problem | None = None) -> dict:
-    """Compile-only report for a schedule (JSON-ready). A schedule that cannot be
-    implemented gives ``ok: False`` and a ``reason`` with the byte counts."""
+def compile_report(schedule: Schedule | str, target: str | None = None,
+                   problem: Problem | tuple | None = None) -> dict:
+    """Compile-only report for a schedule or catalogue name (JSON-ready); ``problem`` may be
+    an ``(m, n, k)`` tuple. A schedule that cannot be implemented gives ``ok: False`` and a
+    ``reason`` with the byte counts."""
+    from cute_fp4.catalogue import resolve
     from cute_fp4.inspect import inspect_cubin
+
+    schedule, problem = resolve(schedule, problem)
 
     s = retarget(schedule, target)
     pl: Plan = plan(s, problem)

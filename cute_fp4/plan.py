@@ -323,12 +323,16 @@ def _smem_reasons(s: Schedule, p: Problem, stages: int, fit: int) -> list[str]:
             f"{limit:,} B: " + " or ".join(hints)]
 
 
-def plan(schedule: Schedule, problem: Problem | None = None) -> Plan:
+def plan(schedule: Schedule | str, problem: Problem | tuple | None = None) -> Plan:
     """Check ``schedule`` (and ``problem`` when given) and account for shared memory.
 
+    ``schedule`` may be a catalogue name and ``problem`` an ``(m, n, k)`` tuple.
     The shared-memory check runs even when another check fails, so a refusal always
     carries the byte counts when memory is also a problem.
     """
+    from cute_fp4.catalogue import resolve
+
+    schedule, problem = resolve(schedule, problem)
     p = problem or Problem()
     s = schedule
     fit = max_stages(s, p)
