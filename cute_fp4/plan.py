@@ -1,11 +1,18 @@
 """Planning: can a schedule be implemented, and exactly how is shared memory spent?
 
-``plan(schedule, problem=None)`` runs a list of small named checks and returns a
-:class:`Plan` with the shared-memory breakdown (bytes, per region), the stage counts and,
-when the schedule cannot be implemented, the reasons with numbers. It is a pure function
-(no DSL, no GPU): the API, the CLI, the tuner and the tests all call it, and the kernels
-allocate shared memory with the very same region list (``smem_regions``), so the plan's
-total is the kernel's dynamic shared memory, byte for byte (CI checks this).
+``plan(schedule, problem=None)`` runs small named checks and returns a :class:`Plan` with
+the shared-memory breakdown (bytes, per region), the stage counts, the CTA's threads and
+setmaxnreg register split and, when the schedule cannot be implemented, the reasons with
+numbers. It is a pure function (no DSL, no GPU): the API, the CLI, the tuner and the tests
+all call it, and the kernels allocate shared memory with the very same region list
+(``smem_regions``), so the plan's total is the kernel's dynamic shared memory, byte for
+byte (CI checks this).
+
+This module is the driver: the rules live in one module per kernel family
+(``cute_fp4/planning/sm120.py``, ``sm90.py``, over ``common.py``), chosen by the target's
+``family``; a family without rules is refused, never planned by another's. The driver
+searches the stage count, runs the family's checks and then the shared ones, and words the
+shared-memory refusal.
 
 Shared-memory model (both families): regions are laid out in order, each starting on a
 1,024-byte boundary (TMA with 128-byte swizzles needs 1,024-byte aligned buffers):
@@ -19,29 +26,29 @@ from __future__ import annotations
 import dataclasses
 
 from cute_fp4.errors import ScheduleError
+from cute_fp4.planning import sm90 as _sm90
+from cute_fp4.planning import sm120 as _sm120
+from cute_fp4.planning.common import (
+    ALIGN,
+    COMMON_CHECKS,
+    MAX_EPI_STAGES,
+    SF_ATOM_ROWS,
+    SF_VEC,
+    FamilyRules,
+    Region,
+    RegisterSplit,
+    c_elem_bytes,
+    epi_stages,
+    epilogue_tile,
+    register_split,
+)
+from cute_fp4.planning.common import align as _align
 from cute_fp4.schedule import Problem, Schedule, WarpRoles
-from cute_fp4.targets import Target
+from cute_fp4.targets import Family, Target
 
-ALIGN = 1024  # every region starts on this boundary
-SF_VEC = 16  # elements per NVFP4 scale factor
-SF_ATOM_ROWS = 128  # scale factors are stored in 128-row x 4-column atoms
-MAX_EPI_STAGES = 4
-SM90_CONVERT_STAGES = 2  # BF16 conversion buffers (double-buffered)
-
-
-def _align(x: int, a: int = ALIGN) -> int:
-    return -(-x // a) * a
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    name: str
-    bytes: int  # bytes used
-    note: str = ""
+# family -> its planning rules; the driver never branches on the family otherwise
+FAMILY_RULES: dict[Family, FamilyRules] = {Family.SM120: _sm120.RULES,
+                                           Family.SM90: _sm90.RULES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,8 @@ class Plan:
     regions: tuple[Region, ...]
     reasons: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    threads: int = 0  # threads per CTA the kernel launches (0: no rules for the family)
+    registers: RegisterSplit | None = None  # setmaxnreg split, None when the kernel has none
 
     @property
     def ok(self) -> bool:
@@ -92,88 +101,45 @@ class Plan:
             lines.append(f"  {r.name:<9}{r.bytes:>9,} B{extra}  {r.note}")
         lines.append(f"total     {self.smem_bytes:,} B of {self.smem_limit:,} B "
                      f"({self.target.name})")
+        if self.threads:
+            regs = self.registers
+            split = (f", setmaxnreg {regs.entry} -> producer {regs.producer}, MMA {regs.mma} "
+                     "registers per thread" if regs else "")
+            lines.append(f"threads   {self.threads} per CTA{split}")
         lines += [f"warning   {w}" for w in self.warnings]
         lines += [f"REFUSED   {r}" for r in self.reasons]
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- dispatch
+
+def family_rules(target: Target) -> FamilyRules | None:
+    """The planning rules of ``target``'s family, None when it has none."""
+    return FAMILY_RULES.get(target.family)
+
+
+def _rules(schedule: Schedule) -> FamilyRules:
+    rules = family_rules(schedule.arch)
+    if rules is None:
+        raise ScheduleError(_no_rules_reason(schedule.arch))
+    return rules
+
+
+def _no_rules_reason(t: Target) -> str:
+    return (f"{t.name} (compute capability {t.cc[0]}.{t.cc[1]}, family {t.family}) has no "
+            f"planning rules; planned families: {', '.join(map(str, FAMILY_RULES))}")
+
+
 # ----------------------------------------------------------------------------- accounting
 
-def epilogue_tile(schedule: Schedule) -> tuple[int, int]:
-    t = schedule.tile
-    return schedule.epilogue.tile or (t.m, t.n)
-
-
 def stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
-    """Bytes one mainloop stage holds in shared memory, per operand."""
-    t = schedule.tile
-    sf_cols = t.k // SF_VEC
-    out = {}
-    if problem.w4a16:
-        out["A"] = t.m * t.k * 2
-    else:
-        out["A"] = t.m * t.k // 2
-    out["B"] = t.n * t.k // 2
-    if schedule.arch.family == "sm120":
-        # The SM120 scale-factor smem layout is built from 128-row atoms.
-        out["SFA"] = _align(t.m, SF_ATOM_ROWS) * sf_cols
-        out["SFB"] = _align(t.n, SF_ATOM_ROWS) * sf_cols
-    else:
-        # SM90 TMA-loads whole 512-byte scale atoms (128 rows x 4 columns), also for
-        # 64-row tiles (which then use half of the atom).
-        out["SFA"] = 0 if problem.w4a16 else _align(t.m, SF_ATOM_ROWS) * sf_cols
-        out["SFB"] = _align(t.n, SF_ATOM_ROWS) * sf_cols
-    return out
-
-
-def c_elem_bytes(schedule: Schedule) -> int:
-    """Bytes per element of the C staging buffer: split-K stages FP32 partials."""
-    if schedule.split_k > 1:
-        return 4
-    return schedule.epilogue.out_dtype.nbytes
+    """Bytes one mainloop stage holds in shared memory, per operand (A, B, SFA, SFB)."""
+    return _rules(schedule).stage_bytes(schedule, problem)
 
 
 def smem_regions(schedule: Schedule, problem: Problem, stages: int) -> tuple[Region, ...]:
     """The shared-memory regions of a kernel with ``stages`` mainloop stages, in order."""
-    t = schedule.tile
-    per = stage_bytes(schedule, problem)
-    em, en = epilogue_tile(schedule)
-    epi_stages = _epi_stages(schedule)
-    if schedule.arch.family == "sm90":
-        # full/empty mbarrier per stage; conversion buffers and the epilogue use named barriers
-        n_barriers = 2 * stages
-    else:
-        n_barriers = 2 * stages + 2 * schedule.warps.groups
-    regions = [Region("barriers", 8 * n_barriers, f"{n_barriers} mbarriers")]
-    for op in ("A", "B", "SFA", "SFB"):
-        if per[op]:
-            regions.append(Region(op, per[op] * stages, f"{stages} x {per[op]:,} B"))
-    if schedule.arch.family == "sm90" and schedule.swap_ab:
-        # swap-AB: the weight is converted in registers; the activation (WGMMA's B) gets
-        # two 16-bit buffers per consumer warpgroup; results are stored from registers
-        bufs = SM90_CONVERT_STAGES * schedule.warps.mma[1]
-        regions.append(Region("A16", bufs * t.m * t.k * 2, f"{bufs} x 16-bit {t.m}x{t.k}"))
-        regions.append(Region("C", 0, "none: D^T stored from registers"))
-        return tuple(regions)
-    if schedule.arch.family == "sm90":
-        conv = SM90_CONVERT_STAGES
-        if not problem.w4a16:
-            regions.append(Region("A16", conv * t.m * t.k * 2, f"{conv} x BF16 {t.m}x{t.k}"))
-        regions.append(Region("B16", conv * t.n * t.k * 2, f"{conv} x BF16 {t.n}x{t.k}"))
-    ob = c_elem_bytes(schedule)
-    if schedule.arch.family == "sm90" and ob == 4:
-        # SM90 stores 32-bit results (FP32 output, split-K partials) from registers
-        regions.append(Region("C", 0, "none: 32-bit results stored from registers"))
-    else:
-        regions.append(Region("C", epi_stages * em * en * ob,
-                              f"{epi_stages} x {em}x{en}x{ob} B"))
-    return tuple(regions)
-
-
-def _epi_stages(schedule: Schedule) -> int:
-    t = schedule.tile
-    em, en = epilogue_tile(schedule)
-    return max(1, min(MAX_EPI_STAGES, (t.m // em) * (t.n // en)))
+    return _rules(schedule).regions(schedule, problem, stages)
 
 
 def max_stages(schedule: Schedule, problem: Problem) -> int:
@@ -183,123 +149,6 @@ def max_stages(schedule: Schedule, problem: Problem) -> int:
     while s < 32 and sum(_align(r.bytes) for r in smem_regions(schedule, problem, s + 1)) <= limit:
         s += 1
     return s
-
-
-# ----------------------------------------------------------------------------- checks
-# Each check takes (schedule, problem) and returns a list of reasons (empty when fine).
-
-def _check_tile(s: Schedule, p: Problem) -> list[str]:
-    t, (wm, wn) = s.tile, s.warps.mma
-    out = []
-    if s.swap_ab:
-        if s.arch.family != "sm90":
-            return [f"swap_ab is implemented for sm_90a only, not {s.target}"]
-        if t.n != 64 or t.k != 256 or t.m not in (8, 16, 32, 64):
-            out.append(f"swap_ab tile {t} must be Mx64x256 with M (activation rows, "
-                       "WGMMA's N) 8, 16, 32 or 64")
-        if wm != 1 or not 1 <= wn <= 4:
-            out.append(f"swap_ab takes Warps.mma = (1, W) with W in 1..4 consumer "
-                       f"warpgroups splitting K, got {s.warps.mma}")
-        return out
-    if s.arch.family == "sm120":
-        if t.m % (16 * wm):
-            out.append(f"tile M {t.m} is not a multiple of 16 x {wm} MMA warps along M")
-        if t.n % (8 * wn):
-            out.append(f"tile N {t.n} is not a multiple of 8 x {wn} MMA warps along N")
-        if t.k % 64 or t.k > 256:
-            out.append(f"tile K {t.k} must be 64, 128, 192 or 256 (the MMA consumes K=64)")
-        if SF_ATOM_ROWS % t.m or SF_ATOM_ROWS % t.n:
-            out.append(f"tile {t.m}x{t.n}: M and N must be 32, 64 or 128 on SM120 (a tile "
-                       "must not straddle two 128-row scale atoms)")
-        if wn not in (2, 4):
-            out.append(f"SM120 needs 2 or 4 MMA warps along N (the accumulator's column "
-                       f"permutation), got {wn}")
-        if t.m > 128 or t.n > 128:
-            out.append(f"tile {t.m}x{t.n} exceeds 128x128: the accumulators of one CTA "
-                       "would need more than 255 registers per thread on SM120")
-    else:
-        if t.m % (64 * wm):
-            out.append(f"tile M {t.m} is not a multiple of 64 x {wm} warpgroups along M")
-        if t.n % (8 * wn) or t.n // wn > 256:
-            out.append(f"tile N {t.n} must be a multiple of 8 x {wn} with at most 256 "
-                       "per warpgroup")
-        for dim, v in (("M", t.m), ("N", t.n)):
-            if v != 64 and v % SF_ATOM_ROWS:
-                out.append(f"tile {dim} {v} must be 64 or a multiple of 128 (scale-factor "
-                           "atoms cover 128 rows)")
-        if t.k % 64 or t.k > 256:
-            out.append(f"tile K {t.k} must be 64, 128, 192 or 256 (whole 4-column "
-                       "scale-factor atoms)")
-        threads, chunks = 128 * wm * wn, t.k // SF_VEC
-        a_split = p.w4a16 or (t.m * chunks) % threads == 0  # W4A16 converts only B
-        if not out and (threads % chunks or not a_split or (t.n * chunks) % threads):
-            out.append(f"the {threads} converting threads do not split a {t.m}x{t.k} / "
-                       f"{t.n}x{t.k} tile into whole passes of 16-element chunks")
-    return out
-
-
-def _check_warps(s: Schedule, p: Problem) -> list[str]:
-    wm, wn = s.warps.mma
-    per_group = wm * wn * (4 if s.arch.family == "sm90" else 1)
-    threads = (per_group * s.warps.groups + (4 if s.arch.family == "sm90" else 1)) * 32
-    if threads > 1024:
-        return [f"{threads} threads per CTA exceed 1,024"]
-    return []
-
-
-def _check_epilogue(s: Schedule, p: Problem) -> list[str]:
-    if s.swap_ab:
-        return []  # D^T is stored from registers; no epilogue tile
-    em, en = epilogue_tile(s)
-    t = s.tile
-    if t.m % em or t.n % en:
-        return [f"epilogue tile {em}x{en} does not divide the CTA tile {t.m}x{t.n}"]
-    if s.arch.family == "sm120":
-        wm, wn = s.warps.mma
-        rows, cols = 16 * wm, max(32, 8 * wn)
-        if em % rows or en % cols:
-            return [f"epilogue tile {em}x{en} must be whole MMA sub-tiles on SM120 with "
-                    f"{wm}x{wn} MMA warps: M a multiple of {rows}, N a multiple of {cols}"]
-    if s.arch.family == "sm90" and c_elem_bytes(s) == 2:
-        wm, wn = s.warps.mma
-        if em % (64 * wm) or (wn > 1 and en != t.n):
-            return [f"epilogue tile {em}x{en} does not fit {wm}x{wn} warpgroups on sm_90a: "
-                    f"its M must be a multiple of {64 * wm}"
-                    + (f" and its N the whole tile N {t.n}" if wn > 1 else "")]
-    if en * c_elem_bytes(s) < 16:
-        return [f"epilogue tile N {en} stores rows of under 16 bytes; TMA needs >= 16"]
-    return []
-
-
-def _check_features(s: Schedule, p: Problem) -> list[str]:
-    out = []
-    fam = s.arch.family
-    if fam == "sm120" and p.w4a16:
-        out.append("W4A16 (16-bit A) is not implemented for SM120: quantize A to NVFP4 "
-                   "(W4A4) or use an sm_90a schedule")
-    if fam == "sm90" and s.warps.roles is WarpRoles.PINGPONG:
-        out.append("pingpong warp roles are not implemented for sm_90a: use cooperative")
-    if s.split_k > 16:
-        out.append(f"split_k {s.split_k} exceeds 16")
-    return out
-
-
-def _check_problem(s: Schedule, p: Problem) -> list[str]:
-    out = []
-    if p.k and p.k % 32:
-        out.append(f"K = {p.k} is not a multiple of 32: packed FP4 rows must be a multiple of "
-                   "16 bytes for TMA")
-    if p.k and s.split_k > 1:
-        k_tiles = _ceil_div(p.k, s.tile.k)
-        if s.split_k > k_tiles:
-            out.append(f"split_k {s.split_k} exceeds the {k_tiles} K tiles of "
-                       f"K = {p.k} with tile K {s.tile.k}")
-    if p.n and p.n % 8:
-        out.append(f"N = {p.n} is not a multiple of 8: output rows must be 16-byte aligned")
-    return out
-
-
-CHECKS = (_check_tile, _check_warps, _check_epilogue, _check_features, _check_problem)
 
 
 def _smem_reasons(s: Schedule, p: Problem, stages: int, fit: int) -> list[str]:
@@ -323,6 +172,21 @@ def _smem_reasons(s: Schedule, p: Problem, stages: int, fit: int) -> list[str]:
             f"{limit:,} B: " + " or ".join(hints)]
 
 
+def _single_stage_warnings(s: Schedule, fit: int) -> list[str]:
+    if s.stages or fit != 1:
+        return []
+    em, en = epilogue_tile(s)
+    return [f"auto stages left a single stage (no load/MMA overlap) with a {em}x{en} "
+            "epilogue tile; a 64x32 epilogue tile frees shared memory for a second stage"]
+
+
+def _unplanned(s: Schedule, p: Problem) -> Plan:
+    """The refusal of a schedule whose target family has no planning rules."""
+    return Plan(schedule=s, problem=p, target=s.arch, stages=0, epi_stages=epi_stages(s),
+                epi_tile=epilogue_tile(s), stage_bytes={}, regions=(),
+                reasons=(_no_rules_reason(s.arch),))
+
+
 def plan(schedule: Schedule | str, problem: Problem | tuple | None = None) -> Plan:
     """Check ``schedule`` (and ``problem`` when given) and account for shared memory.
 
@@ -335,20 +199,20 @@ def plan(schedule: Schedule | str, problem: Problem | tuple | None = None) -> Pl
     schedule, problem = resolve(schedule, problem)
     p = problem or Problem()
     s = schedule
+    rules = family_rules(s.arch)
+    if rules is None:
+        return _unplanned(s, p)
     fit = max_stages(s, p)
     stages = s.stages or fit
     # shared memory first: it is the refusal users of SM100-sized tiles need to see
-    reasons = _smem_reasons(s, p, stages, fit) + [r for check in CHECKS for r in check(s, p)]
-    warnings = []
-    if not s.stages and fit == 1:
-        em, en = epilogue_tile(s)
-        warnings.append(f"auto stages left a single stage (no load/MMA overlap) with a "
-                        f"{em}x{en} epilogue tile; a 64x32 epilogue tile frees shared "
-                        "memory for a second stage")
+    reasons = _smem_reasons(s, p, stages, fit)
+    reasons += [r for check in (*rules.checks, *COMMON_CHECKS) for r in check(s, p)]
     return Plan(schedule=s, problem=p, target=s.arch, stages=stages,
-                epi_stages=_epi_stages(s), epi_tile=epilogue_tile(s),
-                stage_bytes=stage_bytes(s, p), regions=smem_regions(s, p, max(stages, 1)),
-                reasons=tuple(reasons), warnings=tuple(warnings))
+                epi_stages=epi_stages(s), epi_tile=epilogue_tile(s),
+                stage_bytes=rules.stage_bytes(s, p),
+                regions=rules.regions(s, p, max(stages, 1)),
+                reasons=tuple(reasons), warnings=tuple(_single_stage_warnings(s, fit)),
+                threads=rules.threads(s), registers=rules.registers(s))
 
 
 def can_implement(schedule: Schedule, problem: Problem | None = None) -> tuple[bool, tuple]:
@@ -357,5 +221,7 @@ def can_implement(schedule: Schedule, problem: Problem | None = None) -> tuple[b
     return pl.ok, pl.reasons
 
 
-__all__ = ["Plan", "Region", "plan", "can_implement", "smem_regions", "stage_bytes",
-           "max_stages", "epilogue_tile", "WarpRoles"]
+__all__ = ["Plan", "Region", "RegisterSplit", "plan", "can_implement", "smem_regions",
+           "stage_bytes", "max_stages", "epilogue_tile", "c_elem_bytes", "register_split",
+           "family_rules", "FAMILY_RULES", "WarpRoles", "ALIGN", "SF_VEC", "SF_ATOM_ROWS",
+           "MAX_EPI_STAGES"]

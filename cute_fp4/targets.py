@@ -21,12 +21,36 @@ class MmaKind(enum.Enum):
     WGMMA_BF16 = "wgmma.mma_async bf16 (SASS HGMMA)"
 
 
+class Family(str, enum.Enum):
+    """A kernel family: the targets that share one kernel class and one set of planning rules.
+
+    A ``str`` enum, so ``Family.SM90 == "sm90"`` and catalogue filters written with the
+    strings keep working.
+    """
+
+    SM120 = "sm120"  # sm_120a, sm_121a: block-scaled warp MMA (OMMA.SF), 99 KiB smem
+    SM90 = "sm90"  # sm_90a: FP4 dequantized in the kernel, BF16/FP16 WGMMA, 227 KiB smem
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# compute-capability majors each family covers
+FAMILY_MAJORS: dict[Family, tuple[int, ...]] = {Family.SM120: (12,), Family.SM90: (9,)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One compilation target (an ``sm_XXXa`` architecture) and its headline numbers."""
+    """One compilation target (an ``sm_XXXa`` architecture) and its headline numbers.
+
+    ``family`` is stated, not derived, and must agree with ``cc`` (checked on
+    construction): a target of a capability no family covers (SM100, say) cannot be made,
+    so it is never planned by another family's rules.
+    """
 
     name: str  # e.g. "sm_120a": what ptxas is given
     cc: tuple[int, int]  # compute capability
+    family: Family  # which kernel class and planning rules apply
     gpus: tuple[str, ...]  # products that are this target
     sm_count: int  # of the first product listed
     smem_per_block: int  # bytes, opt-in maximum of dynamic shared memory
@@ -35,10 +59,19 @@ class Target:
     peak_tflops: float  # dense tensor-core TFLOP/s of the operation we run (FP4 or BF16)
     mem_bw_gbs: float  # DRAM bandwidth, GB/s
 
-    @property
-    def family(self) -> str:
-        """``"sm120"`` for SM120/SM121 (same kernels), ``"sm90"`` for Hopper."""
-        return "sm90" if self.cc[0] == 9 else "sm120"
+    def __post_init__(self) -> None:
+        try:
+            fam = Family(self.family)
+        except ValueError:
+            raise InputError(f"target {self.name}: unknown family {self.family!r}; known: "
+                             f"{', '.join(f.value for f in Family)}") from None
+        object.__setattr__(self, "family", fam)
+        if self.cc[0] not in FAMILY_MAJORS[fam]:
+            covered = ", ".join(f"{f.value} {'/'.join(f'{m}.x' for m in ms)}"
+                                for f, ms in FAMILY_MAJORS.items())
+            raise InputError(f"target {self.name}: compute capability {self.cc[0]}."
+                             f"{self.cc[1]} is not in family {fam.value}; families cover "
+                             f"{covered}, and no other capability is planned")
 
 
 TARGETS: dict[str, Target] = {
@@ -47,6 +80,7 @@ TARGETS: dict[str, Target] = {
         Target(
             name="sm_120a",
             cc=(12, 0),
+            family=Family.SM120,
             gpus=("RTX PRO 6000 Blackwell", "RTX 5090"),
             sm_count=188,
             smem_per_block=101_376,
@@ -58,6 +92,7 @@ TARGETS: dict[str, Target] = {
         Target(
             name="sm_121a",
             cc=(12, 1),
+            family=Family.SM120,
             gpus=("GB10",),
             sm_count=48,
             smem_per_block=101_376,
@@ -69,6 +104,7 @@ TARGETS: dict[str, Target] = {
         Target(
             name="sm_90a",
             cc=(9, 0),
+            family=Family.SM90,
             gpus=("H200", "H100"),
             sm_count=132,
             smem_per_block=232_448,
@@ -128,7 +164,7 @@ def detect_device(index: int | None = None) -> Device | None:
     return Device(idx, props.name, cc, props.multi_processor_count, target, bw)
 
 
-def require_device(family: str | None = None) -> Device:
+def require_device(family: Family | str | None = None) -> Device:
     """The current device, or a DeviceError saying plainly what is missing."""
     dev = detect_device()
     if dev is None:

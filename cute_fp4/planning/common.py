@@ -1,0 +1,193 @@
+"""What every family's planning rules share: regions, alignment, the epilogue tile, the
+setmaxnreg register split, and the checks that do not depend on the family.
+
+Pure arithmetic on schedules and problems (no DSL, no GPU). The family modules
+(``sm120.py``, ``sm90.py``) build on these; the driver (``cute_fp4.plan``) only dispatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+from cute_fp4.errors import InputError
+from cute_fp4.schedule import Problem, Schedule
+
+ALIGN = 1024  # every region starts on this boundary (TMA's 128-byte swizzles need it)
+SF_VEC = 16  # elements per NVFP4 scale factor
+SF_ATOM_ROWS = 128  # scale factors are stored in 128-row x 4-column atoms
+MAX_EPI_STAGES = 4
+MAX_SPLIT_K = 16
+MAX_CTA_THREADS = 1024
+WARP = 32  # threads per warp
+WARPGROUP = 128  # threads per warpgroup (setmaxnreg acts on whole warpgroups)
+REG_FILE = 65536  # 32-bit registers per SM (one CTA per SM)
+MAX_THREAD_REGS = 255  # registers a thread can address
+
+Check = Callable[[Schedule, Problem], list[str]]  # returns reasons with numbers, [] if fine
+
+
+def align(x: int, a: int = ALIGN) -> int:
+    """``x`` rounded up to a multiple of ``a``."""
+    return -(-x // a) * a
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One shared-memory region of a kernel: its name, the bytes used, and how they add up."""
+
+    name: str
+    bytes: int  # bytes used (the kernel aligns each region's start to ALIGN)
+    note: str = ""
+
+
+# ----------------------------------------------------------------------------- accounting
+
+def epilogue_tile(schedule: Schedule) -> tuple[int, int]:
+    """The tile the epilogue stores at a time: ``Epilogue.tile``, else the CTA tile."""
+    t = schedule.tile
+    return schedule.epilogue.tile or (t.m, t.n)
+
+
+def epi_stages(schedule: Schedule) -> int:
+    """Epilogue buffers: one per epilogue tile of the CTA tile, at most MAX_EPI_STAGES."""
+    t = schedule.tile
+    em, en = epilogue_tile(schedule)
+    return max(1, min(MAX_EPI_STAGES, (t.m // em) * (t.n // en)))
+
+
+def c_elem_bytes(schedule: Schedule) -> int:
+    """Bytes per element of the C staging buffer: split-K stages FP32 partials."""
+    if schedule.split_k > 1:
+        return 4
+    return schedule.epilogue.out_dtype.nbytes
+
+
+def operand_stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
+    """Bytes of one mainloop stage of A and B (packed FP4; a W4A16 A is 16-bit)."""
+    t = schedule.tile
+    a = t.m * t.k * 2 if problem.w4a16 else t.m * t.k // 2
+    return {"A": a, "B": t.n * t.k // 2}
+
+
+def sf_stage_bytes(rows: int, tile_k: int) -> int:
+    """Bytes of one stage of scale factors for ``rows`` rows: whole 128-row atoms."""
+    return align(rows, SF_ATOM_ROWS) * (tile_k // SF_VEC)
+
+
+def mainloop_regions(per: dict[str, int], stages: int, n_barriers: int) -> list[Region]:
+    """``barriers | A | B | SFA | SFB`` for ``stages`` stages of ``per`` bytes (operands of
+    0 bytes have no region)."""
+    regions = [Region("barriers", 8 * n_barriers, f"{n_barriers} mbarriers")]
+    for op in ("A", "B", "SFA", "SFB"):
+        if per[op]:
+            regions.append(Region(op, per[op] * stages, f"{stages} x {per[op]:,} B"))
+    return regions
+
+
+def staged_c_region(schedule: Schedule) -> Region:
+    """The C staging buffers: ``epi_stages`` epilogue tiles of the staged element type."""
+    em, en = epilogue_tile(schedule)
+    ob, n = c_elem_bytes(schedule), epi_stages(schedule)
+    return Region("C", n * em * en * ob, f"{n} x {em}x{en}x{ob} B")
+
+
+# ----------------------------------------------------------------------------- registers
+
+class RegisterSplit(NamedTuple):
+    """setmaxnreg budgets of a warp-specialized CTA, in registers per thread."""
+
+    entry: int  # every thread's share at launch (the CTA's allocation / threads)
+    producer: int  # the load warpgroup(s) decrease to this
+    mma: int  # the MMA warpgroups increase to this
+
+    @property
+    def gains(self) -> bool:
+        """True when the MMA warps end with more registers than they launched with."""
+        return self.mma > self.entry
+
+
+def register_split(threads: int, mma_threads: int, producer_regs: int,
+                   max_regs: int) -> RegisterSplit:
+    """The setmaxnreg split of a CTA of ``threads`` threads whose last ``threads -
+    mma_threads`` (the load warps) drop to ``producer_regs`` registers per thread.
+
+    At launch every thread holds ``entry`` = REG_FILE / threads, capped at 255 and rounded
+    down to a multiple of 8 (one CTA per SM). ``setmaxnreg.inc`` draws from the CTA's own
+    pool (PTX ISA: it blocks until enough registers are there), which holds only what the
+    CTA was allocated at launch: ``entry * threads``. The MMA threads share that pool less
+    the producer's ``producer_regs`` each, rounded down to a multiple of 8 and capped at
+    ``max_regs``. Example: 384 threads, 256 of them MMA, producer 40: entry 168, MMA
+    ``(168 * 384 - 128 * 40) / 256 = 232``.
+    """
+    producer_threads = threads - mma_threads
+    if mma_threads <= 0 or producer_threads <= 0 or threads % WARPGROUP \
+            or mma_threads % WARPGROUP:
+        raise InputError(f"setmaxnreg needs whole warpgroups of MMA and producer threads; "
+                         f"got {threads} threads with {mma_threads} MMA threads")
+    entry = min(MAX_THREAD_REGS, REG_FILE // threads) // 8 * 8
+    pool = entry * threads - producer_threads * producer_regs
+    return RegisterSplit(entry, producer_regs, min(max_regs, pool // mma_threads // 8 * 8))
+
+
+# ----------------------------------------------------------------------------- shared checks
+
+def check_cta_threads(threads: int) -> list[str]:
+    """A CTA holds at most 1,024 threads."""
+    if threads > MAX_CTA_THREADS:
+        return [f"{threads} threads per CTA exceed {MAX_CTA_THREADS:,}"]
+    return []
+
+
+def check_split_k_limit(s: Schedule, p: Problem) -> list[str]:
+    if s.split_k > MAX_SPLIT_K:
+        return [f"split_k {s.split_k} exceeds {MAX_SPLIT_K}"]
+    return []
+
+
+def check_problem_k(s: Schedule, p: Problem) -> list[str]:
+    if p.k and p.k % 32:
+        return [f"K = {p.k} is not a multiple of 32: packed FP4 rows must be a multiple of "
+                "16 bytes for TMA"]
+    return []
+
+
+def check_split_k_tiles(s: Schedule, p: Problem) -> list[str]:
+    """Every K split needs at least one K tile."""
+    if p.k and s.split_k > 1:
+        k_tiles = ceil_div(p.k, s.tile.k)
+        if s.split_k > k_tiles:
+            return [f"split_k {s.split_k} exceeds the {k_tiles} K tiles of "
+                    f"K = {p.k} with tile K {s.tile.k}"]
+    return []
+
+
+def check_problem_n(s: Schedule, p: Problem) -> list[str]:
+    if p.n and p.n % 8:
+        return [f"N = {p.n} is not a multiple of 8: output rows must be 16-byte aligned"]
+    return []
+
+
+# run after the family's own checks, for every family
+COMMON_CHECKS: tuple[Check, ...] = (check_split_k_limit, check_problem_k, check_split_k_tiles,
+                                    check_problem_n)
+
+
+class FamilyRules(NamedTuple):
+    """What a family module gives the driver: accounting, CTA shape and its refusals."""
+
+    stage_bytes: Callable[[Schedule, Problem], dict[str, int]]  # per stage: A, B, SFA, SFB
+    regions: Callable[[Schedule, Problem, int], tuple[Region, ...]]  # for a stage count
+    threads: Callable[[Schedule], int]  # threads per CTA the kernel launches
+    registers: Callable[[Schedule], RegisterSplit | None]  # setmaxnreg split, None: none
+    checks: tuple[Check, ...]  # the family's checks, in the order reasons are reported
+
+
+__all__ = ["ALIGN", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region", "RegisterSplit",
+           "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
+           "epilogue_tile", "epi_stages", "c_elem_bytes"]
