@@ -82,20 +82,28 @@ def cmd_compile(args) -> int:
     rows = []
     for s in scheds:
         print(f"compiling {s.name} for {args.target or s.target} ...", file=sys.stderr)
-        rows.append(compile_report(s, args.target))
+        rows.append(compile_report(s, args.target, dump_dir=args.dump_dir))
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
             r["tile"] = "x".join(map(str, r["tile"]))
             r["mma"] = f"{r.get('mma_count', 0)}x {','.join(r.get('mma_instructions', []))}"
+            r["k-loop"] = _kloop_cell(r.get("kloop"))
             r["status"] = "ok" if r["ok"] else "REFUSED: " + r.get("reason", "")
         print(_table(rows, ["name", "target", "tile", "roles", "stages", "smem_bytes",
-                            "registers", "spills", "compile_s", "mma", "status"]))
+                            "registers", "spills", "compile_s", "mma", "k-loop", "status"]))
     # --all expects the catalogue's deliberate refusals; a compile failure never passes
     expected = args.all
     return 0 if all(r["ok"] or (expected and r.get("refused_by_plan")) for r in rows) \
         else EXIT_REFUSED
+
+
+def _kloop_cell(k: dict | None) -> str:
+    """``instructions / non-MMA per MMA / MMAs overlapping the wait`` of a report's K loop."""
+    if not k:
+        return "-"
+    return f"{k['instructions']} / {k['non_mma_per_mma']:.2f} / {k['mma_overlap']}"
 
 
 def cmd_validate(args) -> int:
@@ -193,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("names", nargs="*")
     s.add_argument("--all", action="store_true", help="every catalogue schedule of the target")
     s.add_argument("--target", help="sm_120a, sm_121a or sm_90a (default: each schedule's)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON row per schedule, the K-loop measures under 'kloop'")
+    s.add_argument("--dump-dir", metavar="DIR",
+                   help="keep each schedule's cubin, PTX and SASS in DIR")
     s.set_defaults(func=cmd_compile)
 
     for name, func, hlp in (("validate", cmd_validate, "run against the exact reference"),

@@ -50,7 +50,7 @@ def retarget(schedule: Schedule, target: str | Target | None) -> Schedule:
 def _options(target: str, dump_dir: str | None) -> str:
     opts = f"--gpu-arch {target}"
     if dump_dir:
-        opts += f" --keep-cubin --dump-dir {dump_dir}"
+        opts += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
     return opts
 
 
@@ -84,12 +84,19 @@ def _dsl_compile(kernel, schedule: Schedule, options: str | None = None):
 
 
 def compile_report(schedule: Schedule | str, target: str | None = None,
-                   problem: Problem | tuple | None = None) -> dict:
+                   problem: Problem | tuple | None = None, dump_dir: str | Path | None = None
+                   ) -> dict:
     """Compile-only report for a schedule or catalogue name (JSON-ready); ``problem`` may be
     an ``(m, n, k)`` tuple. A schedule that cannot be implemented gives ``ok: False`` and a
-    ``reason`` with the byte counts."""
+    ``reason`` with the byte counts.
+
+    Besides registers, spills, shared memory and the tensor-core opcodes, ``kloop`` holds
+    the measures of the mainloop read from the SASS (``cute_fp4.inspect.find_kloop``:
+    instructions, MMAs, LDSMs, non-MMA instructions per MMA, MMAs overlapping the stage
+    wait, ldmatrix registers never read), or None when no loop holds an MMA.
+    ``dump_dir``: keep ``<name>.<target>.cubin``, ``.ptx`` and ``.sass`` there."""
     from cute_fp4.catalogue import resolve
-    from cute_fp4.inspect import inspect_cubin
+    from cute_fp4.inspect import cubin_sass, inspect_cubin
 
     schedule, problem = resolve(schedule, problem)
 
@@ -111,14 +118,40 @@ def compile_report(schedule: Schedule | str, target: str | None = None,
         if not cubins:
             row.update(ok=False, reason=f"the DSL wrote no cubin to {d}")
             return row
-        rep = inspect_cubin(cubins[-1], (s.arch.sass_mma_prefix,))
+        sass = cubin_sass(cubins[-1])
+        rep = inspect_cubin(cubins[-1], (s.arch.sass_mma_prefix,), sass)
+        if dump_dir is not None:
+            row["dumped"] = _dump(Path(d), cubins[-1], sass, Path(dump_dir),
+                                  f"{_file_stem(s)}.{s.target}")
     row.update(registers=rep.registers, spills=rep.spills,
                kernel_smem_bytes=kernel.smem_bytes, mma_instructions=list(rep.mma_instructions),
-               mma_count=rep.mma_count, compile_s=round(secs, 2))
+               mma_count=rep.mma_count, compile_s=round(secs, 2),
+               kloop=rep.kloop.as_dict() if rep.kloop is not None else None)
     if kernel.smem_bytes != pl.smem_bytes:
         row.update(ok=False, reason=f"kernel allocates {kernel.smem_bytes:,} B of shared memory "
                    f"but plan() accounts {pl.smem_bytes:,} B")
     return row
+
+
+def _file_stem(s: Schedule) -> str:
+    """A file-name-safe name for a schedule (its catalogue name, else its label)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in (s.name or s.label()))
+
+
+def _dump(build_dir: Path, cubin: Path, sass: str, dump_dir: Path, stem: str) -> list[str]:
+    """Copy the cubin and PTX the DSL wrote to ``build_dir`` into ``dump_dir`` as
+    ``<stem>.cubin``/``.ptx`` and write the SASS as ``<stem>.sass``; returns the paths."""
+    import shutil
+
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    out = [dump_dir / f"{stem}.cubin", dump_dir / f"{stem}.sass"]
+    shutil.copyfile(cubin, out[0])
+    out[1].write_text(sass)
+    ptx = sorted(build_dir.glob("*.ptx"))
+    if ptx:
+        out.append(dump_dir / f"{stem}.ptx")
+        shutil.copyfile(ptx[-1], out[-1])
+    return [str(p) for p in out]
 
 
 # ----------------------------------------------------------------------------- runtime
