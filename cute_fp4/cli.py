@@ -2,61 +2,76 @@
 
 ``schedules``, ``plan`` and ``compile`` work on any machine; ``validate``, ``bench`` and
 ``tune`` need a GPU of a supported architecture and say so plainly (exit 2) otherwise.
-Errors print one line (no traceback) and exit non-zero.
+Tables fit 100 columns (``--json`` has every field in full); progress lines go to stderr.
+
+Exit codes, the same for every command:
+  0    done; over the whole catalogue (``--all``, ``demo``) a schedule that plan() refuses
+       is reported and does not fail the run: the catalogue keeps such schedules on purpose
+  1    refused or failed: a schedule named on the command line that plan() refuses, a
+       compile failure, a validation failure
+  2    usage: bad arguments or input, no schedule named (``compile``/``validate`` need names
+       or ``--all``), an empty catalogue, no suitable GPU; one line on stderr, no traceback
+  130  interrupted (Ctrl-C); 141: stdout was closed early (``... | head``), no traceback
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import warnings
 
-from cute_fp4.errors import CuteFp4Error
+from cute_fp4 import tables
+from cute_fp4.errors import CuteFp4Error, InputError
 
-EXIT_REFUSED = 1  # a schedule cannot be implemented / validation failed
+EXIT_OK = 0
+EXIT_REFUSED = 1  # a named schedule refused, a compile or validation failure
 EXIT_ERROR = 2  # bad arguments, missing GPU, other errors
+EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
-def columns(rows: list[dict]) -> list[str]:
-    """Every key of ``rows``, in order of first appearance."""
-    return list(dict.fromkeys(c for r in rows for c in r))
-
-
-def _table(rows: list[dict], cols: list[str] | None = None) -> str:
-    from tabulate import tabulate
-
-    cols = columns(rows) if cols is None else cols
-    return tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols,
-                    tablefmt="github", floatfmt=".3g", intfmt=",")
-
-
-def _resolve(names: list[str], all_: bool, family: str | None = None):
+def _resolve(names: list[str], all_: bool, family: str | None = None, *, cmd: str = ""):
+    """The schedules a command works on: ``names`` or, with ``all_``, the catalogue (of one
+    family). Neither is a usage error (exit 2); so is an empty catalogue."""
     from cute_fp4 import catalogue
 
-    if all_ or not names:
-        return catalogue.all_schedules(family)
-    return [catalogue.get(n) for n in names]
+    if names and all_:
+        raise InputError("give schedule names or --all, not both")
+    if not names and not all_:
+        raise InputError(f"name the schedules to {cmd} or pass --all (cute-fp4 schedules "
+                         "lists them)")
+    if names:
+        return [catalogue.get(n) for n in names]
+    scheds = catalogue.all_schedules(family)
+    if not scheds:
+        where = ", ".join(map(str, catalogue.directories())) or "no schedule folder found"
+        raise InputError(f"the catalogue{' of ' + family if family else ''} is empty "
+                         f"({where})")
+    return scheds
+
+
+def _refused_ok(report_ok: bool, refused_by_plan: bool, all_: bool) -> bool:
+    """The one rule for exit codes: a plan refusal passes only in a catalogue-wide run."""
+    return report_ok or (all_ and refused_by_plan)
 
 
 # ----------------------------------------------------------------------------- commands
 
 def cmd_schedules(args) -> int:
-    from cute_fp4.plan import plan
+    from cute_fp4 import catalogue
 
-    rows = []
-    for s in _resolve([], True):
-        p = plan(s)
-        rows.append({"name": s.name, "target": s.target, "tile": str(s.tile),
-                     "roles": s.warps.roles.value, "stages": p.stages if p.ok else "-",
-                     "sf": s.sf_load.value, "split_k": s.split_k,
-                     "epi": "x".join(map(str, p.epi_tile)), "smem": p.smem_bytes,
-                     "fits": "yes" if p.ok else "NO",
-                     "idea": (s.doc.splitlines() or [""])[0][:60]})
+    scheds = catalogue.all_schedules()
+    if not scheds:
+        _resolve([], True)  # raises: the catalogue is empty
+    rows = tables.schedule_rows(scheds)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        docs = {s.name: s.doc for s in scheds}
+        print(json.dumps([{**r, "doc": docs.get(r["name"], "")} for r in rows], indent=1))
     else:
-        print(_table(rows))
-    return 0
+        print(tables.schedules_table(rows))
+    return EXIT_OK
 
 
 def cmd_plan(args) -> int:
@@ -70,7 +85,7 @@ def cmd_plan(args) -> int:
         Problem(a_format=args.a_format)
     p = plan(s, problem)
     print(p.summary())
-    return 0 if p.ok else EXIT_REFUSED
+    return EXIT_OK if p.ok else EXIT_REFUSED
 
 
 def cmd_compile(args) -> int:
@@ -78,25 +93,20 @@ def cmd_compile(args) -> int:
     from cute_fp4.targets import get_target
 
     family = get_target(args.target).family if args.target else None
-    scheds = _resolve(args.names, args.all, family)
+    scheds = _resolve(args.names, args.all, family, cmd="compile")
     rows = []
-    for s in scheds:
-        print(f"compiling {s.name} for {args.target or s.target} ...", file=sys.stderr)
+    for i, s in enumerate(scheds, 1):
+        tables.progress(i, len(scheds), f"compile {s.name} for {args.target or s.target}")
         rows.append(compile_report(s, args.target, dump_dir=args.dump_dir))
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        for r in rows:
-            r["tile"] = "x".join(map(str, r["tile"]))
-            r["mma"] = f"{r.get('mma_count', 0)}x {','.join(r.get('mma_instructions', []))}"
-            r["k-loop"] = _kloop_cell(r.get("kloop"))
-            r["status"] = "ok" if r["ok"] else "REFUSED: " + r.get("reason", "")
-        print(_table(rows, ["name", "target", "tile", "roles", "stages", "smem_bytes",
-                            "registers", "spills", "compile_s", "mma", "k-loop", "status"]))
+        kloop = any(r.get("kloop") for r in rows)
+        print(tables.compile_table(
+            [{**r, "k-loop": _kloop_cell(r.get("kloop"))} if kloop else r for r in rows]))
     # --all expects the catalogue's deliberate refusals; a compile failure never passes
-    expected = args.all
-    return 0 if all(r["ok"] or (expected and r.get("refused_by_plan")) for r in rows) \
-        else EXIT_REFUSED
+    ok = all(_refused_ok(r["ok"], bool(r.get("refused_by_plan")), args.all) for r in rows)
+    return EXIT_OK if ok else EXIT_REFUSED
 
 
 def _kloop_cell(k: dict | None) -> str:
@@ -109,21 +119,30 @@ def _kloop_cell(k: dict | None) -> str:
 def cmd_validate(args) -> int:
     family = _device_family()
     from cute_fp4.api import validate
+    from cute_fp4.plan import plan
 
+    scheds = _resolve(args.names, args.all, family, cmd="validate")
+    jobs = [(s, fmt) for s in scheds for fmt in args.formats]
     ok = True
-    for s in _resolve(args.names, args.all, family):
-        for fmt in args.formats:
-            rep = validate(s, shapes=_shapes(args.shapes), a_format=fmt)
-            print(rep)
-            ok &= rep.passed
-    return 0 if ok else EXIT_REFUSED
+    for i, (s, fmt) in enumerate(jobs, 1):
+        p = plan(s)
+        if not p.ok:
+            print(f"{s.name}: refused by plan(): {'; '.join(p.reasons)}")
+            ok &= _refused_ok(False, True, args.all)
+            continue
+        tables.progress(i, len(jobs), f"validate {s.name} ({fmt})")
+        rep = validate(s, shapes=_shapes(args.shapes), a_format=fmt)
+        print(rep, flush=True)
+        ok &= rep.passed
+    return EXIT_OK if ok else EXIT_REFUSED
 
 
 def cmd_bench(args) -> int:
     family = _device_family()
     from cute_fp4.bench import run_bench
 
-    scheds = _resolve(args.names, args.all, family) if (args.names or args.all) else None
+    scheds = _resolve(args.names, args.all, family, cmd="bench") \
+        if (args.names or args.all) else None
     rows = run_bench(scheds, _shapes(args.shapes),
                      formats=args.formats, validate=not args.no_validate)
     return _emit(rows, args)
@@ -170,36 +189,46 @@ def _emit(rows: list[dict], args) -> int:
     elif args.csv:
         import csv
 
-        w = csv.DictWriter(sys.stdout, fieldnames=columns(rows))
+        w = csv.DictWriter(sys.stdout, fieldnames=tables.columns(rows))
         w.writeheader()
         w.writerows(rows)
     else:
-        print(_table(rows))
+        print(tables.result_table(rows))
     if getattr(args, "plot", None):
         from cute_fp4.bench import plot_roofline
 
         plot_roofline(rows, args.plot)
-    return 0 if all(r.get("validated", "yes") != "NO" for r in rows) else EXIT_REFUSED
+    return EXIT_OK if all(r.get("validated", "yes") != "NO" for r in rows) else EXIT_REFUSED
+
+
+_NAMES_HELP = "catalogue schedule names (cute-fp4 schedules lists them)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cute-fp4", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="cute-fp4", description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("schedules", help="the catalogue as a table")
-    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("schedules", help="the catalogue as a table (design, plan, idea)")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON row per schedule, with its full docstring under 'doc'")
     s.set_defaults(func=cmd_schedules)
 
     s = sub.add_parser("plan", help="shared-memory breakdown of a schedule; exit 1 if refused")
-    s.add_argument("name")
+    s.add_argument("name", help="a catalogue schedule name")
     s.add_argument("--target", help="another target of the same family (e.g. sm_121a)")
-    s.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"))
-    s.add_argument("--a-format", default="nvfp4", choices=["nvfp4", "bf16", "fp16"])
+    s.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"),
+                   help="plan for this problem too (K and N alignment, split-K ranges)")
+    s.add_argument("--a-format", default="nvfp4", choices=["nvfp4", "bf16", "fp16"],
+                   help="the A operand: nvfp4 (W4A4, default) or 16-bit (W4A16)")
     s.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("compile", help="compile-only report (no GPU needed)")
-    s.add_argument("names", nargs="*")
-    s.add_argument("--all", action="store_true", help="every catalogue schedule of the target")
+    s = sub.add_parser("compile", help="compile-only report (no GPU needed); exit 1 if a "
+                       "named schedule is refused or any compile fails")
+    s.add_argument("names", nargs="*", help=_NAMES_HELP + "; or use --all")
+    s.add_argument("--all", action="store_true",
+                   help="every catalogue schedule of the target (plan refusals pass)")
     s.add_argument("--target", help="sm_120a, sm_121a or sm_90a (default: each schedule's)")
     s.add_argument("--json", action="store_true",
                    help="one JSON row per schedule, the K-loop measures under 'kloop'")
@@ -212,17 +241,23 @@ def build_parser() -> argparse.ArgumentParser:
                             ("tune", cmd_tune, "pick the fastest valid schedule per shape")):
         s = sub.add_parser(name, help=hlp + " (needs a GPU)")
         if name != "tune":
-            s.add_argument("names", nargs="*")
-            s.add_argument("--all", action="store_true")
-        s.add_argument("--shapes", nargs="+", metavar="M,N,K")
+            default = "; or use --all" if name == "validate" else \
+                " (default: the schedule='auto' pick per shape)"
+            s.add_argument("names", nargs="*", help=_NAMES_HELP + default)
+            s.add_argument("--all", action="store_true",
+                           help="every catalogue schedule of this GPU's family "
+                           "(plan refusals pass)")
+        s.add_argument("--shapes", nargs="+", metavar="M,N,K",
+                       help="problem sizes (default: the command's standard set)")
         s.add_argument("--formats", nargs="+", default=["nvfp4"],
                        choices=["nvfp4", "bf16"], help="A operand: nvfp4 (W4A4), bf16 (W4A16)")
         if name != "validate":
-            s.add_argument("--json", action="store_true")
-            s.add_argument("--csv", action="store_true")
+            s.add_argument("--json", action="store_true", help="rows as JSON")
+            s.add_argument("--csv", action="store_true", help="rows as CSV")
         if name == "bench":
             s.add_argument("--plot", metavar="FILE.png", help="roofline chart (matplotlib)")
-            s.add_argument("--no-validate", action="store_true")
+            s.add_argument("--no-validate", action="store_true",
+                           help="skip the poisoned-output check of each kernel")
         s.set_defaults(func=func)
 
     s = sub.add_parser("demo", help="the default job: plan + compile every target, run on a GPU")
@@ -231,15 +266,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as ``cute-fp4: warning: ...`` on stderr (no source line)."""
+    print(f"cute-fp4: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning
+            code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler
+        return code
     except CuteFp4Error as e:
         print(f"cute-fp4 {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_REFUSED if type(e).__name__ == "ScheduleError" else EXIT_ERROR
+    except BrokenPipeError:
+        # the reader left (e.g. `| head`): stop quietly; send the rest of stdout nowhere so
+        # the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
