@@ -127,12 +127,16 @@ def records(rows: Sequence[dict], cols: Sequence[str] | None = None, *,
     """Each row as a block of aligned ``key  value`` lines, values wrapped to ``width``."""
     cols = columns(rows) if cols is None else list(cols)
     pad = max(len(c) for c in cols) + 2
+    if pad > width // 2:  # long keys: each on its own line, the value indented below
+        pad = 4
     blocks = []
     for r in rows:
         lines = []
         for c in cols:
-            body = textwrap.wrap(_text(r.get(c, "")), max(width - pad, 20)) or [""]
-            lines += [f"{c:<{pad}}{body[0]}", *(" " * pad + b for b in body[1:])]
+            body = textwrap.wrap(_text(r.get(c, "")), max(width - pad, 1)) or [""]
+            head = [f"{c:<{pad}}{body.pop(0)}"] if len(c) + 2 <= pad else \
+                textwrap.wrap(c, width, break_on_hyphens=False)
+            lines += [*head, *(" " * pad + b for b in body)]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
