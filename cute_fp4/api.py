@@ -1,164 +1,47 @@
 """The torch-facing API: ``gemm``, ``validate``, the ``cute_fp4::mm`` custom op, NVFP4Linear.
 
-Every call goes through :func:`check_operands` before anything is launched or written:
-a bad input raises a typed error naming the problem and the numbers, and the output
-tensor is left untouched. ``gemm`` is registered as the ``torch.library`` custom op
+Every call goes through :func:`cute_fp4.operands.check_operands` before anything is
+launched or written: a bad input raises a typed error naming the problem and the numbers,
+and the output tensor is left untouched. ``gemm`` is also the ``torch.library`` custom op
 ``cute_fp4::mm`` (with a fake implementation), so ``torch.compile(fullgraph=True)`` of a
-function that calls it captures one node.
+function that calls it captures one node. The op is registered on first use, not when
+this module is imported: by the first ``gemm`` call (eager, or while torch.compile traces
+it) or by ``cute_fp4.ops.register()`` (needed first only to call ``torch.ops.cute_fp4.mm``
+directly).
+
+Layering: this module builds on the host layer (``compile``, ``run``) and the tuning
+store; it re-exports the operand and launch helpers scripts use from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import threading
 
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.errors import DeviceError, InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
-from cute_fp4.schedule import OutDtype, Problem, Schedule
+from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.operands import (
+    ALIGN,
+    alpha_tensor,
+    check_operands,
+    make_operands,
+    out_dtype_of,
+)
+from cute_fp4.run import poisoned_check, run_checked, run_compiled
+from cute_fp4.schedule import OutDtype, Schedule
 
-_TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
-              OutDtype.FP32: torch.float32}
+__all__ = ["ALIGN", "DEFAULT_SHAPES", "NVFP4Linear", "SWAPAB_MAX_M", "ValidationReport",
+           "check_operands", "gemm", "heuristic", "make_operands", "out_dtype_of",
+           "poisoned_check", "register_op", "resolve_schedule", "run_compiled", "validate"]
+
 SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
-ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row pitches
-
-
-# ----------------------------------------------------------------------------- checks
-
-def _check_tensor(t: torch.Tensor, name: str, dtypes, shape, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise InputError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise InputError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise InputError(f"{name} is on {t.device} but the operands are on {device}")
-    if not t.is_contiguous():
-        raise InputError(f"{name} must be contiguous (row-major); got strides {t.stride()} "
-                         f"for shape {tuple(t.shape)}")
-    if t.data_ptr() % ALIGN:
-        raise InputError(f"{name}'s data pointer 0x{t.data_ptr():x} is not {ALIGN}-byte "
-                         f"aligned (offset {t.data_ptr() % ALIGN}); TMA needs {ALIGN} bytes")
-
-
-def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
-                   require_cuda: bool = True) -> tuple[int, int, int, str]:
-    """Validate operands; returns (M, N, K, a_format). Raises before anything is written.
-    ``require_cuda=False`` skips only the device-type check (CPU tests of the rest)."""
-    if not isinstance(b, NVFP4Tensor):
-        raise InputTypeError(f"b (the weight) must be an NVFP4Tensor [N, K], got "
-                             f"{type(b).__name__}; use cute_fp4.quantize() or "
-                             "NVFP4Tensor.from_modelopt()")
-    n, k = b.shape
-    dev = b.device
-    if require_cuda and dev.type != "cuda":
-        raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
-    if isinstance(a, NVFP4Tensor):
-        m, ka = a.shape
-        a_format = "nvfp4"
-    elif isinstance(a, torch.Tensor):
-        if a.dim() != 2:
-            raise InputError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
-        (m, ka), a_format = a.shape, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
-            a.dtype, "")
-        if not a_format:
-            raise InputError(f"a must be an NVFP4Tensor (W4A4) or bfloat16/float16 (W4A16), "
-                             f"got {a.dtype}")
-    else:
-        raise InputTypeError(f"a must be an NVFP4Tensor or a torch.Tensor, "
-                             f"got {type(a).__name__}")
-    if ka != k:
-        raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n}, {k}]")
-    if m == 0 or n == 0 or k == 0:
-        raise InputError(f"empty GEMM: M = {m}, N = {n}, K = {k}; all must be > 0")
-    if k % 32:
-        raise InputError(f"K = {k} is not a multiple of 32: packed FP4 rows must be a "
-                         "multiple of 16 bytes")
-    _check_tensor(b.data, "b.data", (torch.uint8,), (n, k // 2), dev)
-    _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), scale_shape(n, k), dev)
-    if a_format == "nvfp4":
-        _check_tensor(a.data, "a.data", (torch.uint8,), (m, k // 2), dev)
-        _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
-    else:
-        _check_tensor(a, "a", (a.dtype,), (m, k), dev)
-    if out is not None:
-        _check_tensor(out, "out", (out_dtype,), (m, n), dev)
-    if (n * out_dtype.itemsize) % ALIGN:
-        raise InputError(f"N = {n} gives output rows of {n * out_dtype.itemsize} bytes; they "
-                         f"must be a multiple of {ALIGN} (N a multiple of "
-                         f"{ALIGN // out_dtype.itemsize})")
-    if alpha is not None and isinstance(alpha, torch.Tensor) and alpha.numel() != 1:
-        raise InputError(f"alpha must be a scalar, got {alpha.numel()} elements")
-    return m, n, k, a_format
-
-
-def _alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
-    """alpha as a one-element float32 tensor on b's device (0-d when it comes from the
-    global scales: the kernels read only its data pointer). No copy when the global scale
-    already is float32 on b's device; W4A4 multiplies the two (one elementwise op)."""
-    if alpha is None:
-        dev = b.device
-        gs = b.global_scale
-        if gs.dtype != torch.float32 or gs.device != dev:
-            gs = gs.to(dev, torch.float32)
-        if isinstance(a, NVFP4Tensor):
-            ga = a.global_scale
-            if ga.dtype != torch.float32 or ga.device != dev:
-                ga = ga.to(dev, torch.float32)
-            gs = gs * ga
-        return gs if gs.dim() == 0 or gs.shape == (1,) else gs.reshape(1)
-    return torch.as_tensor(alpha, dtype=torch.float32, device=b.device).reshape(1)
+_alpha_tensor = alpha_tensor  # the name scripts under perf/ use
 
 
 # ----------------------------------------------------------------------------- running
-
-def out_dtype_of(schedule: Schedule) -> torch.dtype:
-    """The torch dtype a schedule's epilogue writes."""
-    return _TORCH_OUT[schedule.epilogue.out_dtype]
-
-
-def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
-    """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials."""
-    dims = check_operands(a, b, out, alpha, out_dtype_of(kernel.schedule))
-    return _run_checked(kernel, a, b, out, alpha, dims)
-
-
-def _run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
-    """:func:`run_compiled` after :func:`check_operands` returned ``dims``."""
-    s: Schedule = kernel.schedule
-    out_dtype = out_dtype_of(s)
-    m, n, k, a_format = dims
-    if a_format != kernel.signature.a_format:
-        raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
-                         f"got {a_format}")
-    _check_plan(s, Problem(m, n, k, a_format))
-    alpha_t = _alpha_tensor(a, b, alpha)
-    result = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device)
-    a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
-    if s.split_k > 1:
-        ws = torch.empty((s.split_k, m, n), dtype=torch.float32, device=b.device)
-        kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
-        # sum over the split in a fixed order (deterministic), then alpha, rounded once
-        # into result's dtype: bit-identical to result.copy_(ws.sum(0).mul_(alpha_t)) with
-        # two elementwise kernels instead of three
-        torch.mul(ws.sum(dim=0), alpha_t, out=result)
-    else:
-        kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, None)
-    return result
-
-
-@functools.lru_cache(maxsize=4096)
-def _check_plan(s: Schedule, p: Problem) -> None:
-    """``plan(s, p).raise_if_invalid()``, memoised: plan() is pure but costs ~150 us of
-    Python, which at decode sizes is several times the kernel. Refusals are not cached
-    (the exception propagates), so they are re-raised with their message every call."""
-    from cute_fp4.plan import plan
-
-    plan(s, p).raise_if_invalid()
-
 
 def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
                      out_dtype: torch.dtype) -> Schedule:
@@ -169,7 +52,7 @@ def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
     if isinstance(schedule, str) and schedule != "auto":
         schedule = catalogue.get(schedule)
     if schedule == "auto":
-        from cute_fp4.tune import lookup
+        from cute_fp4.tuning import lookup
 
         dev = require_device()
         schedule = lookup(dev, m, n, k, a_format) or heuristic(dev.target.family, m, n, k)
@@ -214,7 +97,7 @@ def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> tor
     m, n, k, a_format = dims
     s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
     kern = compile(s, Signature(a_format))
-    result = _run_checked(kern, a, b, out, alpha, dims)  # checked once, above
+    result = run_checked(kern, a, b, out, alpha, dims)  # checked once, above
     if check and not kern.validated:
         reference.assert_close(result, a, b, alpha)
         kern.validated = True
@@ -233,6 +116,8 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
     """
     if torch.compiler.is_compiling():
         return _op_call(a, b, schedule, out_dtype, alpha)
+    if not _REGISTERED:
+        register_op()
     return _gemm_impl(a, b, schedule, out, out_dtype, alpha, check)
 
 
@@ -244,20 +129,61 @@ def _flatten(a, b: NVFP4Tensor, alpha):
         a_t, a_sf = a.data, a.scale
     else:
         a_t, a_sf = a, None
-    return a_t, a_sf, b.data, b.scale, _alpha_tensor(a, b, alpha)
+    return a_t, a_sf, b.data, b.scale, alpha_tensor(a, b, alpha)
 
 
 def _op_call(a, b, schedule, out_dtype, alpha):
+    """``gemm`` while torch.compile traces it: one ``cute_fp4::mm`` node."""
     if not isinstance(schedule, str):
         raise InputTypeError("under torch.compile, pass schedule as a catalogue name or 'auto'")
+    _register_while_tracing()
     a_t, a_sf, b_t, b_sf, alpha_t = _flatten(a, b, alpha)
     return torch.ops.cute_fp4.mm(a_t, a_sf, b_t, b_sf, alpha_t, b.shape[1], out_dtype, schedule)
 
 
-@functools.cache
-def _ops():
-    """Register ``cute_fp4::mm`` once, on first use (no import-time side effects)."""
+def _register_while_tracing() -> None:
+    """Register the op from inside a function Dynamo is tracing. Defining a custom op
+    cannot be traced, so it runs through ``torch._dynamo.comptime``: its function runs
+    at trace time and adds nothing to the graph. Without comptime (another torch), the op
+    must have been registered before tracing (any eager ``gemm`` call or
+    ``cute_fp4.ops.register()``)."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:
+        return
+    comptime(lambda ctx: register_op(), register_op)
 
+
+_REGISTERED = False
+_REGISTER_LOCK = threading.Lock()
+
+
+def register_op():
+    """Register the custom op ``cute_fp4::mm`` with its fake implementation, once per
+    process (idempotent, thread-safe); returns the ``torch.ops.cute_fp4`` namespace.
+
+    ``torch.ops.cute_fp4.mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)``: ``a``
+    the packed NVFP4 bytes [M, K/2] with ``a_scale`` (W4A4) or bf16/fp16 [M, K] with
+    ``a_scale=None`` (W4A16); ``b``/``b_scale`` the weight's bytes and scales; ``alpha`` a
+    one-element float32 tensor; ``schedule`` a catalogue name or "auto"."""
+    global _REGISTERED
+    with _REGISTER_LOCK:
+        if not _REGISTERED:
+            if not _op_exists():  # a reloaded module finds it defined already
+                _define_op()
+            _REGISTERED = True
+    return torch.ops.cute_fp4
+
+
+def _op_exists() -> bool:
+    try:
+        torch.ops.cute_fp4.mm  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _define_op() -> None:
     @torch.library.custom_op("cute_fp4::mm", mutates_args=())
     def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
            b_scale: torch.Tensor, alpha: torch.Tensor, k: int, out_dtype: torch.dtype,
@@ -270,8 +196,6 @@ def _ops():
     @mm.register_fake
     def _(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
-
-    return torch.ops.cute_fp4
 
 
 # ----------------------------------------------------------------------------- validate
@@ -303,41 +227,6 @@ class ValidationReport:
 
 DEFAULT_SHAPES = [(1, 264, 320), (7, 136, 4096), (16, 512, 8256), (127, 136, 320),
                   (128, 256, 4096), (129, 264, 832), (1000, 136, 4096), (256, 392, 8256)]
-
-
-def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0,
-                  dist: str = "awkward", device="cuda"):
-    """Random operands: ``awkward`` gives rows whose magnitudes span 2^-6..2^6 (block scales
-    over ~14 binades of UE4M3's 18, subnormal scales included), 5% zero blocks and 2%
-    blocks 16x larger, so scale handling bugs show up; ``normal`` is N(0, 1)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def mat(rows):
-        x = torch.randn(rows, k, generator=g, device=device)
-        if dist == "awkward":
-            x *= torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g, device=device).float())
-            blocks = x.view(rows, k // 16, 16)
-            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.05] = 0.0
-            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.02] *= 16.0
-        return x
-
-    b = quantize(mat(n))
-    a_raw = mat(m)
-    if a_format == "nvfp4":
-        return quantize(a_raw), b
-    dt = torch.bfloat16 if a_format == "bf16" else torch.float16
-    return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt), b
-
-
-def poisoned_check(kernel, a, b: NVFP4Tensor) -> reference.CheckResult:
-    """Run ``kernel`` into an output filled with NaN (so an unwritten element fails) and
-    compare it with the exact reference."""
-    m, n = a.shape[0], b.shape[0]
-    out = torch.full((m, n), float("nan"), dtype=out_dtype_of(kernel.schedule),
-                     device=b.device)
-    run_compiled(kernel, a, b, out=out)
-    torch.cuda.synchronize()
-    return reference.check(out, a, b)
 
 
 def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int = 0,
@@ -418,6 +307,3 @@ class NVFP4Linear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
-
-
-_ops()

@@ -167,7 +167,7 @@ class CompiledGemm:
     """A compiled kernel for one schedule and operand signature; call it on torch tensors.
 
     ``out = k(a, b, out=None, alpha=None)`` with ``a`` an NVFP4Tensor (W4A4) or a bf16/fp16
-    tensor (W4A16) and ``b`` an NVFP4Tensor. Inputs are validated (see ``cute_fp4.api``).
+    tensor (W4A16) and ``b`` an NVFP4Tensor. Inputs are validated (``cute_fp4.run``).
     """
 
     def __init__(self, schedule: Schedule, signature: Signature, compiled, kernel,
@@ -212,7 +212,7 @@ class CompiledGemm:
             self._compiled(*args)
 
     def __call__(self, a, b, out=None, alpha=None):
-        from cute_fp4.api import run_compiled
+        from cute_fp4.run import run_compiled
 
         return run_compiled(self, a, b, out=out, alpha=alpha)
 

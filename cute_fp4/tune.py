@@ -1,103 +1,58 @@
 """Tuning: time the candidate schedules of a shape, validate the winner, remember it.
 
 Candidates are the catalogue schedules of the device's family that ``plan()`` accepts for
-the problem. Winners are stored in a JSON file (``$CUTE_FP4_TUNING`` or
-``~/.cache/cute_fp4/tuning.json``) keyed by GPU name, A format and M, N, K;
-``schedule="auto"`` consults it before falling back to the heuristic.
+the problem. The fastest one that passes the poisoned check against the exact reference is
+stored in the tuning store (``cute_fp4.tuning``), where ``schedule="auto"`` finds it
+before falling back to the heuristic. The store keys on the GPU name, the A format, N, K
+and the power-of-two bucket of M: a tuning at M = 16 serves M = 9..16 (at M, every M in
+``(B/2, B]`` for B the smallest power of two >= M). Entries carry ``schedule.key()`` and
+the package source fingerprint; after the sources change they are ignored (said once).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 from cute_fp4.schedule import Problem, Schedule
+from cute_fp4.tuning import bucket_range, load_store, lookup, save_entry, store_path
 
-
-def store_path() -> Path:
-    env = os.environ.get("CUTE_FP4_TUNING")
-    return Path(env) if env else Path.home() / ".cache" / "cute_fp4" / "tuning.json"
-
-
-def _key(device_name: str, m: int, n: int, k: int, a_format: str) -> str:
-    return f"{device_name}|{a_format}|{m}x{n}x{k}"
-
-
-_STORE: dict = {}  # path -> (mtime_ns, parsed store): gemm("auto") must not parse per call
-
-
-def load_store() -> dict:
-    """The tuning store, parsed again only when the file changed (it is read on every
-    ``schedule="auto"`` call). Returns a copy; a missing or corrupt file reads as empty."""
-    path = store_path()
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    hit = _STORE.get(path)
-    if hit is None or hit[0] != mtime:
-        try:
-            hit = _STORE[path] = (mtime, json.loads(path.read_text()))
-        except (OSError, ValueError):
-            return {}
-    return dict(hit[1])
-
-
-def save_entry(key: str, name: str) -> None:
-    path = store_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = load_store()
-    data[key] = name
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic
-
-
-def lookup(device, m: int, n: int, k: int, a_format: str) -> Schedule | None:
-    """The tuned schedule for this device and shape, if one was stored and still exists."""
-    from cute_fp4 import catalogue
-    from cute_fp4.errors import InputError
-
-    name = load_store().get(_key(device.name, m, n, k, a_format))
-    if name is None:
-        return None
-    try:
-        return catalogue.get(name)
-    except InputError:
-        return None
+__all__ = ["candidates", "tune", "load_store", "lookup", "store_path"]
 
 
 def candidates(family: str, problem: Problem, out_dtype: str = "bf16") -> list[Schedule]:
     """Catalogue schedules of ``family`` that plan() accepts for ``problem``, all writing
-    ``out_dtype`` (schedules that differ only in their output dtype collapse into one)."""
+    ``out_dtype`` (schedules that differ only in their output dtype collapse into one).
+    Each keeps its catalogue name, which is what the tuning store records."""
     from cute_fp4 import catalogue
     from cute_fp4.plan import plan
 
     out = {}
     for s in catalogue.all_schedules(family):
-        s = s.replace(out_dtype=out_dtype)
+        s = s.replace(out_dtype=out_dtype, name=s.name)
         if s not in out and plan(s, problem).ok:
             out[s] = s
     return list(out)
 
 
 def tune(shapes=None, formats=("nvfp4",), reps: int = 10) -> list[dict]:
-    """Time every candidate per shape; store the fastest one that validates."""
+    """Time every candidate per shape; store the fastest one that validates.
+
+    A shape (M, N, K) is stored for the bucket of M: the winner at M = 16 is what
+    ``schedule="auto"`` uses for M = 9..16 (``serves_M`` in the rows says which); two
+    shapes of one bucket leave the later one's winner."""
     import torch
 
-    from cute_fp4.api import make_operands, poisoned_check, run_compiled
     from cute_fp4.bench import Timer, default_shapes
     from cute_fp4.compile import Signature, compile
+    from cute_fp4.operands import make_operands
+    from cute_fp4.run import poisoned_check, run_compiled
     from cute_fp4.targets import require_device
 
     dev = require_device()
     timer = Timer(reps)
     rows = []
     for m, n, k in shapes or default_shapes():
+        lo, hi = bucket_range(m)
         for fmt in formats:
             a, b = make_operands(m, n, k, fmt, dist="normal")
             timed = []
@@ -106,14 +61,12 @@ def tune(shapes=None, formats=("nvfp4",), reps: int = 10) -> list[dict]:
                 kern = compile(s, Signature(fmt))
                 out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
                 timed.append((timer(lambda: run_compiled(kern, a, b, out=out)), s, kern))  # noqa: B023
+            row = {"M": m, "N": n, "K": k, "A": fmt, "serves_M": f"{lo}..{hi}",
+                   "best": "-", "us": "-", "candidates": len(timed), "validated": "NO"}
             for us, s, kern in sorted(timed, key=lambda t: t[0]):
                 if poisoned_check(kern, a, b).passed:
-                    save_entry(_key(dev.name, m, n, k, fmt), s.name)
-                    rows.append({"M": m, "N": n, "K": k, "A": fmt, "best": s.name,
-                                 "us": round(us, 2), "candidates": len(timed),
-                                 "validated": "yes"})
+                    save_entry(dev.name, m, n, k, fmt, s, tuned_m=m, us=round(us, 2))
+                    row.update(best=s.name, us=round(us, 2), validated="yes")
                     break
-            else:
-                rows.append({"M": m, "N": n, "K": k, "A": fmt, "best": "-", "us": "-",
-                             "candidates": len(timed), "validated": "NO"})
+            rows.append(row)
     return rows

@@ -136,22 +136,3 @@ def test_failing_export_still_returns_the_kernel(tmp_path):
         art, how = DiskCache(tmp_path, "fp").get_or_build("k1", calls.build, export, calls.load)
     assert how == "built" and art.startswith(b"OBJECT")
     assert not (tmp_path / "k1").exists()
-
-
-def test_tuning_store_round_trip_and_reload(monkeypatch, tmp_path):
-    import os
-
-    from cute_fp4 import tune
-
-    path = tmp_path / "tuning.json"
-    monkeypatch.setenv("CUTE_FP4_TUNING", str(path))
-    assert tune.load_store() == {}
-    tune.save_entry("gpu|nvfp4|16x64x64", "sm90_decode")
-    assert tune.load_store() == {"gpu|nvfp4|16x64x64": "sm90_decode"}
-    tune.save_entry("gpu|nvfp4|1x64x64", "sm90_decode_swapab")
-    st = path.stat()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # coarse clocks
-    assert len(tune.load_store()) == 2  # a changed file is read again
-    path.write_text("{broken")
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000))
-    assert tune.load_store() == {}

@@ -1,0 +1,137 @@
+"""GEMM operands: the checks every call goes through, alpha, output dtypes, test operands.
+
+:func:`check_operands` runs before anything is launched or written: a bad input raises a
+typed error naming the problem and the numbers, and the output tensor is left untouched.
+Host metadata only (shapes, dtypes, devices, strides, pointers): no GPU synchronisation.
+This module sits under the host layer (``run``) and the API (``api``), which both use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_fp4.errors import DeviceError, InputError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
+from cute_fp4.schedule import OutDtype, Schedule
+
+_TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
+              OutDtype.FP32: torch.float32}
+ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row pitches
+
+
+def out_dtype_of(schedule: Schedule) -> torch.dtype:
+    """The torch dtype a schedule's epilogue writes."""
+    return _TORCH_OUT[schedule.epilogue.out_dtype]
+
+
+def _check_tensor(t: torch.Tensor, name: str, dtypes, shape, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise InputError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise InputError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise InputError(f"{name} is on {t.device} but the operands are on {device}")
+    if not t.is_contiguous():
+        raise InputError(f"{name} must be contiguous (row-major); got strides {t.stride()} "
+                         f"for shape {tuple(t.shape)}")
+    if t.data_ptr() % ALIGN:
+        raise InputError(f"{name}'s data pointer 0x{t.data_ptr():x} is not {ALIGN}-byte "
+                         f"aligned (offset {t.data_ptr() % ALIGN}); TMA needs {ALIGN} bytes")
+
+
+def _a_format(a) -> tuple[int, int, str]:
+    """(M, K, format) of the A operand; raises on anything but NVFP4 or a 2-D bf16/fp16."""
+    if isinstance(a, NVFP4Tensor):
+        return *a.shape, "nvfp4"
+    if not isinstance(a, torch.Tensor):
+        raise InputTypeError(f"a must be an NVFP4Tensor or a torch.Tensor, "
+                             f"got {type(a).__name__}")
+    if a.dim() != 2:
+        raise InputError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
+    fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(a.dtype, "")
+    if not fmt:
+        raise InputError(f"a must be an NVFP4Tensor (W4A4) or bfloat16/float16 (W4A16), "
+                         f"got {a.dtype}")
+    return *a.shape, fmt
+
+
+def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
+                   require_cuda: bool = True) -> tuple[int, int, int, str]:
+    """Validate operands; returns (M, N, K, a_format). Raises before anything is written.
+    ``require_cuda=False`` skips only the device-type check (CPU tests of the rest)."""
+    if not isinstance(b, NVFP4Tensor):
+        raise InputTypeError(f"b (the weight) must be an NVFP4Tensor [N, K], got "
+                             f"{type(b).__name__}; use cute_fp4.quantize() or "
+                             "NVFP4Tensor.from_modelopt()")
+    n, k = b.shape
+    dev = b.device
+    if require_cuda and dev.type != "cuda":
+        raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
+    m, ka, a_format = _a_format(a)
+    if ka != k:
+        raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n}, {k}]")
+    if m == 0 or n == 0 or k == 0:
+        raise InputError(f"empty GEMM: M = {m}, N = {n}, K = {k}; all must be > 0")
+    if k % 32:
+        raise InputError(f"K = {k} is not a multiple of 32: packed FP4 rows must be a "
+                         "multiple of 16 bytes")
+    _check_tensor(b.data, "b.data", (torch.uint8,), (n, k // 2), dev)
+    _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), scale_shape(n, k), dev)
+    if a_format == "nvfp4":
+        _check_tensor(a.data, "a.data", (torch.uint8,), (m, k // 2), dev)
+        _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
+    else:
+        _check_tensor(a, "a", (a.dtype,), (m, k), dev)
+    if out is not None:
+        _check_tensor(out, "out", (out_dtype,), (m, n), dev)
+    if (n * out_dtype.itemsize) % ALIGN:
+        raise InputError(f"N = {n} gives output rows of {n * out_dtype.itemsize} bytes; they "
+                         f"must be a multiple of {ALIGN} (N a multiple of "
+                         f"{ALIGN // out_dtype.itemsize})")
+    if alpha is not None and isinstance(alpha, torch.Tensor) and alpha.numel() != 1:
+        raise InputError(f"alpha must be a scalar, got {alpha.numel()} elements")
+    return m, n, k, a_format
+
+
+def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
+    """alpha as a one-element float32 tensor on b's device (0-d when it comes from the
+    global scales: the kernels read only its data pointer). No copy when the global scale
+    already is float32 on b's device; W4A4 multiplies the two (one elementwise op)."""
+    if alpha is None:
+        dev = b.device
+        gs = b.global_scale
+        if gs.dtype != torch.float32 or gs.device != dev:
+            gs = gs.to(dev, torch.float32)
+        if isinstance(a, NVFP4Tensor):
+            ga = a.global_scale
+            if ga.dtype != torch.float32 or ga.device != dev:
+                ga = ga.to(dev, torch.float32)
+            gs = gs * ga
+        return gs if gs.dim() == 0 or gs.shape == (1,) else gs.reshape(1)
+    return torch.as_tensor(alpha, dtype=torch.float32, device=b.device).reshape(1)
+
+
+def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0,
+                  dist: str = "awkward", device="cuda"):
+    """Random operands: ``awkward`` gives rows whose magnitudes span 2^-6..2^6 (block scales
+    over ~14 binades of UE4M3's 18, subnormal scales included), 5% zero blocks and 2%
+    blocks 16x larger, so scale handling bugs show up; ``normal`` is N(0, 1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def mat(rows):
+        x = torch.randn(rows, k, generator=g, device=device)
+        if dist == "awkward":
+            x *= torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g, device=device).float())
+            blocks = x.view(rows, k // 16, 16)
+            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.05] = 0.0
+            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.02] *= 16.0
+        return x
+
+    b = quantize(mat(n))
+    a_raw = mat(m)
+    if a_format == "nvfp4":
+        return quantize(a_raw), b
+    dt = torch.bfloat16 if a_format == "bf16" else torch.float16
+    return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt), b

@@ -1,0 +1,71 @@
+"""Host side: run a compiled kernel on torch tensors.
+
+:func:`run_compiled` checks the operands (``cute_fp4.operands``), checks the plan for the
+shape, allocates the output (and the split-K workspace), launches, and reduces split-K
+partials; :func:`poisoned_check` runs into a NaN-filled output and compares with the exact
+reference. ``CompiledGemm.__call__`` is :func:`run_compiled`; the API layer (``gemm``,
+``validate``, ``bench``, ``tune``) builds on these and nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cute_fp4 import reference
+from cute_fp4.errors import InputError
+from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.operands import alpha_tensor, check_operands, out_dtype_of
+from cute_fp4.schedule import Problem, Schedule
+
+
+def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
+    """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials."""
+    dims = check_operands(a, b, out, alpha, out_dtype_of(kernel.schedule))
+    return run_checked(kernel, a, b, out, alpha, dims)
+
+
+def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
+    """:func:`run_compiled` after :func:`check_operands` returned ``dims``."""
+    s: Schedule = kernel.schedule
+    out_dtype = out_dtype_of(s)
+    m, n, k, a_format = dims
+    if a_format != kernel.signature.a_format:
+        raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
+                         f"got {a_format}")
+    check_plan(s, Problem(m, n, k, a_format))
+    alpha_t = alpha_tensor(a, b, alpha)
+    result = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device)
+    a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
+    if s.split_k > 1:
+        ws = torch.empty((s.split_k, m, n), dtype=torch.float32, device=b.device)
+        kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
+        # sum over the split in a fixed order (deterministic), then alpha, rounded once
+        # into result's dtype: bit-identical to result.copy_(ws.sum(0).mul_(alpha_t)) with
+        # two elementwise kernels instead of three
+        torch.mul(ws.sum(dim=0), alpha_t, out=result)
+    else:
+        kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, None)
+    return result
+
+
+@functools.lru_cache(maxsize=4096)
+def check_plan(s: Schedule, p: Problem) -> None:
+    """``plan(s, p).raise_if_invalid()``, memoised: plan() is pure but costs ~150 us of
+    Python, which at decode sizes is several times the kernel. Refusals are not cached
+    (the exception propagates), so they are re-raised with their message every call."""
+    from cute_fp4.plan import plan
+
+    plan(s, p).raise_if_invalid()
+
+
+def poisoned_check(kernel, a, b: NVFP4Tensor) -> reference.CheckResult:
+    """Run ``kernel`` into an output filled with NaN (so an unwritten element fails) and
+    compare it with the exact reference."""
+    m, n = a.shape[0], b.shape[0]
+    out = torch.full((m, n), float("nan"), dtype=out_dtype_of(kernel.schedule),
+                     device=b.device)
+    run_compiled(kernel, a, b, out=out)
+    torch.cuda.synchronize()
+    return reference.check(out, a, b)
