@@ -2,10 +2,16 @@
 
 A schedule says nothing about the problem (M, N, K, operand formats); ``plan()`` checks a
 schedule against its target and, optionally, a problem. Derive variants with
-``dataclasses.replace`` (or :meth:`Schedule.replace`, which also accepts component fields)::
+:meth:`Schedule.replace`, which also takes component fields by name and enum values as
+strings, and names the result after what changed::
 
-    s = catalogue.get("sm120_128x128x128")
-    deep = s.replace(tile=Tile(128, 128, 256), epilogue=Epilogue(tile=(64, 32)))
+    s = catalogue.get("sm120_default")
+    deep = s.replace(tile=(128, 128, 256), epi_tile=(64, 32), roles="pingpong")
+    deep.name  # 'sm120_default+tile=128x128x256+roles=pingpong+epi_tile=64x32'
+
+Enum fields (``roles``, ``raster``, ``sf_load``, ``out_dtype``) are normalised on
+construction, so a value string can never reach a kernel (which tests with ``is``) and
+``key()`` always follows the generated code.
 """
 
 from __future__ import annotations
