@@ -30,7 +30,7 @@ _EXPORTS = {
     "CompiledGemm": "compile", "compile_report": "compile",
     "gemm": "api", "validate": "api", "NVFP4Linear": "api",
 }
-_SUBMODULES = ("reference", "catalogue", "errors")
+_SUBMODULES = ("reference", "catalogue", "errors", "ops")
 
 __all__ = sorted([*_EXPORTS, "plan", "compile"]) + list(_SUBMODULES)
 
