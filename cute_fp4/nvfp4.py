@@ -103,12 +103,28 @@ def scale_shape(rows: int, k: int, block: int = 16) -> tuple[int, int]:
     return _round_up(rows, 128), _round_up(-(-k // block), 4)
 
 
-def scale_offset(r, c, k: int, block: int = 16):
-    """Byte offset of the scale of (row r, scale column c) in the 128x4 blocked layout
-    (the cuBLAS "Block Scaling Factors Layout"). Works on ints and integer tensors."""
-    n_col_blocks = _round_up(-(-k // block), 4) // 4
-    return ((r // 128) * (n_col_blocks * 512) + (c // 4) * 512 + (r % 32) * 16
-            + ((r % 128) // 32) * 4 + (c % 4))
+SF_BLOCK = 16  # elements per scale factor
+SF_ATOM_ROWS = 128  # rows of one 128x4 atom
+SF_ATOM_COLS = 4  # scale columns of one atom (64 elements of K)
+SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
+
+
+def sf_offset(r, c, col_blocks):
+    """Byte offset of the scale of (row ``r``, scale column ``c``) in the 128x4 blocked
+    layout with ``col_blocks`` 4-column blocks per 128-row atom row.
+
+    The one definition of the layout (the cuBLAS "Block Scaling Factors Layout"): plain
+    integer arithmetic, so it serves Python ints, integer tensors and the kernels' DSL
+    integers alike. Row ``r`` of an atom lives at ``(r % 32) * 16 + ((r % 128) // 32) * 4``.
+    """
+    return ((r // SF_ATOM_ROWS) * (col_blocks * SF_ATOM_BYTES) + (c // SF_ATOM_COLS)
+            * SF_ATOM_BYTES + (r % 32) * 16 + ((r % SF_ATOM_ROWS) // 32) * 4 + c % SF_ATOM_COLS)
+
+
+def scale_offset(r, c, k: int, block: int = SF_BLOCK):
+    """Byte offset of the scale of (row r, scale column c) for ``k`` elements per row in
+    the 128x4 blocked layout (:func:`sf_offset`). Works on ints and integer tensors."""
+    return sf_offset(r, c, _round_up(-(-k // block), SF_ATOM_COLS) // SF_ATOM_COLS)
 
 
 def swizzle_scales(sf_linear: torch.Tensor) -> torch.Tensor:

@@ -271,8 +271,8 @@ class _Storage:
         import cutlass
         self.sA = _Range(cutlass.Float4E2M1FN)
         self.sB = _Range(cutlass.Float4E2M1FN)
-        self.sSFA = _Range(cutlass.Float8E4M3FN)
-        self.sSFB = _Range(cutlass.Float8E4M3FN)
+        self.sSFA = _Range(cutlass.Uint8)
+        self.sSFB = _Range(cutlass.Uint8)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -290,7 +290,7 @@ def _ldmatrix_regs(k, f, thr_copy, ident, src_key, dst_key, n_threads, stage, pa
     regs = {}
     for t in range(n_threads):
         src_i = thr_copy[t].partition_S(ident)
-        src_k = f[t][src_key]
+        src_k = getattr(f[t], src_key)
         assert cute.size(src_i) == cute.size(src_k)
         sl = _ident_prep(src_i)[1]
         _, n_cm, n_ck, _ = (_size(ms) for ms, _ in _modes(sl))
@@ -311,7 +311,7 @@ def _ldmatrix_regs(k, f, thr_copy, ident, src_key, dst_key, n_threads, stage, pa
                     rows[t, cm, ck, q] = coords
     for t in range(n_threads):
         w, lane = divmod(t, 32)
-        rl = f[t][dst_key].layout
+        rl = getattr(f[t], dst_key).layout
         n_v = _size(_modes(rl)[0][0])
         _, n_cm, n_ck = (_size(ms) for ms, _ in _modes(rl))
         r = regs.setdefault(t, {})
@@ -344,7 +344,7 @@ def _sf_regs(k, f, thr_copy, ident, frag_key, src_f, dst_f, alloc_layout, stage,
     for t in range(n_threads):
         thr = thr_copy[t]
         src_i = thr.partition_S(ident)
-        dst_full = thr.retile(f[t][frag_key])
+        dst_full = thr.retile(getattr(f[t], frag_key))
         sl, dl = _ident_prep(src_i)[1], dst_full.layout
         _, n_cm, n_kb, _ = (_size(ms) for ms, _ in _modes(sl))
         r = out.setdefault(t, {})
@@ -435,7 +435,7 @@ def _record_mainloop(k, f):
         def consumer_release(self, state):
             calls.append(("release",))
 
-    toks = {key: _Tok(key, v) for key, v in f.items()}
+    toks = type(f)(**{key: _Tok(key, v) for key, v in f._asdict().items()})
     sf_names = ("tCsSFA", "tCrSFA_v", "tCsSFB", "tCrSFB_v")
     k._sf_sources = lambda f, cm, cn: tuple(_Tok(n) for n in sf_names)
     saved = mod.cute, mod.cutlass
@@ -509,8 +509,8 @@ def _trace(schedule, corrupt=None):
         if corrupt:
             corrupt(copies, mmas)
         mma = k.tiled_mma
-        ca = [f[t]["copy_a"].get_slice(t) for t in range(nt)]
-        cb = [f[t]["copy_b"].get_slice(t) for t in range(nt)]
+        ca = [f[t].copy_a.get_slice(t) for t in range(nt)]
+        cb = [f[t].copy_b.get_slice(t) for t in range(nt)]
         regs_a = _ldmatrix_regs(k, f, ca, cute.make_identity_tensor((tm, tk, k.stages)),
                                 "tCsA", "tCrA_v", nt, stage, copies["tCrA_v"], errors)
         regs_b = _ldmatrix_regs(k, f, cb, cute.make_identity_tensor((tn, tk, k.stages)),
@@ -532,7 +532,7 @@ def _trace(schedule, corrupt=None):
 
         for t in range(nt):
             w, lane = divmod(t, 32)
-            fa, fb = f[t]["tCrA"].layout, f[t]["tCrB"].layout
+            fa, fb = f[t].tCrA.layout, f[t].tCrB.layout
             (va, _), (ma, _), _ = _modes(fa)
             (vb, _), (nb, _), _ = _modes(fb)
             for g, mm in enumerate(mmas):
@@ -592,7 +592,7 @@ def _trace(schedule, corrupt=None):
         for t in range(nt):
             w, lane = divmod(t, 32)
             pc = mma.get_slice(t).partition_C(ident_c)
-            acc = f[t]["acc"].layout
+            acc = f[t].acc.layout
             pl = _ident_prep(pc)[1]
             assert [_size(ms) for ms, _ in _modes(pl)] == [
                 _size(ms) for ms, _ in _modes(acc)]
@@ -610,7 +610,7 @@ def _trace(schedule, corrupt=None):
         for op, tile_rows, key, m_tab in (("A", tm, "tCrSFA", m_of), ("B", tn, "tCrSFB", n_of)):
             view = k.sSFA_view if op == "A" else k.sSFB_view
             alloc = k.sSFA_layout if op == "A" else k.sSFB_layout
-            thr = [f[t]["thr_sfa" if op == "A" else "thr_sfb"] for t in range(nt)]
+            thr = [getattr(f[t], "thr_sfa" if op == "A" else "thr_sfb") for t in range(nt)]
             ident = cute.make_identity_tensor(cute.shape(view))
             ratio = sf_layout.ATOM_ROWS // tile_rows
             k_of = ka_of if op == "A" else kb_of
@@ -625,7 +625,7 @@ def _trace(schedule, corrupt=None):
                                 copies[key + "_v"])
                 for t in range(nt):
                     w, lane = divmod(t, 32)
-                    frag = f[t][key].layout
+                    frag = getattr(f[t], key).layout
                     (_, _), (rm, _), _ = _modes(frag)
                     for mi in range(_size(rm)):
                         for g, mm in enumerate(mmas):

@@ -20,7 +20,7 @@ import torch
 
 from cute_fp4 import nvfp4
 from cute_fp4.kernels import sf_layout as L
-from cute_fp4.kernels.sm120_parts import unit_coords
+from cute_fp4.kernels.scheduler import unit_coords
 
 
 @pytest.mark.parametrize("rows, k", [(1, 32), (130, 96), (256, 128), (300, 1040)])
@@ -102,7 +102,7 @@ def test_work_units_cover_every_tile_and_k_once(tiles_m, tiles_n, k_tiles, split
                                                 along_m):
     seen = {}
     for u in range(tiles_m * tiles_n * splits):
-        cm, cn, s, k0, kc = unit_coords(u, tiles_m, tiles_n, k_tiles, splits, group, along_m)
+        cm, cn, _, s, k0, kc = unit_coords(u, tiles_m, tiles_n, k_tiles, splits, group, along_m)
         assert 0 <= cm < tiles_m and 0 <= cn < tiles_n and kc >= 1
         seen.setdefault((cm, cn), []).append((s, k0, kc))
     assert len(seen) == tiles_m * tiles_n

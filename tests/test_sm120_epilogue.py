@@ -2,7 +2,7 @@
 
 Traces (no GPU) the kernel's tiled MMA and register -> shared copy, and follows each
 thread's accumulator values through the epilogue's index arithmetic
-(``sm120_parts.epilogue_store``) to the epilogue-tile coordinate the copy writes them to.
+(``kernels/epilogue.store_smem_tma``) to the epilogue-tile coordinate the copy writes them to.
 A one-value copy atom (FP32 output, split-K partials) once misplaced 3/4 of the tile.
 """
 
@@ -30,7 +30,6 @@ def _misplaced(schedule):
     import cutlass.cute as cute
 
     from cute_fp4.kernels.sm120 import Sm120Gemm
-    from cute_fp4.kernels.sm120_parts import _r2s_copy
 
     k = Sm120Gemm(schedule)
     out = {}
@@ -39,7 +38,7 @@ def _misplaced(schedule):
         k._setup()
         tm, tn, _ = k.tile_mnk
         em, en = k.epi_tile
-        r2s = _r2s_copy(k)
+        r2s = k._r2s_copy()
         bad, seen = 0, set()
         for t in range(k.group_threads):
             acc = r2s.retile(k.tiled_mma.get_slice(t).partition_C(

@@ -19,10 +19,12 @@ Python so CPU tests can check the kernel's layouts against the formulas here.
 
 from __future__ import annotations
 
-SF_VEC = 16  # K elements per scale factor
-ATOM_ROWS = 128  # rows of one 512-byte atom
-ATOM_COLS = 4  # scale columns of one atom (= one 64-element K block)
-ATOM_BYTES = ATOM_ROWS * ATOM_COLS
+from cute_fp4 import nvfp4
+
+SF_VEC = nvfp4.SF_BLOCK  # K elements per scale factor
+ATOM_ROWS = nvfp4.SF_ATOM_ROWS  # rows of one 512-byte atom
+ATOM_COLS = nvfp4.SF_ATOM_COLS  # scale columns of one atom (= one 64-element K block)
+ATOM_BYTES = nvfp4.SF_ATOM_BYTES
 MMA_K = 64  # K of one m16n8k64 MMA: exactly one atom column group
 
 
@@ -37,9 +39,7 @@ def padded_sf_shape(rows: int, k: int) -> tuple[int, int]:
 
 def blocked_sf_offset(r: int, c: int, k: int) -> int:
     """Byte offset of scale (row ``r``, scale column ``c``) in the cuBLAS blocked layout."""
-    col_atoms = _ceil_div(_ceil_div(k, SF_VEC), ATOM_COLS)
-    return ((r // ATOM_ROWS) * col_atoms * ATOM_BYTES + (c // ATOM_COLS) * ATOM_BYTES
-            + (r % 32) * 16 + ((r % ATOM_ROWS) // 32) * 4 + c % ATOM_COLS)
+    return nvfp4.scale_offset(r, c, k)
 
 
 def sf_smem_rows(tile_rows: int) -> int:

@@ -1,0 +1,165 @@
+"""The one launch signature of every GEMM kernel, and its host- and device-side arguments.
+
+Compiled signature (all families)::
+
+    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, m, n, k, max_ctas, stream)
+
+raw global pointers and Int32 sizes, so one compile serves every shape and a launch reads
+only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call):
+
+* ``pA``: A, uint8 ``[M, K/2]`` packed NVFP4 (W4A4) or bf16/fp16 ``[M, K]`` (W4A16);
+* ``pSFA``/``pSFB``: UE4M3 scales of A/B in the 128x4 blocked layout, flat bytes (W4A16:
+  ``pSFA`` repeats ``pSFB`` and is never read);
+* ``pB``: B, uint8 ``[N, K/2]``; ``pC``: the output ``[M, N]`` row-major;
+* ``pAlpha``: one float32 on the device; ``pWork``: the FP32 split-K workspace
+  ``[split_k, M, N]`` (without split-K, ``pAlpha`` again, never read);
+* ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count).
+
+The caller (``cute_fp4.api.check_operands``) has checked dtypes, shapes, contiguity and
+16-byte alignment: the pointers carry no layout. :func:`global_tensors` rebuilds the
+compact tensors inside the launcher with the divisibility the checks guarantee (N % 8,
+K % 32, 16-byte aligned bases).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_fp4.nvfp4 import SF_ATOM_BYTES
+from cute_fp4.schedule import OutDtype, Schedule
+
+_GMEM = cute.AddressSpace.gmem
+
+
+class PointerTypes(NamedTuple):
+    """Element types of the pointer arguments of a kernel (``pWork`` is always FP32)."""
+
+    a: type  # Uint8 (packed NVFP4) or the 16-bit activation type
+    c: type  # the output element type
+
+
+class GemmTensors(NamedTuple):
+    """Global tensors of one launch, built by :func:`global_tensors`."""
+
+    mA: cute.Tensor  # uint8 [M, K/2] or 16-bit [M, K]
+    mSFA: cute.Tensor  # flat uint8 blocked scales of A (W4A16: those of B)
+    mB: cute.Tensor  # uint8 [N, K/2]
+    mSFB: cute.Tensor  # flat uint8 blocked scales of B
+    mD: cute.Tensor  # (M, N, L): the output (L = 1) or the split-K workspace (L = split_k)
+    mAlpha: cute.Tensor  # (1,) float32
+
+
+def out_dtype(schedule: Schedule) -> type:
+    """Element type of the kernel's output tensor."""
+    return {OutDtype.BF16: cutlass.BFloat16, OutDtype.FP16: cutlass.Float16,
+            OutDtype.FP32: cutlass.Float32}[schedule.epilogue.out_dtype]
+
+
+def _ptr(dtype, address, align):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, address, _GMEM, assumed_align=align)
+
+
+def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
+    """Placeholder arguments for ``cute.compile`` (symbolic M, N, K)."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    u8 = cutlass.Uint8
+    i32 = cutlass.Int32
+    return (_ptr(types.a, 0, 16), _ptr(u8, 0, 16), _ptr(u8, 0, 16), _ptr(u8, 0, 16),
+            _ptr(types.c, 0, 16), _ptr(cutlass.Float32, 0, 4),
+            _ptr(cutlass.Float32, 0, 16 if split_k > 1 else 4),
+            i32(0), i32(0), i32(0), i32(max_ctas), make_fake_stream())
+
+
+def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out, alpha,
+                 workspace, stream) -> tuple:
+    """The compiled signature's arguments from checked torch tensors."""
+    m, n = out.shape
+    sfb = b_scale.data_ptr()
+    f32 = cutlass.Float32
+    work = (_ptr(f32, workspace.data_ptr(), 16) if split_k > 1
+            else _ptr(f32, alpha.data_ptr(), 4))
+    u8 = cutlass.Uint8
+    return (_ptr(types.a, a.data_ptr(), 16),
+            _ptr(u8, sfb if a_scale is None else a_scale.data_ptr(), 16),
+            _ptr(u8, b.data_ptr(), 16), _ptr(u8, sfb, 16),
+            _ptr(types.c, out.data_ptr(), 16), _ptr(f32, alpha.data_ptr(), 4), work,
+            cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(b.shape[1] * 2),
+            cutlass.Int32(sm_count(out.device.index) if out.is_cuda else 1), stream)
+
+
+@functools.cache
+def sm_count(device_index) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _rows(ptr, rows, cols, ld):
+    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(ld, 1)))
+
+
+def _sf_bytes(ptr, rows, half_k):
+    n_cb = (half_k + 31) // 32  # 64-element K blocks
+    size = cute.assume((rows + 127) // 128 * n_cb * SF_ATOM_BYTES, divby=SF_ATOM_BYTES)
+    return cute.make_tensor(ptr, cute.make_layout((size,), stride=(1,)))
+
+
+def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pWork,
+                   m, n, k) -> GemmTensors:
+    """The launch's global tensors over the raw pointers (call while tracing)."""
+    n = cute.assume(n, divby=8)
+    half_k = cute.assume(k // 2, divby=16)
+    ld_b = cute.assume(cutlass.Int64(half_k), divby=16)
+    if w4a16:
+        kk = cute.assume(k, divby=32)
+        mA = _rows(pA, m, kk, cute.assume(cutlass.Int64(kk), divby=8))
+    else:
+        mA = _rows(pA, m, half_k, ld_b)
+    ld_c = cute.assume(cutlass.Int64(n), divby=8)
+    if split_k > 1:  # workspace [split, M, N] seen as (M, N, split)
+        mD = cute.make_tensor(pWork, cute.make_layout(
+            (m, n, split_k), stride=(ld_c, 1, cute.assume(ld_c * m, divby=8))))
+    else:
+        mD = cute.make_tensor(pC, cute.make_layout(
+            (m, n, 1), stride=(ld_c, 1, cute.assume(ld_c * m, divby=8))))
+    return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
+                       _sf_bytes(pSFB, n, half_k), mD,
+                       cute.make_tensor(pAlpha, cute.make_layout((1,), stride=(1,))))
+
+
+class GemmLaunch:
+    """Mixin of every GEMM kernel class: the compiled entry point and its arguments.
+
+    A kernel class sets ``self.ptr_types`` (:class:`PointerTypes`), ``self.w4a16``,
+    ``self.split_k`` and ``self.sm_count`` in ``__init__`` and implements
+    ``_launch(tensors: GemmTensors, max_ctas, stream)``.
+    """
+
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
+                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
+                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 max_ctas: cutlass.Int32, stream):
+        """Entry point: raw global pointers and sizes (see the module docstring)."""
+        self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
+                                    pAlpha, pWork, m, n, k), max_ctas, stream)
+
+    def fake_args(self) -> tuple:
+        """Arguments for ``cute.compile`` (M, N, K symbolic)."""
+        return fake_args(self.ptr_types, self.split_k, self.sm_count)
+
+    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream) -> tuple:
+        """The same arguments from checked torch tensors (pointers and sizes only)."""
+        return runtime_args(self.ptr_types, self.split_k, a, a_scale, b, b_scale, out,
+                            alpha, workspace, stream)
+
+
+__all__ = ["GemmLaunch", "GemmTensors", "PointerTypes", "fake_args", "global_tensors", "out_dtype",
+           "runtime_args", "sm_count"]

@@ -1,0 +1,82 @@
+"""Global -> shared loads shared by every kernel family: TMA of A and B, scale factors by TMA
+or cp.async.
+
+Scale factors. Both families keep a stage's scales exactly as the global 128x4 blocked
+layout has them (:mod:`cute_fp4.nvfp4`): per row atom (128 rows) and K tile, ``tile_k / 64``
+consecutive 512-byte atoms. The global scale tensor is seen as bytes
+``(16, 32, col_block, row_atom)`` and one stage as ``(16, 32, k_blocks, row_atoms)``, so a
+TMA box copies ``k_blocks x row_atoms`` whole atoms (:func:`sf_tma_atom`), or the producer
+warp's 32 lanes copy the same bytes as 16-byte cp.async chunks (:func:`load_sf_cp_async`).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+from cute_fp4.nvfp4 import SF_ATOM_BYTES
+
+CHUNK = 16  # bytes per cp.async
+WARP = 32
+
+
+def sf_stage_layout(k_blocks: int, row_atoms: int, stages: int):
+    """Byte layout ``(16, 32, k_block, row_atom, stage)`` of staged scale factors."""
+    return cute.make_layout((16, 32, k_blocks, row_atoms, stages))
+
+
+def sf_global_view(mSF: cute.Tensor, rows, half_k) -> cute.Tensor:
+    """Flat uint8 blocked scales -> ``(16, 32, col_block, row_atom)`` bytes."""
+    n_cb = (half_k + 31) // 32  # 64-element K blocks (4 scale columns)
+    n_rb = (rows + 127) // 128
+    return cute.make_tensor(mSF.iterator, cute.make_layout(
+        (16, 32, n_cb, n_rb), stride=(1, 16, SF_ATOM_BYTES, n_cb * SF_ATOM_BYTES)))
+
+
+def sf_tma_atom(mSF_view: cute.Tensor, s_layout):
+    """TMA load atom (and its global tensor) of one stage of ``s_layout`` scale atoms."""
+    stage = cute.slice_(s_layout, (None, None, None, None, 0))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mSF_view, stage,
+                                       cute.shape(stage))
+
+
+@cute.jit
+def tma_views(atom, sX, mX, tile):
+    """TMA partitions of a tiled operand: ``(TMA, stage)`` in shared memory and
+    ``(TMA, tile coordinates...)`` in global memory (``tile`` covers the leading modes)."""
+    gX = cute.local_tile(mX, tile, (None,) * cute.rank(mX))
+    n = cute.rank(tile)
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, n),
+                                 cute.group_modes(gX, 0, n))
+
+
+@cute.jit
+def load_sf_cp_async(sf_bytes, sSF, stage, row_atom, k_tile, k_blocks, tile_k, lane):
+    """One stage of scale factors (one 128-row atom, ``tile_k / 64`` K blocks) by cp.async.
+
+    In the blocked layout those bytes are one contiguous run of ``tile_k * 8`` bytes, in the
+    very order the stage keeps them, so each lane copies 16-byte chunks ``lane, lane + 32,
+    ...``. K blocks past the end of the scale tensor re-read block 0 of the row atom (finite
+    scales; the matching A/B data are zero-filled by TMA).
+    """
+    per_block = SF_ATOM_BYTES // CHUNK  # 32 chunks per K block
+    n_chunks = tile_k * 8 // CHUNK
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                               cutlass.Uint8, num_bits_per_copy=128)
+    row_base = row_atom * k_blocks * SF_ATOM_BYTES
+    s_base = stage * (tile_k * 8)
+    s_ptr = sSF.iterator
+    for i in cutlass.range_constexpr(n_chunks // WARP):
+        c = lane + i * WARP
+        kb = k_tile * (tile_k // 64) + c // per_block
+        kb = cutlass.select_(kb < k_blocks, kb, 0)
+        src_off = cute.assume(row_base + kb * SF_ATOM_BYTES + (c % per_block) * CHUNK,
+                              divby=CHUNK)
+        dst_off = cute.assume(s_base + c * CHUNK, divby=CHUNK)
+        src = cute.make_tensor(sf_bytes.iterator + src_off, cute.make_layout(CHUNK))
+        dst = cute.make_tensor(s_ptr + dst_off, cute.make_layout(CHUNK))
+        cute.copy(atom, src, dst)
+
+
+__all__ = ["load_sf_cp_async", "sf_global_view", "sf_stage_layout", "sf_tma_atom", "tma_views"]

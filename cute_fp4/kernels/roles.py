@@ -1,0 +1,111 @@
+"""Warp roles and barriers shared by every kernel family.
+
+Placement, decided once for all kernels: the MMA (consumer) warps come first, threads
+``[0, mma_threads)``, so a consumer's thread index is its index in the MMA layout; the
+producer warp(s) come last. Where ``setmaxnreg`` can move registers from the producer to
+the consumers, the producer side is padded to a whole warpgroup (the instruction works on
+warpgroups): SM90 always, SM120 pingpong with 2 x 4 MMA warps.
+
+Named barriers (``bar.sync`` ids, :class:`Barrier`): id 0 is ``__syncthreads``; each MMA
+group (SM120 pingpong group, SM90 swap-AB warpgroup) has its own id; one id spans every MMA
+thread. Pingpong groups hand each other their mainloop and epilogue turns through four
+mbarriers (:func:`turn_wait` / :func:`turn_arrive`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_fp4.plan import Plan
+
+WARP = 32
+WARPGROUP = 128
+
+
+class Barrier(enum.IntEnum):
+    """Named-barrier ids. ``MMA_GROUP + g`` for group ``g`` (at most 4 groups)."""
+
+    CTA = 0  # __syncthreads
+    MMA_GROUP = 1  # ids 1..4: the threads of one MMA group / consumer warpgroup
+    ALL_MMA = 5  # every MMA thread of the CTA
+
+
+class WarpLayout(NamedTuple):
+    """Thread layout of a CTA: consumers first, producer last."""
+
+    mma_threads: int  # threads [0, mma_threads) run the MMAs
+    producer_warp: int  # the warp that issues the loads (first warp after the consumers)
+    threads: int  # CTA size
+    regs: tuple[int, int] | None  # setmaxnreg (producer, consumer) registers, or None
+
+
+def warp_layout(mma_warps: int, producer_warpgroup: bool, pl: Plan) -> WarpLayout:
+    """Consumers then one producer warp, or a whole producer warpgroup when
+    ``producer_warpgroup``; the register split is the plan's (``plan.registers``)."""
+    mma_threads = mma_warps * WARP
+    threads = mma_threads + (WARPGROUP if producer_warpgroup else WARP)
+    if threads != pl.threads:
+        raise AssertionError(f"kernel launches {threads} threads, plan() counted {pl.threads}")
+    regs = pl.registers
+    return WarpLayout(mma_threads, mma_warps, threads,
+                      None if regs is None else (regs.producer, regs.mma))
+
+
+@cute.jit
+def set_registers(layout: cutlass.Constexpr, is_producer):
+    """setmaxnreg for this warp's side of ``layout`` (nothing when ``layout.regs`` is None)."""
+    if cutlass.const_expr(layout.regs is not None):
+        if is_producer:
+            cute.arch.setmaxregister_decrease(layout.regs[0])
+        else:
+            cute.arch.setmaxregister_increase(layout.regs[1])
+
+
+# ----------------------------------------------------------------------------- pingpong
+
+@cute.jit
+def init_turns(enabled: cutlass.Constexpr, bars, group_threads: cutlass.Constexpr, warp_idx):
+    """Pingpong: mbarriers [mainloop turn g0, g1, epilogue turn g0, g1]."""
+    if cutlass.const_expr(enabled):
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(bars + i, group_threads)
+    cute.arch.mbarrier_init_fence()
+
+
+@cute.jit
+def turn_wait(enabled: cutlass.Constexpr, bars, group, turn, base: cutlass.Constexpr):
+    """Wait until this group may run its ``turn``-th mainloop (base 0) / epilogue (base 2).
+
+    Group 0 starts first; group g then waits for the other group's matching arrival.
+    """
+    if cutlass.const_expr(enabled):
+        if group == 0:
+            if turn > 0:
+                cute.arch.mbarrier_wait(bars + base, (turn - 1) % 2)
+        else:
+            cute.arch.mbarrier_wait(bars + base + 1, turn % 2)
+
+
+@cute.jit
+def turn_arrive(enabled: cutlass.Constexpr, bars, group, base: cutlass.Constexpr):
+    """Hand the turn to the other group (every thread of this group arrives)."""
+    if cutlass.const_expr(enabled):
+        cute.arch.mbarrier_arrive(bars + base + 1 - group)
+
+
+@cute.jit
+def skip_stages(state, count):
+    """Advance a consumer's pipeline state past ``count`` stages other consumers take."""
+    for _ in cutlass.range(count, unroll=1):
+        state.advance()
+    return state
+
+
+__all__ = ["WARP", "WARPGROUP", "Barrier", "WarpLayout", "init_turns", "set_registers",
+           "skip_stages", "turn_arrive", "turn_wait", "warp_layout"]
