@@ -295,6 +295,7 @@ class KLoop:
         return {"instructions": self.instructions, "mma": self.mma, "ldsm": self.ldsm,
                 "mov": self.mov, "non_mma_per_mma": round(self.non_mma_per_mma, 3),
                 "waits": self.waits, "mma_overlap": self.mma_overlap,
+                "overlap_per_wait": list(self.overlap_per_wait),
                 "ldsm_registers": self.ldsm_registers,
                 "ldsm_dead_registers": self.ldsm_dead_registers}
 
@@ -325,10 +326,10 @@ def find_kloop(sass: str, mma_prefixes: tuple[str, ...] = TENSOR_CORE_MMA) -> KL
 
     * Loop: a backward branch and its target with no unconditional EXIT between them; its
       body is every instruction from the target to the branch, both included, in address
-      order. Out-of-line code the body
-      branches to (the retry loop of a barrier wait, placed after the kernel's EXIT by
-      ptxas) is not in it: the counts are those of the path where every wait succeeds
-      at once.
+      order, on the path where every barrier wait succeeds at once: out-of-line retry
+      code (ptxas puts a wait's retry loop after the kernel's EXIT) is outside the range,
+      and an inline retry block that a ``@Px BRA`` right after the wait ``... Px``
+      jumps over on success is left out (:func:`success_path`).
     * K loop: a loop whose body holds an MMA (``mma_prefixes``) and contains no smaller
       such loop (the innermost); of several (e.g. several kernels), the one with the most
       MMAs, the first by address on ties.
@@ -368,14 +369,48 @@ def _innermost_mma_loops(instrs: list[Instr], prefixes: tuple[str, ...]):
     return sorted(inner)
 
 
-def _measure(name: str, body: list[Instr], prefixes: tuple[str, ...]) -> KLoop:
+def success_path(body: list[Instr]) -> list[Instr]:
+    """``body`` without the inline retry blocks of its barrier waits: a wait
+    ``SYNCS.PHASECHK... Px`` followed (before anything writes Px again) by a forward
+    ``@Px BRA``, taken when the wait succeeded, jumps over the retry code; what it jumps
+    over is left out (ptxas may schedule MMAs between the wait and that branch)."""
+    skipped: set[int] = set()
+    for i, ins in enumerate(body):
+        if not is_wait(ins) or not ins.operands or ins.addr in skipped:
+            continue
+        p = ins.operands[0]
+        for b in body[i + 1:]:
+            t = branch_target(b)
+            if t is not None and b.pred == f"@{p}":
+                if t > b.addr:
+                    skipped.update(x.addr for x in body if b.addr < x.addr < t)
+                break
+            if p in _pred_dests(b):
+                break
+    return [ins for ins in body if ins.addr not in skipped]
+
+
+def _pred_dests(ins: Instr) -> set[str]:
+    """Predicate registers an instruction writes (its leading predicate operands)."""
+    if ins.opcode.startswith(_NO_DEST):
+        return set()
+    out = set()
+    for o in ins.operands[:2]:
+        if not re.fullmatch(r"U?P(?:T|\d+)", o):
+            break
+        out.add(o)
+    return out
+
+
+def _measure(name: str, loop: list[Instr], prefixes: tuple[str, ...]) -> KLoop:
+    body = success_path(loop)
     mma = [i for i, ins in enumerate(body) if is_mma(ins, prefixes)]
     waits = _wait_points(body, prefixes)
     smem_sourced = any(body[i].opcode.startswith(_SMEM_SOURCED_MMA) for i in mma)
     per_wait = () if smem_sourced else tuple(
         _overlap(body, w, waits, prefixes) for w in waits)
     ldsm_regs, dead = _ldsm_dead(body)
-    return KLoop(name, body[0].addr, body[-1].addr, len(body), len(mma),
+    return KLoop(name, loop[0].addr, loop[-1].addr, len(body), len(mma),
                  sum(ins.opcode.startswith("LDSM") for ins in body),
                  sum(ins.opcode.startswith("MOV") for ins in body), len(waits),
                  min(per_wait) if per_wait else None, per_wait, ldsm_regs, dead)

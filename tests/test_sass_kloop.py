@@ -185,6 +185,32 @@ def test_emulated_build_hmma_is_a_tensor_core_mma():
     assert (k.mma, k.ldsm, k.ldsm_dead_registers, k.mma_overlap) == (4, 2, 0, 0)
 
 
+def test_inline_retry_block_is_off_the_success_path():
+    """NVIDIA's pattern: the wait, MMAs on old data scheduled before the branch that skips
+    the inline retry on success, the retry block (its own small loop), then the rest."""
+    body = [
+        "LDSM.16.M88.4 R40, [R2]",                       # 0 loop head
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ], R9",  # 1
+        f"{OMMA} R20, R40, R44, R20, R32, R33, URZ",     # 2 old data
+        "ISETP.NE.AND P1, PT, R4, 0x3, PT",              # writes P1, not P0
+        "@P0 BRA @10",                                   # 4 success: skip 5..9
+        "SHF.L.U32 R9, R9, 0x1f, RZ",                    # 5 retry block
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ], R9",
+        "@!P0 NANOSLEEP.SYNCS 0x989680",
+        "@!P0 SYNCS.PHASECHK.TRANS64 P0, [R8+URZ], R9",
+        "@!P0 BRA @6",                                   # 9
+        "LDSM.16.M88.4 R8, [R5]",                        # 10 the next stage
+        f"{OMMA} R24, R8, R44, R24, R32, R33, URZ",
+        "BRA.U UP0, @0",                                 # 12
+    ]
+    k = find_kloop(sass(body))
+    assert (k.head, k.tail) == (0x0, 0xc0)
+    assert (k.instructions, k.mma, k.waits, k.mma_overlap) == (8, 2, 1, 1)
+    body[3] = "ISETP.NE.AND P0, PT, R4, 0x3, PT"  # P0 rewritten: the branch is not the wait's
+    k = find_kloop(sass(body))
+    assert k.instructions == 13 and k.waits == 2
+
+
 def test_consecutive_waits_count_as_one():
     body = ["SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ], R12",
             "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R3+URZ+0x40], R12",   # scale-factor barrier
