@@ -109,16 +109,23 @@ SF_ATOM_COLS = 4  # scale columns of one atom (64 elements of K)
 SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
 
 
+def sf_atom_offset(r, c):
+    """Byte offset of (row ``r`` modulo 128, scale column ``c`` < 4) inside a 128x4 atom."""
+    return (r % 32) * 16 + ((r // 32) % 4) * 4 + c
+
+
 def sf_offset(r, c, col_blocks):
     """Byte offset of the scale of (row ``r``, scale column ``c``) in the 128x4 blocked
     layout with ``col_blocks`` 4-column blocks per 128-row atom row.
 
-    The one definition of the layout (the cuBLAS "Block Scaling Factors Layout"): plain
+    The one definition of the layout (the cuBLAS "Block Scaling Factors Layout"): 512-byte
+    atoms of 128 rows x 4 scale columns (:func:`sf_atom_offset`), row-atom major. Plain
     integer arithmetic, so it serves Python ints, integer tensors and the kernels' DSL
-    integers alike. Row ``r`` of an atom lives at ``(r % 32) * 16 + ((r % 128) // 32) * 4``.
+    integers alike.
     """
-    return ((r // SF_ATOM_ROWS) * (col_blocks * SF_ATOM_BYTES) + (c // SF_ATOM_COLS)
-            * SF_ATOM_BYTES + (r % 32) * 16 + ((r % SF_ATOM_ROWS) // 32) * 4 + c % SF_ATOM_COLS)
+    return ((r // SF_ATOM_ROWS) * (col_blocks * SF_ATOM_BYTES)
+            + (c // SF_ATOM_COLS) * SF_ATOM_BYTES
+            + sf_atom_offset(r, c % SF_ATOM_COLS))
 
 
 def scale_offset(r, c, k: int, block: int = SF_BLOCK):
@@ -206,6 +213,16 @@ class NVFP4Tensor:
         self.scale = scale.view(self.fmt.scale_dtype).reshape(rp, cp)
         self.global_scale = gs.reshape(()).to(data.device)
         self.shape = (rows, k)
+
+    @classmethod
+    def _unchecked(cls, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                   shape: tuple[int, int]) -> NVFP4Tensor:
+        """Wrap buffers a kernel has just written, skipping ``__init__``'s checks (whose
+        global-scale check synchronises with the GPU). ``scale`` float8_e4m3fn of the
+        blocked shape, ``global_scale`` a 0-d float32 tensor: the caller guarantees it."""
+        t = cls.__new__(cls)
+        t.data, t.scale, t.global_scale, t.shape = data, scale, global_scale, tuple(shape)
+        return t
 
     @property
     def device(self) -> torch.device:

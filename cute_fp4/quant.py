@@ -1,0 +1,286 @@
+"""Fused activation quantization on the GPU: ``quantize_activation(x) -> NVFP4Tensor``.
+
+One CuTe DSL kernel (``cute_fp4.kernels.quantize``) turns a bf16/fp16 ``[M, K]`` tensor into
+packed E2M1 codes and UE4M3 scales in the 128x4 blocked layout, bit-identical to
+:func:`cute_fp4.quantize` on the same device with the same global scale. No host
+synchronisation and no allocation beyond the outputs, so it can be captured in a CUDA graph:
+
+* static global scale (a calibrated ``input_scale``, float32 tensor of one element): one
+  kernel;
+* dynamic (``global_scale=None``): ``amax / 2688`` computed on the GPU, either by an amax
+  kernel and the quantize kernel ("two_pass") or by one kernel whose CTAs each reduce the
+  whole input ("fused", for decode-sized inputs up to :data:`FUSED_MAX_ELEMENTS`).
+
+Kernels compile once per (target, dtype, variant) with symbolic M and K and go through the
+package's disk cache (``cute_fp4.cache``) like the GEMMs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from cute_fp4.errors import CompileError, DeviceError, InputError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
+
+FUSED_MAX_ELEMENTS = 1 << 17  # dynamic scale: one fused kernel up to this many elements
+MAX_ELEMENTS = (1 << 31) - 1  # 32-bit element indices inside the kernel
+DYNAMIC_MODES = ("auto", "two_pass", "fused")
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_x(x) -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"quantize_activation() takes a torch.Tensor, got "
+                             f"{type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise InputError(f"quantize_activation() needs a bfloat16 or float16 tensor, got "
+                         f"{x.dtype} (cute_fp4.quantize takes float32/float64)")
+    if x.dim() != 2:
+        raise InputError(f"quantize_activation() needs a 2-D tensor [M, K], got shape "
+                         f"{tuple(x.shape)} (reshape to [-1, K] first)")
+    m, k = x.shape
+    if m == 0 or k == 0:
+        raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
+    if k % 16:
+        raise InputError(f"K = {k} is not a multiple of 16 (the NVFP4 block size)")
+    if x.device.type != "cuda":
+        raise DeviceError(f"quantize_activation() runs on a CUDA device, x is on {x.device}")
+    if not x.is_contiguous():
+        raise InputError(f"x must be contiguous (row-major); got strides {x.stride()} for "
+                         f"shape {tuple(x.shape)}")
+    if x.data_ptr() % 16:
+        raise InputError(f"x's data pointer 0x{x.data_ptr():x} is not 16-byte aligned "
+                         f"(offset {x.data_ptr() % 16}); the kernel loads 16 bytes at a time")
+    if m * k > MAX_ELEMENTS:
+        raise InputError(f"x has {m * k:,} elements; the kernel indexes at most "
+                         f"{MAX_ELEMENTS:,}")
+    return m, k
+
+
+def _check_scale_tensor(gs: torch.Tensor, device: torch.device, name: str) -> None:
+    if gs.dtype != torch.float32:
+        raise InputError(f"{name} must be float32, got {gs.dtype}")
+    if gs.numel() != 1:
+        raise InputError(f"{name} must have one element, got {gs.numel()} (shape "
+                         f"{tuple(gs.shape)})")
+    if gs.device != device:
+        raise InputError(f"{name} is on {gs.device} but x is on {device}")
+
+
+def _static_scale(global_scale, device: torch.device) -> torch.Tensor:
+    """The global scale as a one-element float32 tensor on ``device`` (no host sync: a
+    tensor's value cannot be checked here, a Python number is)."""
+    if isinstance(global_scale, torch.Tensor):
+        _check_scale_tensor(global_scale, device, "global_scale")
+        return global_scale
+    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float)):
+        raise InputTypeError(f"global_scale must be a float32 tensor of one element, a "
+                             f"number or None, got {type(global_scale).__name__}")
+    v = float(global_scale)
+    if not math.isfinite(v) or v <= 0:
+        raise InputError(f"global_scale must be finite and > 0, got {v:g}")
+    return torch.full((), v, dtype=torch.float32, device=device)
+
+
+def _check_out(out, m: int, k: int, device: torch.device, dynamic: bool) -> None:
+    if not isinstance(out, NVFP4Tensor):
+        raise InputTypeError(f"out must be an NVFP4Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != (m, k):
+        raise InputError(f"out has shape {tuple(out.shape)} but x is [{m}, {k}]")
+    rp, cp = scale_shape(m, k)
+    for t, name, shape, align in ((out.data, "out.data", (m, k // 2), 8),
+                                  (out.scale, "out.scale", (rp, cp), 16)):
+        if t.device != device:
+            raise InputError(f"{name} is on {t.device} but x is on {device}")
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise InputError(f"{name} must be contiguous with shape {shape}, got shape "
+                             f"{tuple(t.shape)} and strides {t.stride()}")
+        if t.data_ptr() % align:
+            raise InputError(f"{name}'s data pointer 0x{t.data_ptr():x} is not {align}-byte "
+                             "aligned")
+    if dynamic:
+        _check_scale_tensor(out.global_scale, device, "out.global_scale")
+
+
+# ----------------------------------------------------------------------------- compile
+
+class CompiledQuantize:
+    """One compiled quantization kernel; ``launch`` takes checked torch tensors."""
+
+    def __init__(self, spec, fn, kernel, compile_s: float, source: str):
+        self.spec, self._fn, self._kernel = spec, fn, kernel
+        self.compile_s, self.source = compile_s, source  # source: built / loaded / uncached
+        self._streams: dict[int, object] = {}
+
+    def launch(self, x, q, sf, gs, partials) -> None:
+        handle = torch.cuda.current_stream().cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            from cuda.bindings import driver
+
+            if len(self._streams) >= 64:
+                self._streams.clear()
+            stream = self._streams[handle] = driver.CUstream(handle)
+        self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, stream))
+
+    def __repr__(self) -> str:
+        return f"CompiledQuantize({self.spec.label()}, {self.source} in {self.compile_s:.2f} s)"
+
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def compile_quantize(spec) -> CompiledQuantize:
+    """The compiled kernel of ``spec`` (a ``QuantSpec`` for the present GPU), from the
+    memory cache, the disk cache, or built."""
+    with _LOCK:
+        hit = _CACHE.get(spec)
+        if hit is None:
+            hit = _CACHE[spec] = _build(spec)
+    return hit
+
+
+def _dsl_compile(kernel, options: str | None = None):
+    import cutlass.cute as cute
+
+    kwargs = {"options": options} if options else {}
+    try:
+        return cute.compile(kernel, *kernel.fake_args(), **kwargs)
+    except Exception as e:  # the DSL raises many types; keep the message
+        raise CompileError(f"CuTe DSL failed on {kernel.spec.label()}: {e}") from e
+
+
+def cross_compile_quantize(spec, dump_dir: str | None = None):
+    """Compile for ``spec.target`` without a GPU (CI); returns (compiled, seconds)."""
+    from cute_fp4.kernels.quantize import QuantizeKernel
+
+    opts = f"--gpu-arch {spec.target}"
+    if dump_dir:
+        opts += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
+    t0 = time.perf_counter()
+    compiled = _dsl_compile(QuantizeKernel(spec), opts)
+    return compiled, time.perf_counter() - t0
+
+
+REPORT_OPCODES = ("LDG.E.128", "STG.E.64", "STG.E.128", "STG.E.U8", "HMNMX2",
+                  "F2FP.SATFINITE.E2M1", "F2FP.SATFINITE.E4M3", "MUFU.RCP", "REDUX")
+
+
+def quantize_compile_report(spec) -> dict:
+    """Cross-compile ``spec`` (no GPU needed) and read its cubin: kernels, registers,
+    spills, instruction count and how often each of :data:`REPORT_OPCODES` occurs."""
+    import re
+    import tempfile
+
+    from cute_fp4.inspect import cubin_sass, inspect_cubin
+
+    with tempfile.TemporaryDirectory(prefix="cute_fp4_quant_") as d:
+        _, secs = cross_compile_quantize(spec, dump_dir=d)
+        cubins = sorted(Path(d).glob("*.cubin"))
+        if not cubins:
+            raise CompileError(f"the DSL wrote no cubin for {spec.label()} to {d}")
+        rep = inspect_cubin(cubins[-1], ())
+        sass = cubin_sass(cubins[-1])
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)", sass)
+    return {"spec": spec.label(), "target": spec.target, "registers": rep.registers,
+            "spills": rep.spills, "kernels": len(re.findall(r"Function : ", sass)),
+            "instructions": len(ops), "compile_s": round(secs, 2),
+            "opcodes": {p: sum(op.startswith(p) for op in ops) for p in REPORT_OPCODES}}
+
+
+def _build(spec) -> CompiledQuantize:
+    import cutlass.cute as cute
+
+    from cute_fp4 import cache
+    from cute_fp4.kernels.quantize import QuantizeKernel
+
+    kernel = QuantizeKernel(spec)
+    key = cache.entry_key("QuantizeKernel", spec.label(), cache.source_fingerprint())
+    prefix = f"cute_fp4_{key}"
+
+    def build():
+        return _dsl_compile(kernel)
+
+    def export(compiled, directory: Path) -> None:
+        compiled.export_to_c(str(directory), "kernel", function_prefix=prefix)
+
+    def load(path: Path):
+        return getattr(cute.runtime.load_module(str(path)), prefix)
+
+    t0 = time.perf_counter()
+    if cache.enabled():
+        fn, how = cache.DiskCache().get_or_build(key, build, export, load)
+    else:
+        fn, how = build(), "built-uncached"
+    return CompiledQuantize(spec, fn, kernel, time.perf_counter() - t0, how)
+
+
+def _spec_for(x: torch.Tensor, scale: str):
+    from cute_fp4.kernels.quantize import QuantSpec
+    from cute_fp4.targets import require_device
+
+    dev = require_device()
+    return QuantSpec(target=dev.target.name, in_dtype=_DTYPES[x.dtype], scale=scale)
+
+
+def _scale_variant(global_scale, numel: int, dynamic_mode: str) -> str:
+    if dynamic_mode not in DYNAMIC_MODES:
+        raise InputError(f"dynamic_mode must be one of {DYNAMIC_MODES}, got {dynamic_mode!r}")
+    if global_scale is not None:
+        return "static"
+    if dynamic_mode == "auto":
+        dynamic_mode = "fused" if numel <= FUSED_MAX_ELEMENTS else "two_pass"
+    return "dynamic_fused" if dynamic_mode == "fused" else "dynamic"
+
+
+# ----------------------------------------------------------------------------- public
+
+def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | None = None,
+                        out: NVFP4Tensor | None = None, *, dynamic_mode: str = "auto"
+                        ) -> NVFP4Tensor:
+    """Quantize a bf16/fp16 ``[M, K]`` CUDA tensor to NVFP4 in one fused GPU pass.
+
+    ``global_scale`` (decode form, ``amax / 2688``): a float32 tensor of one element on
+    ``x``'s device (e.g. a calibrated ModelOpt ``input_scale``; its value is not checked,
+    that would synchronise: it must be finite and > 0), a positive number, or None to
+    compute it from ``x`` on the GPU (``dynamic_mode``: "auto", "two_pass" or "fused").
+    ``out``: an NVFP4Tensor of shape ``[M, K]`` whose ``data`` and ``scale`` (and, for a
+    dynamic scale, ``global_scale``) are overwritten; otherwise they are allocated.
+
+    The result equals ``cute_fp4.quantize(x, global_scale)`` bit for bit, padding included.
+    Every check happens before anything is written; NaN/Inf inputs are not detected (that
+    would synchronise) and give unspecified codes.
+    """
+    m, k = _check_x(x)
+    variant = _scale_variant(global_scale, m * k, dynamic_mode)
+    dynamic = variant != "static"
+    gs = None if dynamic else _static_scale(global_scale, x.device)
+    if out is not None:
+        _check_out(out, m, k, x.device, dynamic)
+    kern = compile_quantize(_spec_for(x, variant))
+    if out is not None:
+        data, scale = out.data, out.scale
+        gs_out = out.global_scale if dynamic else gs
+    else:
+        data = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+        scale = torch.empty(scale_shape(m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        gs_out = torch.empty((), dtype=torch.float32, device=x.device) if dynamic else gs
+    partials = None
+    if variant == "dynamic":
+        from cute_fp4.kernels.quantize import PARTIALS_MAX
+
+        partials = torch.empty(PARTIALS_MAX, dtype=torch.float32, device=x.device)
+    kern.launch(x, data, scale, gs_out, partials)
+    return NVFP4Tensor._unchecked(data, scale, gs_out.reshape(()), (m, k))
+
+
+__all__ = ["quantize_activation", "compile_quantize", "cross_compile_quantize",
+           "CompiledQuantize", "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

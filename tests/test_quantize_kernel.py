@@ -1,0 +1,210 @@
+"""The fused activation-quantization kernel without a GPU.
+
+* The NumPy model of the kernel (``tests/quantize_model.py``: its PTX op by op, its
+  addressing and padding) is bit-identical to ``cute_fp4.quantize`` on awkward inputs, for
+  both arithmetic paths and both E2M1 encoders; the one-correction division is checked at
+  every E2M1 decision point for every BF16 and FP16 significand.
+* The kernel compiles for sm_90a, sm_120a and sm_121a (every dtype and scale variant)
+  without spills, with 16-byte loads, 8-byte packed stores, the hardware E2M1 conversion
+  on SM12x and the software one on SM90.
+* ``quantize_activation`` refuses bad input with typed errors before anything is written.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from quantize_model import (
+    awkward_input,
+    e2m1_rne,
+    fma32,
+    hard_divisors,
+    one_correction_codes,
+    quantize_model,
+)
+
+from cute_fp4 import quant
+from cute_fp4.errors import DeviceError, InputError, InputTypeError
+from cute_fp4.kernels.quantize import SCALES, QuantSpec
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+
+SHAPES = [(1, 16), (1, 4096), (3, 48), (7, 96), (16, 8192), (127, 64), (129, 1040),
+          (130, 32), (256, 208)]
+
+
+def _same(x, gs, **kw):
+    """Model (CPU division semantics) vs CPU quantize: data, scale (padding included)."""
+    ref = quantize(x, gs)
+    data, scale, _ = quantize_model(x, gs, div6="true", **kw)
+    return (np.array_equal(data, ref.data.numpy())
+            and np.array_equal(scale, ref.scale.view(torch.uint8).reshape(-1).numpy()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k", SHAPES)
+def test_model_matches_quantize(dtype, m, k):
+    x = awkward_input(m, k, dtype, seed=m * 7 + k)
+    for gs in (None, 1.0, 2.0**-7, 3e-3):  # dynamic, exact ties, a power of two, arbitrary
+        for hw in (False, True):
+            assert _same(x, gs, hw=hw), (gs, hw)
+    # the general path (forced) and global scales outside the fast range
+    assert _same(x, 3e-3, general=True)
+    assert _same(x, 1e-30, hw=True)
+    assert _same(x, 300.0)
+
+
+def test_model_detects_wrong_codes():
+    """The comparison can fail: flipping one code or one padding byte is noticed."""
+    x = awkward_input(3, 48, torch.bfloat16, seed=1)
+    ref = quantize(x)
+    data, scale, _ = quantize_model(x, None, div6="true")
+    data[1, 3] ^= 0x01
+    assert not np.array_equal(data, ref.data.numpy())
+    scale[-1] ^= 0x01  # a padding byte of row 127
+    assert not np.array_equal(scale, ref.scale.view(torch.uint8).reshape(-1).numpy())
+
+
+def test_kernel_division_semantics_differ_from_cpu_torch():
+    """The kernel follows torch on CUDA (``bamax * float32(1/6)``), which the CPU does not:
+    for this block the two give different scales (the GPU test checks the CUDA side)."""
+    x, gs = tie_case()
+    cpu = quantize_model(x, gs, div6="true")[1]
+    gpu = quantize_model(x, gs, div6="recip")[1]
+    assert cpu[0] != gpu[0]
+    assert _same(x, gs)  # and the CPU form still matches CPU quantize
+
+
+def tie_case():
+    """A block whose scale rounds differently under ``/ 6`` and ``* float32(1/6)``."""
+    bamax = np.float32(5.0)
+    t_true, t_recip = bamax / np.float32(6), bamax * np.float32(1 / 6)
+    tie = np.float32(0.84375)  # between the UE4M3 values 0.8125 and 0.875
+    gs = np.float32(t_recip / tie)
+    while not (t_true / gs < tie <= t_recip / gs):
+        gs = np.nextafter(gs, np.float32(0) if t_true / gs >= tie else np.float32(1))
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    x[0, 0] = 5.0
+    return x, float(gs)
+
+
+@pytest.mark.parametrize("sig_bits", [8, 11])
+def test_one_correction_is_exact_at_every_decision_point(sig_bits):
+    """For every BF16 (8-bit) / FP16 (11-bit) significand and every E2M1 decision point,
+    the divisors nearest to making x / d hit it: one Markstein correction gives the code of
+    the correctly rounded quotient (no correction does not)."""
+    x, d = hard_divisors(sig_bits)
+    ours, exact = one_correction_codes(x, d)
+    assert np.array_equal(ours, exact)
+    r = (np.float32(1) / d).astype(np.float32)
+    no_correction = e2m1_rne((x * r).astype(np.float32))
+    assert (no_correction != exact).sum() > 0
+
+
+def test_fma32_is_correctly_rounded():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(2000).astype(np.float32)
+    b = rng.standard_normal(2000).astype(np.float32)
+    c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(2000) * 1e-7)).astype(np.float32)
+    got = fma32(a, b, c)
+    for ai, bi, ci, gi in zip(a[:300], b[:300], c[:300], got[:300]):
+        exact = Fraction(float(ai)) * Fraction(float(bi)) + Fraction(float(ci))
+        err = abs(Fraction(float(gi)) - exact)
+        for nb in (np.nextafter(gi, np.float32(np.inf)), np.nextafter(gi, np.float32(-np.inf))):
+            assert err <= abs(Fraction(float(nb)) - exact), (ai, bi, ci)
+
+
+# ----------------------------------------------------------------------------- compile
+
+COMPILE_CASES = [(t, dt, sc) for t in ("sm_90a", "sm_120a", "sm_121a")
+                 for dt in ("bf16", "fp16") for sc in SCALES]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target, dtype, scale", COMPILE_CASES,
+                         ids=[f"{t}-{d}-{s}" for t, d, s in COMPILE_CASES])
+def test_kernel_compiles(target, dtype, scale):
+    rep = quant.quantize_compile_report(QuantSpec(target=target, in_dtype=dtype, scale=scale))
+    ops = rep["opcodes"]
+    assert rep["spills"] == 0, rep
+    assert rep["kernels"] == (2 if scale == "dynamic" else 1), rep
+    assert rep["registers"] <= 128, rep
+    assert ops["LDG.E.128"] >= 4 and ops["STG.E.64"] >= 2, ops  # 2 x 16 B in, 8 B out
+    assert ops["STG.E.128"] >= 1, ops  # the pad rows' 16-byte zero stores
+    assert ops["F2FP.SATFINITE.E4M3"] >= 2, ops  # UE4M3 scales by hardware conversion
+    if target.startswith("sm_12"):
+        assert ops["F2FP.SATFINITE.E2M1"] >= 16, ops  # hardware E2M1: 8 per block
+    else:
+        assert ops["F2FP.SATFINITE.E2M1"] == 0, ops
+        assert ops["HMNMX2"] >= 16, ops  # packed block amax and clamp
+    assert (ops["REDUX"] > 0) == (scale != "static"), ops
+
+
+@pytest.mark.compile
+def test_spec_validation():
+    with pytest.raises(ValueError, match="in_dtype"):
+        QuantSpec(in_dtype="fp32")
+    with pytest.raises(ValueError, match="scale must be one of"):
+        QuantSpec(scale="per_row")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantSpec(threads=100)
+
+
+# ----------------------------------------------------------------------------- host checks
+
+def test_bad_inputs_raise_typed_errors():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(InputTypeError, match="takes a torch.Tensor"):
+        quant.quantize_activation([[1.0]])
+    with pytest.raises(InputError, match="bfloat16 or float16.*float32"):
+        quant.quantize_activation(x.float())
+    with pytest.raises(InputError, match="2-D"):
+        quant.quantize_activation(x.reshape(2, 2, 64))
+    with pytest.raises(InputError, match="K = 40 is not a multiple of 16"):
+        quant.quantize_activation(torch.zeros(4, 40, dtype=torch.float16))
+    with pytest.raises(InputError, match="empty"):
+        quant.quantize_activation(torch.zeros(0, 64, dtype=torch.float16))
+    with pytest.raises(DeviceError, match="CUDA device, x is on cpu"):
+        quant.quantize_activation(x)
+    with pytest.raises(InputError, match="dynamic_mode"):
+        quant._scale_variant(None, 64, "three_pass")
+
+
+def test_global_scale_and_out_checks():
+    cpu = torch.device("cpu")
+    with pytest.raises(InputError, match="finite and > 0, got -1"):
+        quant._static_scale(-1.0, cpu)
+    with pytest.raises(InputError, match="finite and > 0, got inf"):
+        quant._static_scale(float("inf"), cpu)
+    with pytest.raises(InputTypeError, match="got str"):
+        quant._static_scale("0.1", cpu)
+    with pytest.raises(InputError, match="must be float32, got torch.float16"):
+        quant._static_scale(torch.ones(1, dtype=torch.float16), cpu)
+    with pytest.raises(InputError, match="one element, got 2"):
+        quant._static_scale(torch.ones(2), cpu)
+    with pytest.raises(InputError, match="is on meta but x is on cpu"):
+        quant._static_scale(torch.ones(1, device="meta"), cpu)
+    assert float(quant._static_scale(0.5, cpu)) == 0.5
+    ok = quantize(torch.ones(3, 64))
+    quant._check_out(ok, 3, 64, cpu, dynamic=True)
+    with pytest.raises(InputError, match=r"out has shape \(3, 64\) but x is \[3, 32\]"):
+        quant._check_out(ok, 3, 32, cpu, dynamic=False)
+    with pytest.raises(InputTypeError, match="NVFP4Tensor"):
+        quant._check_out(ok.data, 3, 64, cpu, dynamic=False)
+    bad = NVFP4Tensor._unchecked(ok.data, ok.scale, torch.ones(2), (3, 64))
+    with pytest.raises(InputError, match="out.global_scale must have one element"):
+        quant._check_out(bad, 3, 64, cpu, dynamic=True)
+    quant._check_out(bad, 3, 64, cpu, dynamic=False)  # a static scale leaves it alone
+    strided = NVFP4Tensor._unchecked(torch.zeros(3, 64, dtype=torch.uint8)[:, ::2], ok.scale,
+                                     ok.global_scale, (3, 64))
+    with pytest.raises(InputError, match="out.data must be contiguous"):
+        quant._check_out(strided, 3, 64, cpu, dynamic=False)
+
+
+def test_scale_variant_policy():
+    assert quant._scale_variant(0.1, 10**9, "auto") == "static"
+    assert quant._scale_variant(None, quant.FUSED_MAX_ELEMENTS, "auto") == "dynamic_fused"
+    assert quant._scale_variant(None, quant.FUSED_MAX_ELEMENTS + 16, "auto") == "dynamic"
+    assert quant._scale_variant(None, 16, "two_pass") == "dynamic"
