@@ -275,3 +275,16 @@ def awkward_input(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Te
     x = x.to(dtype)
     x[torch.rand(m, k, generator=g) < 0.02] = -0.0
     return x
+
+
+def tie_case():
+    """A block whose scale rounds differently under ``/ 6`` and ``* float32(1/6)``."""
+    bamax = np.float32(5.0)
+    t_true, t_recip = bamax / np.float32(6), bamax * np.float32(1 / 6)
+    tie = np.float32(0.84375)  # between the UE4M3 values 0.8125 and 0.875
+    gs = np.float32(t_recip / tie)
+    while not (t_true / gs < tie <= t_recip / gs):  # step gs until tie separates them
+        gs = np.nextafter(gs, np.float32(np.inf) if t_true / gs >= tie else np.float32(0))
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    x[0, 0] = 5.0
+    return x, float(gs)

@@ -24,6 +24,7 @@ from quantize_model import (
     hard_divisors,
     one_correction_codes,
     quantize_model,
+    tie_case,
 )
 
 from cute_fp4 import quant
@@ -75,19 +76,6 @@ def test_kernel_division_semantics_differ_from_cpu_torch():
     gpu = quantize_model(x, gs, div6="recip")[1]
     assert cpu[0] != gpu[0]
     assert _same(x, gs)  # and the CPU form still matches CPU quantize
-
-
-def tie_case():
-    """A block whose scale rounds differently under ``/ 6`` and ``* float32(1/6)``."""
-    bamax = np.float32(5.0)
-    t_true, t_recip = bamax / np.float32(6), bamax * np.float32(1 / 6)
-    tie = np.float32(0.84375)  # between the UE4M3 values 0.8125 and 0.875
-    gs = np.float32(t_recip / tie)
-    while not (t_true / gs < tie <= t_recip / gs):
-        gs = np.nextafter(gs, np.float32(0) if t_true / gs >= tie else np.float32(1))
-    x = torch.zeros(1, 16, dtype=torch.bfloat16)
-    x[0, 0] = 5.0
-    return x, float(gs)
 
 
 @pytest.mark.parametrize("sig_bits", [8, 11])

@@ -1,0 +1,229 @@
+"""Fused activation quantization (``cute_fp4.quant``): device time and bandwidth on a GPU.
+
+    python perf/quantize_bench.py OUT.json [--quick] [--sweep]
+
+Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
+[16384, 4096]) and decode sizes (M in 1, 2, 4, 8, 16 x K in 4096, 8192), BF16 (and FP16
+for the large ones), for the static scale, the dynamic scale two-pass and fused, and the
+static scale forced through the general (div.rn) path. ``--sweep`` adds thread/item
+splits of the static kernel on the large sizes. Every row is checked bit for bit against
+``cute_fp4.quantize`` before it is timed.
+
+Timing (device time, CUDA events):
+* ``graph1_us``: ``cute_fp4.bench.Timer``: one call captured in a CUDA graph, L2 flushed
+  (256 MiB read) before each replay, median of 20: what the GEMM rows of ``cute_fp4.bench``
+  use, launch latency included.
+* ``graphN_us``: 10 calls in one graph over rotating inputs and outputs (over 100 MiB in
+  all for the large sizes, so a call does not find its input in the 50 MiB L2), replay
+  time / 10, median of 10: the steady-state cost between other kernels.
+* ``copy_us`` (large sizes): ``out.copy_(x)`` of the same input bytes under the same
+  graphN method: the bandwidth this GPU reaches in practice, measured in the same run.
+* ``torch_us``: ``cute_fp4.quantize`` eagerly (it synchronises, so no graph).
+
+Bytes (the minimum that must move) = ``2 M K`` (read) + ``M K / 2`` (codes) +
+``round_up(M, 128) * round_up(K / 16, 4)`` (scales); the two-pass dynamic variant reads
+the input twice (``traffic_bytes``). ``gbs = bytes / graphN_us``; ``pct_peak`` against the
+device's datasheet bandwidth (``cute_fp4.targets``, 4800 GB/s on an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from cute_fp4 import quant  # noqa: E402
+from cute_fp4.bench import Timer  # noqa: E402
+from cute_fp4.kernels.quantize import PARTIALS_MAX, QuantSpec  # noqa: E402
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape  # noqa: E402
+from cute_fp4.targets import detect_device  # noqa: E402
+
+LARGE = [(4096, 4096), (8192, 4096), (4096, 14336), (16384, 4096)]
+DECODE = [(m, k) for k in (4096, 8192) for m in (1, 2, 4, 8, 16)]
+SWEEP = [(128, 1), (128, 2), (256, 1), (256, 4), (512, 1), (512, 2), (1024, 1)]
+GRAPH_N = 10
+ROTATE_BYTES = 100 << 20
+
+
+def nbytes(m: int, k: int) -> int:
+    rp, cp = scale_shape(m, k)
+    return 2 * m * k + m * k // 2 + rp * cp
+
+
+class Buffers:
+    """Rotating inputs and poisoned outputs for one shape."""
+
+    def __init__(self, m: int, k: int, dtype, count: int):
+        self.m, self.k = m, k
+        g = torch.Generator(device="cuda").manual_seed(m * 31 + k)
+        self.x = [torch.randn(m, k, generator=g, device="cuda").to(dtype) for _ in range(count)]
+        self.out = [self._out() for _ in range(count)]
+        self.gs = torch.full((1,), 2.0 / 2688, dtype=torch.float32, device="cuda")
+        self.partials = torch.empty(PARTIALS_MAX, dtype=torch.float32, device="cuda")
+
+    def _out(self) -> NVFP4Tensor:
+        m, k = self.m, self.k
+        data = torch.full((m, k // 2), 0xA5, dtype=torch.uint8, device="cuda")
+        scale = torch.full(scale_shape(m, k), 0x5A, dtype=torch.uint8, device="cuda")
+        gs = torch.full((), float("nan"), dtype=torch.float32, device="cuda")
+        return NVFP4Tensor._unchecked(data, scale.view(torch.float8_e4m3fn), gs, (m, k))
+
+
+def _launcher(kern, buf: Buffers, i: int, dynamic: bool, two_pass: bool):
+    x, out = buf.x[i], buf.out[i]
+    gs = out.global_scale if dynamic else buf.gs
+    part = buf.partials if two_pass else None
+    return lambda: kern.launch(x, out.data, out.scale, gs, part)
+
+
+def _check(kern, buf: Buffers, dynamic: bool, two_pass: bool) -> bool:
+    _launcher(kern, buf, 0, dynamic, two_pass)()
+    ref = quantize(buf.x[0], None if dynamic else buf.gs)
+    out = buf.out[0]
+    torch.cuda.synchronize()
+    ok = (torch.equal(out.data, ref.data)
+          and torch.equal(out.scale.view(torch.uint8), ref.scale.view(torch.uint8)))
+    if dynamic:
+        ok = ok and torch.equal(out.global_scale.reshape(1).view(torch.int32),
+                                ref.global_scale.reshape(1).view(torch.int32))
+    return ok
+
+
+def _graph_n(fns) -> float:
+    """Median over replays of (one graph of all ``fns``) / len(fns), in microseconds."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def _eager_torch(x, gs, reps: int = 5) -> float:
+    quantize(x, gs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        quantize(x, gs)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
+              with_torch: bool) -> dict:
+    dynamic = spec.scale != "static"
+    two_pass = spec.scale == "dynamic"
+    count = max(2, min(GRAPH_N, -(-ROTATE_BYTES // nbytes(m, k))))
+    buf = Buffers(m, k, dtype, count)
+    kern = quant.compile_quantize(spec)
+    row = {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": spec.label(),
+           "scale": spec.scale, "general": spec.force_general, "threads": spec.threads,
+           "items": spec.items, "compile_s": round(kern.compile_s, 2), "source": kern.source}
+    row["bit_identical"] = _check(kern, buf, dynamic, two_pass)
+    row["graph1_us"] = timer(_launcher(kern, buf, 0, dynamic, two_pass))
+    fns = [_launcher(kern, buf, i % count, dynamic, two_pass) for i in range(GRAPH_N)]
+    row["graphN_us"] = _graph_n(fns)
+    b = nbytes(m, k)
+    row["bytes"] = b
+    row["traffic_bytes"] = b + (2 * m * k if two_pass else 0)
+    row["gbs"] = b / row["graphN_us"] / 1e3
+    row["pct_peak"] = 100 * row["gbs"] / bw
+    if with_torch:
+        row["torch_us"] = _eager_torch(buf.x[0], None if dynamic else buf.gs)
+    return row
+
+
+def copy_row(m: int, k: int, dtype, bw: float) -> dict:
+    count = max(2, min(GRAPH_N, -(-ROTATE_BYTES // (2 * m * k))))
+    xs = [torch.randn(m, k, device="cuda").to(dtype) for _ in range(count)]
+    ys = [torch.empty_like(x) for x in xs]
+    us = _graph_n([lambda i=i: ys[i % count].copy_(xs[i % count]) for i in range(GRAPH_N)])
+    b = 4 * m * k  # read + write
+    return {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": "torch copy_",
+            "copy_us": us, "bytes": b, "gbs": b / us / 1e3, "pct_peak": 100 * b / us / 1e3 / bw}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="one large shape, BF16 only")
+    p.add_argument("--sweep", action="store_true", help="thread/item splits on large sizes")
+    args = p.parse_args(argv)
+    dev = detect_device()
+    if dev is None or dev.target is None:
+        print("needs a supported CUDA GPU", file=sys.stderr)
+        return 2
+    target, bw = dev.target.name, dev.mem_bw_gbs
+    timer = Timer()
+    large = LARGE[:1] if args.quick else LARGE
+    rows = []
+
+    def add(row):
+        rows.append(row)
+        keys = ("graph1_us", "graphN_us", "copy_us", "gbs", "pct_peak", "torch_us")
+        vals = " ".join(f"{key}={row[key]:.1f}" for key in keys if key in row)
+        ok = "" if row.get("bit_identical", True) else " NOT BIT-IDENTICAL"
+        print(f"[{row['m']:>5}, {row['k']:>5}] {row['dtype']:<8} {row['spec']:<46} {vals}{ok}",
+              flush=True)
+
+    for dtype in ([torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]):
+        dt = "bf16" if dtype == torch.bfloat16 else "fp16"
+        for m, k in large:
+            add(copy_row(m, k, dtype, bw))
+            for scale, general in (("static", False), ("static", True), ("dynamic", False),
+                                   ("dynamic_fused", False)):
+                if scale == "dynamic_fused" and m * k > 4 * quant.FUSED_MAX_ELEMENTS:
+                    continue
+                spec = QuantSpec(target=target, in_dtype=dt, scale=scale, force_general=general)
+                add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
+            if args.sweep:
+                for threads, items in SWEEP:
+                    spec = QuantSpec(target=target, in_dtype=dt, threads=threads, items=items)
+                    add(bench_row(spec, m, k, dtype, timer, bw, with_torch=False))
+        if dtype == torch.float16 and not args.quick:
+            continue  # decode sizes: BF16 only
+        for m, k in DECODE:
+            for scale in ("static", "dynamic", "dynamic_fused"):
+                spec = QuantSpec(target=target, in_dtype=dt, scale=scale)
+                add(bench_row(spec, m, k, dtype, timer, bw, with_torch=scale == "static"))
+    env = {"gpu": dev.name, "target": target, "datasheet_gbs": bw, "torch": torch.__version__,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "formulas": __doc__[__doc__.index("Timing"):]}
+    try:
+        from importlib.metadata import version
+
+        env["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+    except Exception:  # the bundle on the GPU host may not carry metadata
+        env["cutlass_dsl"] = "unknown"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    bad = [r for r in rows if not r.get("bit_identical", True)]
+    print(f"wrote {len(rows)} rows to {args.out}; {len(bad)} not bit-identical", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
