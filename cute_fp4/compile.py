@@ -27,10 +27,6 @@ def kernel_class(schedule: Schedule) -> type:
         from cute_fp4.kernels.sm120 import Sm120Gemm
 
         return Sm120Gemm
-    if schedule.swap_ab:
-        from cute_fp4.kernels.sm90_swapab import Sm90SwapAB
-
-        return Sm90SwapAB
     from cute_fp4.kernels.sm90 import Sm90Gemm
 
     return Sm90Gemm
@@ -244,14 +240,14 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
     return hit
 
 
-def _build(schedule: Schedule, sig: Signature) -> CompiledGemm:
+def _build(schedule: Schedule, sig: Signature, kernel=None, tag: str = "") -> CompiledGemm:
     import cutlass.cute as cute
 
     from cute_fp4 import cache
 
-    kernel = _make_kernel(schedule, Problem(a_format=sig.a_format))
-    key = cache.entry_key(type(kernel).__name__, schedule.key(), repr(sig), schedule.target,
-                          cache.source_fingerprint())
+    kernel = kernel or _make_kernel(schedule, Problem(a_format=sig.a_format))
+    key = cache.entry_key(type(kernel).__name__ + tag, schedule.key(), repr(sig),
+                          schedule.target, cache.source_fingerprint())
     prefix = f"cute_fp4_{key}"
 
     def build():
@@ -274,3 +270,83 @@ def _build(schedule: Schedule, sig: Signature) -> CompiledGemm:
 def clear_cache() -> None:
     with _LOCK:
         _CACHE.clear()
+
+
+# ----------------------------------------------------------------------------- emulated SM120
+
+EMULATION_TARGET = "sm_90a"
+EMULATION_NOTE = ("emulated: the SM120 kernel on SM90 with its block-scaled MMA (OMMA.SF) "
+                  "replaced by 4 exact BF16 mma.sync each; a data-path check (TMA, barriers, "
+                  "ldmatrix, scales, scheduler, epilogue), not of the OMMA, the sm_120a "
+                  "binary or the 99 KiB limit")
+
+
+def emulated_kernel(schedule: Schedule, problem: Problem | None = None):
+    """The SM120 kernel of ``schedule`` built with its MMA emulated
+    (``cute_fp4/kernels/mma_emulation.py``: what such a run checks and what not), for an SM90
+    GPU. ScheduleError (with the plan's reasons) when ``plan()`` refuses the schedule."""
+    problem = problem or Problem()
+    if schedule.arch.family != "sm120":
+        raise InputError(f"schedule {schedule.name or schedule.label()} is for "
+                         f"{schedule.target}; only SM120 schedules have an emulated build")
+    if problem.a_format != "nvfp4":
+        raise InputError(f"the SM120 kernel takes NVFP4 A only, got {problem.a_format}")
+    plan(schedule, problem).raise_if_invalid()
+    from cute_fp4.kernels.sm120 import Sm120Gemm
+
+    return Sm120Gemm(schedule, problem, emulate=True)
+
+
+def cross_compile_emulated(schedule: Schedule, problem: Problem | None = None,
+                           dump_dir: str | None = None):
+    """:func:`cross_compile` of the emulated build for sm_90a (no GPU needed).
+    Returns (compiled, kernel, seconds)."""
+    kernel = emulated_kernel(schedule, problem)
+    t0 = time.perf_counter()
+    compiled = _dsl_compile(kernel, schedule, _options(EMULATION_TARGET, dump_dir))
+    return compiled, kernel, time.perf_counter() - t0
+
+
+def compile_emulated(schedule: Schedule, signature: Signature | None = None) -> CompiledGemm:
+    """:func:`compile` of an SM120 schedule for the present SM90 GPU, its MMA emulated
+    (:data:`EMULATION_NOTE`). Same caches as :func:`compile`, keyed apart ("+emulated");
+    the result runs like any CompiledGemm (planned against the schedule's own target)."""
+    from cute_fp4.targets import require_device
+
+    sig = signature or Signature()
+    require_device("sm90")
+    key = ("Sm120Gemm+emulated", schedule, sig)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is None:
+            kernel = emulated_kernel(schedule, Problem(a_format=sig.a_format))
+            hit = _CACHE[key] = _build(schedule, sig, kernel, "+emulated")
+    return hit
+
+
+class _CappedLaunch:
+    """A kernel object whose launches pass ``max_ctas`` (the argument before the stream in
+    the one launch signature, ``kernels/launch.py``) instead of the device's SM count."""
+
+    def __init__(self, kernel, max_ctas: int):
+        self.kernel, self.max_ctas = kernel, max_ctas
+
+    def runtime_args(self, *args) -> tuple:
+        import cutlass
+
+        out = self.kernel.runtime_args(*args)
+        return (*out[:-2], cutlass.Int32(self.max_ctas), out[-1])
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def capped(kern: CompiledGemm, max_ctas: int) -> CompiledGemm:
+    """The same compiled kernel, launched with at most ``max_ctas`` CTAs: a persistent
+    schedule's CTAs then walk more work units each (``max_ctas=1``: one CTA walks them all).
+    For tests; a one-CTA-per-tile schedule ignores it."""
+    if max_ctas < 1:
+        raise InputError(f"max_ctas must be >= 1, got {max_ctas}")
+    return CompiledGemm(kern.schedule, kern.signature, kern._compiled,
+                        _CappedLaunch(kern._kernel, max_ctas), kern.compile_s, kern.source,
+                        kern._rebuild)

@@ -110,8 +110,8 @@ SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
 
 
 def sf_atom_offset(r, c):
-    """Byte offset of (row ``r`` modulo 128, scale column ``c`` < 4) inside a 128x4 atom."""
-    return (r % 32) * 16 + ((r // 32) % 4) * 4 + c
+    """Byte offset of (row ``r`` < 128, scale column ``c`` < 4) inside one 128x4 atom."""
+    return (r % 32) * 16 + (r // 32) * 4 + c
 
 
 def sf_offset(r, c, col_blocks):
@@ -125,7 +125,7 @@ def sf_offset(r, c, col_blocks):
     """
     return ((r // SF_ATOM_ROWS) * (col_blocks * SF_ATOM_BYTES)
             + (c // SF_ATOM_COLS) * SF_ATOM_BYTES
-            + sf_atom_offset(r, c % SF_ATOM_COLS))
+            + sf_atom_offset(r % SF_ATOM_ROWS, c % SF_ATOM_COLS))
 
 
 def scale_offset(r, c, k: int, block: int = SF_BLOCK):

@@ -114,3 +114,20 @@ def test_work_units_cover_every_tile_and_k_once(tiles_m, tiles_n, k_tiles, split
             assert k0 == pos
             pos += kc
         assert pos == k_tiles
+
+
+@pytest.mark.parametrize("rows, k_blocks", [(32, 1), (64, 2), (128, 1), (128, 4), (256, 2)])
+def test_stage_rows_layout_is_the_blocked_formula(rows, k_blocks):
+    """The CuTe form of one stage (SM90 conversion) equals nvfp4.sf_offset everywhere."""
+    import cutlass.cute as cute
+
+    out = {}
+
+    @cute.jit
+    def probe():
+        lay = L.stage_rows_layout(rows, k_blocks)
+        out["bad"] = [(r, c) for r in range(rows) for c in range(4 * k_blocks)
+                      if lay((r, c)) != nvfp4.sf_offset(r, c, k_blocks)]
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert out["bad"] == []

@@ -78,6 +78,8 @@ class QuantSpec:
     threads: int = 256  # per CTA
     items: int = 2  # 16-element blocks per thread
     amax_vectors: int = 4  # 16-byte loads per thread per amax loop iteration
+    ctas_per_sm: int = 0  # 0: one CTA per chunk of threads*items blocks; n: a persistent grid
+    # of n CTAs per SM looping over the chunks (the host passes max_ctas = n * SMs)
     force_general: bool = False  # always take the general (div.rn) path: tests, benchmarks
 
     def __post_init__(self):
@@ -89,6 +91,8 @@ class QuantSpec:
             raise ValueError(f"threads must be a multiple of 32 in 32..1024, got {self.threads}")
         if PARTIALS_MAX % self.threads and self.threads % PARTIALS_MAX:
             raise ValueError(f"threads ({self.threads}) and {PARTIALS_MAX} must divide")
+        if not 0 <= self.ctas_per_sm <= 32:
+            raise ValueError(f"ctas_per_sm must be 0..32, got {self.ctas_per_sm}")
         if not 1 <= self.items <= 8 or not 1 <= self.amax_vectors <= 8:
             raise ValueError(f"items and amax_vectors must be 1..8, got {self.items}, "
                              f"{self.amax_vectors}")
@@ -99,8 +103,13 @@ class QuantSpec:
 
     def label(self) -> str:
         general = "-general" if self.force_general else ""
+        grid = f"p{self.ctas_per_sm}" if self.ctas_per_sm else ""
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
-                f"v{self.amax_vectors}{general}@{self.target}")
+                f"v{self.amax_vectors}{grid}{general}@{self.target}")
+
+    def max_ctas(self, sm_count: int) -> int:
+        """The ``max_ctas`` launch argument for a GPU of ``sm_count`` SMs."""
+        return self.ctas_per_sm * sm_count if self.ctas_per_sm else (1 << 31) - 1
 
 
 # ----------------------------------------------------------------------------- PTX
@@ -147,6 +156,13 @@ def _block_scale_fast() -> list[str]:
     ]
 
 
+# RN(1/dd) for 2^-126 <= dd < 2^126: the fast path of ``rcp.rn.f32`` as ptxas emits it
+# for sm_90a and sm_120a (MUFU.RCP, FFMA, FADD.FTZ, FFMA; tests/test_quantize_kernel.py
+# checks that it still does), without its out-of-range test and branch.
+_RCP_RN_LINES = ("rcp.approx.ftz.f32 r, dd;", "fma.rn.f32 er, dd, r, 0fBF800000;",
+                 "neg.f32 er, er;", "fma.rn.f32 r, r, er, r;")
+
+
 def _block_ptx(half: str, hw: bool, general: bool) -> str:
     """PTX for one 16-element block: $r0..$r7 the packed input words, $r8 gs, $r9 RN(1/gs),
     $r10 RN(449 gs); $w0, $w1 the packed codes, $w2 the UE4M3 scale byte."""
@@ -176,7 +192,7 @@ def _block_ptx(half: str, hw: bool, general: bool) -> str:
     if general:
         body.append("setp.gt.f32 pd, d, 0f00000000;")
     else:
-        body += ["max.f32 dd, d, 0f00800000;", "rcp.rn.f32 r, dd;",
+        body += ["max.f32 dd, d, 0f00800000;", *_RCP_RN_LINES,
                  "mul.rn.f32 lim, d, 0f40C00000;", f"cvt.rz.{x2}.f32 limw, lim, lim;"]
     for i in range(8):
         w = "{$r" + str(i) + "}"
@@ -257,10 +273,11 @@ def _ptxf(code: str, outs: int, *args):
 class QuantizeKernel:
     """BF16/FP16 -> NVFP4 quantization; see the module docstring.
 
-    Entry point ``(pX, pQ, pSF, pGS, pPart, m, k, stream)``: input words, packed output
+    Entry point ``(pX, pQ, pSF, pGS, pPart, m, k, max_ctas, stream)``: input words, packed output
     (uint8 [M, K/2]), blocked scales (uint8, ``scale_shape(M, K)`` bytes), the global scale
     (read for ``static``, written for the dynamic variants), the amax partials
-    (``PARTIALS_MAX`` float32, ``dynamic`` only), M, K.
+    (``PARTIALS_MAX`` float32, ``dynamic`` only), M, K, the most CTAs quantizing (the rest
+    of the grid zeroes padding rows): :meth:`QuantSpec.max_ctas`.
     """
 
     def __init__(self, spec: QuantSpec):
@@ -281,13 +298,13 @@ class QuantizeKernel:
                 make_ptr(cutlass.Uint8, 0, _GMEM, assumed_align=16),
                 make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4),
                 make_ptr(_U32, 0, _GMEM, assumed_align=16),
-                _I32(0), _I32(0), make_fake_stream())
+                _I32(0), _I32(0), _I32(0), make_fake_stream())
 
     @staticmethod
-    def runtime_args(x, q, sf, gs, partials, stream) -> tuple:
+    def runtime_args(x, q, sf, gs, partials, max_ctas: int, stream) -> tuple:
         """The entry point's arguments from torch tensors (checked by the caller): ``x``
         [M, K] 16-bit, ``q`` uint8 [M, K/2], ``sf`` the blocked scales, ``gs`` float32 of one
-        element, ``partials`` float32 [PARTIALS_MAX] or None."""
+        element, ``partials`` float32 [PARTIALS_MAX] or None, ``max_ctas`` an int."""
         m, k = x.shape
         part = partials if partials is not None else gs
         return (make_ptr(_U32, x.data_ptr(), _GMEM, assumed_align=16),
@@ -296,12 +313,12 @@ class QuantizeKernel:
                 make_ptr(cutlass.Float32, gs.data_ptr(), _GMEM, assumed_align=4),
                 make_ptr(_U32, part.data_ptr(), _GMEM, assumed_align=16 if partials is not None
                          else 4),
-                _I32(m), _I32(k), stream)
+                _I32(m), _I32(k), _I32(max_ctas), stream)
 
     @cute.jit
     def __call__(self, pX: cute.Pointer, pQ: cute.Pointer, pSF: cute.Pointer,
                  pGS: cute.Pointer, pPart: cute.Pointer, m: cutlass.Int32, k: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
         t, u = self.threads, self.items
         kk = cute.assume(k, divby=16)
         kb = kk // 16
@@ -317,7 +334,8 @@ class QuantizeKernel:
         mGS = cute.make_tensor(pGS, cute.make_layout((1,)))
         mPart = cute.make_tensor(pPart, cute.make_layout((PARTIALS_MAX,)))
         n_items = m * kbp
-        n_item_ctas = (n_items + t * u - 1) // (t * u)
+        n_chunks = (n_items + t * u - 1) // (t * u)
+        n_item_ctas = cutlass.min(n_chunks, max_ctas)
         has_pad = (mp - m + 127) // 128
         n_pad_ctas = has_pad * cutlass.min((kbp * 8 + t - 1) // t, _PAD_CTAS_MAX)
         n_vec = words // 4
@@ -327,8 +345,8 @@ class QuantizeKernel:
             self.amax_kernel(mX, mPart, n_vec).launch(
                 grid=[n_amax, 1, 1], block=[t, 1, 1], stream=stream)
         fdd = cute.fast_divmod_create_divisor_v2(kbp)
-        self.quant_kernel(mX, mQ, mSF, mSF4, mGS, mPart, m, kb, kbp, n_items, n_item_ctas,
-                          n_pad_ctas, n_amax, n_vec, fdd).launch(
+        self.quant_kernel(mX, mQ, mSF, mSF4, mGS, mPart, m, kb, kbp, n_items, n_chunks,
+                          n_item_ctas, n_pad_ctas, n_amax, n_vec, fdd).launch(
             grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[t, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ amax
@@ -385,14 +403,18 @@ class QuantizeKernel:
     def quant_kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mSF: cute.Tensor,
                      mSF4: cute.Tensor, mGS: cute.Tensor, mPart: cute.Tensor,
                      m: cutlass.Int32, kb: cutlass.Int32, kbp: cutlass.Int32,
-                     n_items: cutlass.Int32, n_item_ctas: cutlass.Int32,
+                     n_items: cutlass.Int32, n_chunks: cutlass.Int32,
+                     n_item_ctas: cutlass.Int32,
                      n_pad_ctas: cutlass.Int32, n_amax: cutlass.Int32, n_vec: cutlass.Int32,
                      fdd: cute.FastDivmodDivisorV2):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         if bid < n_item_ctas:
             gs = self._global_scale(mX, mGS, mPart, n_amax, n_vec, bid, tidx)
-            self._items(mX, mQ, mSF, gs, kb, kbp, n_items, fdd, bid, tidx)
+            consts = _ptxf(_CONSTS_PTX, 2, gs)
+            for chunk in cutlass.range(bid, n_chunks, n_item_ctas, unroll=1):
+                self._items(mX, mQ, mSF, gs, consts[0], consts[1], kb, kbp, n_items, fdd,
+                            chunk, tidx)
         else:
             self._pad_rows(mSF4, m, kbp, (bid - n_item_ctas) * self.threads + tidx,
                            n_pad_ctas * self.threads)
@@ -420,16 +442,15 @@ class QuantizeKernel:
         return gs
 
     @cute.jit
-    def _items(self, mX, mQ, mSF, gs, kb, kbp, n_items, fdd, bid, tidx):
+    def _items(self, mX, mQ, mSF, gs, rgs, tlim, kb, kbp, n_items, fdd, chunk, tidx):
+        """The ``threads * items`` blocks of chunk ``chunk``."""
         t, u = self.threads, self.items
-        consts = _ptxf(_CONSTS_PTX, 2, gs)
-        rgs, tlim = consts[0], consts[1]
         rW = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
         rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(u)]
         valid, has, gds, offs = [], [], [], []
         row_block_bytes = kbp * 128
         for j in cutlass.range_constexpr(u):
-            g = (bid * u + j) * t + tidx
+            g = (chunk * u + j) * t + tidx
             r, c = divmod(g, fdd)
             ok = g < n_items
             data = ok & (c < kb)

@@ -92,6 +92,20 @@ def sf_smem_layout(view_rows: int, tile_k: int, stages: int):
                             stride=(stride_m, stride_k, per_stage))
 
 
+def stage_rows_layout(rows: int, k_blocks: int):
+    """CuTe layout ``(row, scale column) -> byte`` of one stage of ``rows`` rows (within a
+    128-row atom when ``rows`` < 128) and ``k_blocks`` 64-element K blocks: the blocked
+    order of :func:`cute_fp4.nvfp4.sf_offset` as a static layout, so index arithmetic folds
+    into the kernels' addressing (tests/test_sf_layout.py checks it against sf_offset)."""
+    import cutlass.cute as cute
+
+    if rows >= ATOM_ROWS:
+        return cute.make_layout(((32, 4, rows // ATOM_ROWS), (ATOM_COLS, k_blocks)),
+                                stride=((16, 4, k_blocks * ATOM_BYTES), (1, ATOM_BYTES)))
+    return cute.make_layout(((32, rows // 32), (ATOM_COLS, k_blocks)),
+                            stride=((16, 4), (1, ATOM_BYTES)))
+
+
 def mma_sf_fragment(lane: int, operand: str, thread_id_sel: int = 0) -> list[tuple[int, int]]:
     """Scale factors lane ``lane`` supplies to one ``m16n8k64 ... scale_vec::4X`` MMA.
 
@@ -204,5 +218,6 @@ def _trace_sf_tv(operand, tile, warps, arch):
 
 
 __all__ = ["SF_VEC", "ATOM_ROWS", "padded_sf_shape", "blocked_sf_offset", "sf_smem_rows",
+           "stage_rows_layout",
            "sf_stage_bytes", "sf_view_offset", "sf_smem_layout", "mma_sf_fragment",
            "cute_sf_fragment", "dsl_sf_fragment"]

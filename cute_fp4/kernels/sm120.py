@@ -54,7 +54,7 @@ import cutlass.utils.blackwell_helpers as sm120_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_fp4.kernels import loads, roles, sf_layout
+from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
 from cute_fp4.kernels.epilogue import smem_epilogue, store_smem_tma
 from cute_fp4.kernels.launch import GemmLaunch, GemmTensors, PointerTypes, out_dtype
 from cute_fp4.kernels.roles import WARP, Barrier
@@ -92,8 +92,12 @@ class MmaFragments(NamedTuple):
 class Sm120Gemm(GemmLaunch):
     """NVFP4 x NVFP4 -> BF16/FP16/FP32 GEMM for SM120, configured by a :class:`Schedule`."""
 
-    def __init__(self, schedule: Schedule, problem: Problem | None = None):
+    def __init__(self, schedule: Schedule, problem: Problem | None = None,
+                 emulate: bool = False):
         self.schedule = schedule
+        # emulate: the MMA as 4 BF16 mma.sync per block-scaled one (kernels/mma_emulation.py),
+        # to run this kernel on SM90; nothing else changes
+        self.emulate = emulate
         self.problem = problem or Problem()
         pl = plan(schedule, self.problem).raise_if_invalid()
         t = schedule.tile
@@ -134,12 +138,17 @@ class Sm120Gemm(GemmLaunch):
         belong to the function being traced, so the kernel builds its own copies.
         """
         tm, tn, tk = self.tile_mnk
-        op = warp.MmaMXF4NVF4Op(cutlass.Float4E2M1FN, cutlass.Float32, cutlass.Float8E4M3FN)
+        op_class = mma_emulation.LayoutMXF4NVF4Op if self.emulate else warp.MmaMXF4NVF4Op
+        op = op_class(cutlass.Float4E2M1FN, cutlass.Float32, cutlass.Float8E4M3FN)
         perm = sm120_utils.get_permutation_mnk(self.tile_mnk, SF_VEC, False)
         self.tiled_mma = cute.make_tiled_mma(
             op, cute.make_layout((*self.warps_mn, 1)), permutation_mnk=perm)
         self.sA_layout = self._operand_layout(tm, tk, cutlass.Float4E2M1FN, self.stages)
         self.sB_layout = self._operand_layout(tn, tk, cutlass.Float4E2M1FN, self.stages)
+        # what TMA writes: the same bytes at the same addresses, typed as bytes (K / 2 per
+        # row), because Hopper's TMA refuses 4-bit element types (tests/test_sm120_tma_bytes)
+        self.sA_tma_layout = self._operand_layout(tm, tk // 2, cutlass.Uint8, self.stages)
+        self.sB_tma_layout = self._operand_layout(tn, tk // 2, cutlass.Uint8, self.stages)
         # scales: MMA-order views (UE4M3) and the byte stages the loads fill, same bytes
         self.sSFA_layout = sf_layout.sf_smem_layout(self.sf_rows[0], tk, self.stages)
         self.sSFB_layout = sf_layout.sf_smem_layout(self.sf_rows[1], tk, self.stages)
@@ -190,17 +199,17 @@ class Sm120Gemm(GemmLaunch):
     def _launch(self, t: GemmTensors, max_ctas: cutlass.Int32, stream):
         self._setup()
         tm, tn, tk = self.tile_mnk
-        mA = self._fp4_view(t.mA)
-        mB = self._fp4_view(t.mB)
-        m, k = mA.shape[0], mA.shape[1]
+        mA = self._byte_view(t.mA)
+        mB = self._byte_view(t.mB)
+        m, half_k = mA.shape[0], mA.shape[1]
         n = mB.shape[0]
-        half_k = t.mA.shape[1]
+        k = half_k * 2
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-            g2s, mA, cute.slice_(self.sA_layout, (None, None, 0)), (tm, tk))
+            g2s, mA, cute.slice_(self.sA_tma_layout, (None, None, 0)), (tm, tk // 2))
         tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-            g2s, mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk))
+            g2s, mB, cute.slice_(self.sB_tma_layout, (None, None, 0)), (tn, tk // 2))
         mSFA = loads.sf_global_view(t.mSFA, m, half_k)
         mSFB = loads.sf_global_view(t.mSFB, n, half_k)
         tma_sfa, tma_mSFA = loads.sf_tma_atom(mSFA, self.sSFA_bytes)
@@ -220,12 +229,14 @@ class Sm120Gemm(GemmLaunch):
                  max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=1)
 
     @staticmethod
-    def _fp4_view(t: cute.Tensor) -> cute.Tensor:
-        """uint8 [rows, K/2] -> Float4E2M1FN [rows, K, 1] (K-major)."""
-        ptr = cute.recast_ptr(t.iterator, dtype=cutlass.Float4E2M1FN)
+    def _byte_view(t: cute.Tensor) -> cute.Tensor:
+        """uint8 [rows, K/2] -> uint8 [rows, K/2, 1]: what the A/B TMA loads, as bytes.
+
+        Never ``internal_type=Uint8`` on a Float4E2M1FN tensor instead: the DSL then picks
+        a TMA unpacking format that doubles the bytes."""
         rows, half_k = t.shape
-        return cute.make_tensor(ptr, cute.make_layout(
-            (rows, half_k * 2, 1), stride=(t.stride[0] * 2, 1, 0)))
+        return cute.make_tensor(t.iterator, cute.make_layout(
+            (rows, half_k, 1), stride=(t.stride[0], 1, 0)))
 
     # ------------------------------------------------------------------ kernel
 
@@ -271,15 +282,21 @@ class Sm120Gemm(GemmLaunch):
 
     # ------------------------------------------------------------------ producer warp
 
+    @staticmethod
+    def _tma_smem(region, layout):
+        """A/B stages as the TMA writes them: bytes in ``layout`` (``s*_tma_layout``) over
+        the FP4 storage ``region`` that ldmatrix reads through ``s*_layout``."""
+        return region.get_tensor(layout.outer, swizzle=layout.inner, dtype=cutlass.Uint8)
+
     @cute.jit
     def load_tiles(self, storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa, mSFA,
                    tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks):
         """Producer warp: for each work unit, its K tiles of A, B, SFA, SFB into the ring."""
         tm, tn, tk = self.tile_mnk
-        tAsA, tAgA = loads.tma_views(tma_a, storage.sA.get_tensor(
-            self.sA_layout.outer, swizzle=self.sA_layout.inner), mA, (tm, tk))
-        tBsB, tBgB = loads.tma_views(tma_b, storage.sB.get_tensor(
-            self.sB_layout.outer, swizzle=self.sB_layout.inner), mB, (tn, tk))
+        tAsA, tAgA = loads.tma_views(tma_a, self._tma_smem(storage.sA, self.sA_tma_layout),
+                                     mA, (tm, tk // 2))
+        tBsB, tBgB = loads.tma_views(tma_b, self._tma_smem(storage.sB, self.sB_tma_layout),
+                                     mB, (tn, tk // 2))
         sSFA = storage.sSFA.get_tensor(self.sSFA_bytes)
         sSFB = storage.sSFB.get_tensor(self.sSFB_bytes)
         sf_box = cute.shape(cute.slice_(self.sSFA_bytes, (None,) * 4 + (0,)))
@@ -325,7 +342,8 @@ class Sm120Gemm(GemmLaunch):
         frags = self._mma_fragments(storage, gtid)
         sC = storage.sC.get_tensor(self.sC_layout.outer, swizzle=self.sC_layout.inner)
         gC = cute.local_tile(mC, self.tile_mnk[:2], (None, None, None))
-        epi = smem_epilogue(self._r2s_copy(), gtid, sC, frags.acc, self.c_dtype)
+        epi = smem_epilogue(self._r2s_copy(), self.tiled_mma, gtid, sC, frags.acc,
+                            self.c_dtype, self.tile_mnk[:2], self.epi_tile)
         bar = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_GROUP) + group,
                                     num_threads=self.group_threads)
         scale = cutlass.Float32(1.0)
@@ -344,7 +362,7 @@ class Sm120Gemm(GemmLaunch):
                 roles.turn_arrive(self.pingpong, turn_bars, group, 0)
                 roles.turn_wait(self.pingpong, turn_bars, group, turn, 2)
                 store_smem_tma(epi, tma_c, gC[(None, None, w.m, w.n, w.split)], sC, scale,
-                               self.tile_mnk[:2], self.epi_tile, self.epi_stages, bar,
+                               self.epi_tile, self.epi_stages, bar,
                                warp_idx % self.group_warps == 0, self.c_dtype)
                 roles.turn_arrive(self.pingpong, turn_bars, group, 2)
                 turn += 1
@@ -454,10 +472,14 @@ class Sm120Gemm(GemmLaunch):
 
     @cute.jit
     def mma_k_block(self, f: MmaFragments, kb):
-        """The MMAs of one 64-wide K block: the seam an emulated MMA replaces."""
-        cute.gemm(self.tiled_mma, f.acc,
-                  [f.tCrA[None, None, kb], f.tCrSFA[None, None, kb]],
-                  [f.tCrB[None, None, kb], f.tCrSFB[None, None, kb]], f.acc)
+        """The MMAs of one 64-wide K block: OMMA.SF, or its exact emulation (SM90 runs)."""
+        if cutlass.const_expr(self.emulate):
+            mma_emulation.mma_k_block(f.tCrA[None, None, kb], f.tCrSFA[None, None, kb],
+                                      f.tCrB[None, None, kb], f.tCrSFB[None, None, kb], f.acc)
+        else:
+            cute.gemm(self.tiled_mma, f.acc,
+                      [f.tCrA[None, None, kb], f.tCrSFA[None, None, kb]],
+                      [f.tCrB[None, None, kb], f.tCrSFB[None, None, kb]], f.acc)
 
     @cute.jit
     def mainloop(self, mainloop, state, f: MmaFragments, k_count, cm, cn):

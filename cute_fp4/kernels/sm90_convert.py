@@ -99,3 +99,45 @@ def convert_word(q: cutlass.Uint32, scale: cutlass.Uint32, bf16: bool):
         write_only_types=[cutlass.Uint32] * 4,
         read_only_args=[q, scale],
     )
+
+
+def _pair_ptx(bf16: bool) -> str:
+    """q (8 E2M1 nibbles) x scale -> 4 words; word i = (nibble i, nibble i + 4)."""
+    body = ["{", ".reg .b32 x, t, y;", ".reg .b16 hl, hh;", ".reg .f32 fl, fh;"]
+    for i in range(4):
+        sh = 12 - 4 * i
+        body.append(f"shl.b32 x, {{$r0}}, {sh};" if sh else "mov.b32 x, {$r0};")
+        body += ["and.b32 t, x, 0x80008000;", "shr.u32 y, x, 3;",
+                 "and.b32 y, y, 0x0E000E00;", "or.b32 t, t, y;"]
+        out = "{$w" + str(i) + "}"
+        if bf16:
+            body += ["mul.rn.f16x2 t, t, {$r1};", "mov.b32 {hl, hh}, t;",
+                     "cvt.f32.f16 fl, hl;", "cvt.f32.f16 fh, hh;",
+                     f"cvt.rn.bf16x2.f32 {out}, fh, fl;"]
+        else:
+            body.append(f"mul.rn.f16x2 {out}, t, {{$r1}};")
+    body.append("}")
+    return "\n".join(body)
+
+
+_PAIR_F16 = _pair_ptx(False)
+_PAIR_BF16 = _pair_ptx(True)
+
+
+def convert_pairs(q, scale, bf16: bool):
+    """8 packed E2M1 elements x the scale word -> four words, word ``i`` pairing elements
+    ``i`` and ``i + 4`` (the K order of the register-sourced mainloop, sm90_rs.py)."""
+    return cute.arch.inline_ptx(
+        _PAIR_BF16 if bf16 else _PAIR_F16,
+        write_only_types=[cutlass.Uint32] * 4,
+        read_only_args=[q, scale],
+    )
+
+
+def permute_bytes(a, b, sel: int):
+    """``prmt.b32``: four bytes picked from ``a:b`` by the selector nibbles of ``sel``."""
+    return cute.arch.inline_ptx(
+        f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#x};",
+        write_only_types=[cutlass.Uint32],
+        read_only_args=[a, b],
+    )

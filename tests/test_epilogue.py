@@ -1,9 +1,10 @@
-"""The SM120 epilogue stores every accumulator element at its own (m, n), on the CPU.
+"""The staged epilogue stores every accumulator element at its own (m, n), on the CPU.
 
-Traces (no GPU) the kernel's tiled MMA and register -> shared copy, and follows each
-thread's accumulator values through the epilogue's index arithmetic
-(``kernels/epilogue.store_smem_tma``) to the epilogue-tile coordinate the copy writes them to.
-A one-value copy atom (FP32 output, split-K partials) once misplaced 3/4 of the tile.
+Traces (no GPU) each kernel family's tiled MMA and register -> shared copy, and follows
+every thread's accumulator values through the shared epilogue's own sub-tile plan
+(``kernels/epilogue.subtile_sources``, what ``store_smem_tma`` unrolls) to the
+epilogue-tile coordinate the copy writes them to. A one-value copy atom (SM120 FP32
+output, split-K partials) once misplaced 3/4 of the tile.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ from cute_fp4.errors import ScheduleError
 from cute_fp4.schedule import Epilogue, OutDtype, Schedule, Tile, WarpRoles, Warps
 
 pytestmark = pytest.mark.compile
+
+SM90_CASES = {
+    "sm90_default_bf16": (Schedule(target="sm_90a", tile=Tile(128, 256, 64),
+                                   warps=Warps(mma=(2, 1))), "bf16"),
+    "sm90_128x128_w4a4": (Schedule(target="sm_90a", tile=Tile(128, 128, 64),
+                                   warps=Warps(mma=(2, 1))), "nvfp4"),
+    "sm90_epi128x32_fp16": (Schedule(target="sm_90a", tile=Tile(128, 128, 64),
+                                    warps=Warps(mma=(2, 1)),
+                                    epilogue=Epilogue(out_dtype=OutDtype.FP16, tile=(128, 32))),
+                           "nvfp4"),
+}
 
 CASES = {
     "default_bf16": Schedule(tile=Tile(128, 128, 128)),
@@ -26,49 +38,52 @@ CASES = {
 }
 
 
-def _misplaced(schedule):
+def _misplaced(schedule, a_format="nvfp4"):
     import cutlass.cute as cute
 
-    from cute_fp4.kernels.sm120 import Sm120Gemm
+    from cute_fp4.compile import kernel_class
+    from cute_fp4.kernels.epilogue import subtile_sources
+    from cute_fp4.schedule import Problem
 
-    k = Sm120Gemm(schedule)
+    k = kernel_class(schedule)(schedule, Problem(a_format=a_format))
     out = {}
 
     def walk():
         k._setup()
-        tm, tn, _ = k.tile_mnk
+        tm, tn = schedule.tile.m, schedule.tile.n
         em, en = k.epi_tile
         r2s = k._r2s_copy()
+        threads = k.warps.mma_threads // schedule.warps.groups
+        plan = subtile_sources(r2s, k.tiled_mma, (tm, tn), (em, en))
         bad, seen = 0, set()
-        for t in range(k.group_threads):
+        for t in range(threads):
             acc = r2s.retile(k.tiled_mma.get_slice(t).partition_C(
                 cute.make_identity_tensor((tm, tn))))
             epi = r2s.get_slice(t).partition_S(cute.make_identity_tensor((em, en)))
-            per_m = em // (tm // cute.size(acc, mode=[1]))
-            per_n = en // (tn // cute.size(acc, mode=[2]))
-            for bm in range(tm // em):
-                for bn in range(tn // en):
-                    for i in range(per_m):
-                        for j in range(per_n):
-                            src = acc[(None, bm * per_m + i, bn * per_n + j)]
-                            dst = epi[(None, i, j)]
-                            for e in range(cute.size(dst)):
-                                want = (bm * em + dst[e][0], bn * en + dst[e][1])
-                                seen.add(want)
-                                bad += tuple(src[e]) != want
+            for (bm, bn), pairs in plan:
+                for d, a in pairs:
+                    want = (bm * em + epi[d][0], bn * en + epi[d][1])
+                    seen.add(want)
+                    bad += tuple(acc[a]) != want
         out["bad"], out["missing"] = bad, tm * tn - len(seen)
 
     @cute.jit
     def probe():
         walk()
 
-    cute.compile(probe, options="--gpu-arch sm_120a")
+    cute.compile(probe, options=f"--gpu-arch {schedule.target}")
     return out
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_epilogue_places_every_accumulator(name):
     assert _misplaced(CASES[name]) == {"bad": 0, "missing": 0}
+
+
+@pytest.mark.parametrize("name", list(SM90_CASES))
+def test_sm90_epilogue_places_every_accumulator(name):
+    s, fmt = SM90_CASES[name]
+    assert _misplaced(s, fmt) == {"bad": 0, "missing": 0}
 
 
 @pytest.mark.parametrize("s", [
