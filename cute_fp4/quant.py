@@ -114,8 +114,9 @@ def _check_out(out, m: int, k: int, device: torch.device, dynamic: bool) -> None
 class CompiledQuantize:
     """One compiled quantization kernel; ``launch`` takes checked torch tensors."""
 
-    def __init__(self, spec, fn, kernel, compile_s: float, source: str):
+    def __init__(self, spec, fn, kernel, compile_s: float, source: str, sm_count: int):
         self.spec, self._fn, self._kernel = spec, fn, kernel
+        self.max_ctas = spec.max_ctas(sm_count)
         self.compile_s, self.source = compile_s, source  # source: built / loaded / uncached
         self._streams: dict[int, object] = {}
 
@@ -128,7 +129,7 @@ class CompiledQuantize:
             if len(self._streams) >= 64:
                 self._streams.clear()
             stream = self._streams[handle] = driver.CUstream(handle)
-        self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, stream))
+        self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, self.max_ctas, stream))
 
     def __repr__(self) -> str:
         return f"CompiledQuantize({self.spec.label()}, {self.source} in {self.compile_s:.2f} s)"
@@ -141,10 +142,16 @@ _LOCK = threading.Lock()
 def compile_quantize(spec) -> CompiledQuantize:
     """The compiled kernel of ``spec`` (a ``QuantSpec`` for the present GPU), from the
     memory cache, the disk cache, or built."""
+    from cute_fp4.targets import require_device
+
+    dev = require_device()
+    if dev.target.name != spec.target:
+        raise DeviceError(f"{spec.label()} is for {spec.target}; this GPU is "
+                          f"{dev.target.name}")
     with _LOCK:
-        hit = _CACHE.get(spec)
+        hit = _CACHE.get((spec, dev.index))
         if hit is None:
-            hit = _CACHE[spec] = _build(spec)
+            hit = _CACHE[(spec, dev.index)] = _build(spec, dev.sm_count)
     return hit
 
 
@@ -170,7 +177,8 @@ def cross_compile_quantize(spec, dump_dir: str | None = None):
     return compiled, time.perf_counter() - t0
 
 
-REPORT_OPCODES = ("LDG.E.128", "STG.E.64", "STG.E.128", "STG.E.U8", "HMNMX2",
+REPORT_OPCODES = ("LDGSTS.E.BYPASS.LTC128B.128", "LDS.128", "LDG.E.128", "STG.E.64",
+                  "STG.E.128", "STG.E.U8", "HMNMX2",
                   "F2FP.SATFINITE.E2M1", "F2FP.SATFINITE.E4M3", "MUFU.RCP", "REDUX")
 
 
@@ -196,7 +204,7 @@ def quantize_compile_report(spec) -> dict:
             "opcodes": {p: sum(op.startswith(p) for op in ops) for p in REPORT_OPCODES}}
 
 
-def _build(spec) -> CompiledQuantize:
+def _build(spec, sm_count: int) -> CompiledQuantize:
     import cutlass.cute as cute
 
     from cute_fp4 import cache
@@ -220,7 +228,7 @@ def _build(spec) -> CompiledQuantize:
         fn, how = cache.DiskCache().get_or_build(key, build, export, load)
     else:
         fn, how = build(), "built-uncached"
-    return CompiledQuantize(spec, fn, kernel, time.perf_counter() - t0, how)
+    return CompiledQuantize(spec, fn, kernel, time.perf_counter() - t0, how, sm_count)
 
 
 def _spec_for(x: torch.Tensor, scale: str):
@@ -228,7 +236,11 @@ def _spec_for(x: torch.Tensor, scale: str):
     from cute_fp4.targets import require_device
 
     dev = require_device()
-    return QuantSpec(target=dev.target.name, in_dtype=_DTYPES[x.dtype], scale=scale)
+    # 32 KiB of staged input per CTA: 4 CTAs fill 128 KiB of an SM90 SM's 228 KiB; SM12x
+    # has 100 KiB per SM, so 3
+    per_sm = 3 if dev.target.family == "sm120" else 4
+    return QuantSpec(target=dev.target.name, in_dtype=_DTYPES[x.dtype], scale=scale,
+                     ctas_per_sm=per_sm)
 
 
 def _scale_variant(global_scale, numel: int, dynamic_mode: str) -> str:

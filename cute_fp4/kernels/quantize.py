@@ -11,13 +11,16 @@ scale (``gs``, the decode form ``amax / 2688``), per 16-element block::
     code  = e2m1_rne(x / d) (saturating), sign = x / d < 0; all codes 0 when d == 0
 
 Work split. One thread owns whole 16-element blocks ("items", ``QuantSpec.items`` of them,
-``threads`` apart so that every load instruction of a warp reads 1 KiB of consecutive
-input): two 16-byte loads, one 8-byte store of packed codes, one scale byte written straight
-into the 128x4 blocked layout (:func:`cute_fp4.nvfp4.scale_offset`). Items enumerate the
-scale columns padded to a multiple of 4, so padding columns get their zero bytes from the
-thread of that column (its block reads as zeros). Padding rows (``M`` up to a multiple of
-128) are zeroed by separate CTAs at the end of the grid, 16 bytes per thread where a
-16-byte chunk of an atom holds only padding rows, 4 bytes otherwise.
+``threads`` apart so that a warp's 16-byte accesses are consecutive): two 16-byte cp.async
+copies into shared memory and two 16-byte reads back (the input is staged one chunk of
+``threads * items`` blocks ahead of the chunk being quantized, so loads are in flight while
+the previous chunk computes, holding no registers), one 8-byte store of packed codes, one
+scale byte written straight into the 128x4 blocked layout
+(:func:`cute_fp4.nvfp4.scale_offset`). A persistent grid of ``ctas_per_sm`` CTAs per SM
+loops over the chunks. Items enumerate the scale columns padded to a multiple of 4, so
+padding columns get their zero bytes from the thread of that column. Padding rows (``M`` up
+to a multiple of 128) are zeroed by separate CTAs at the end of the grid, 16 bytes per
+thread where a 16-byte chunk of an atom holds only padding rows, 4 bytes otherwise.
 
 Arithmetic (float32, every rounding explicit in PTX: the DSL would contract ``a * b + c``).
 The block scale divides by ``gs`` with two Markstein corrections of ``t * RN(1/gs)``; each
@@ -56,6 +59,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_ptr
 
 _GMEM = cute.AddressSpace.gmem
@@ -78,8 +82,8 @@ class QuantSpec:
     threads: int = 256  # per CTA
     items: int = 2  # 16-element blocks per thread
     amax_vectors: int = 4  # 16-byte loads per thread per amax loop iteration
-    ctas_per_sm: int = 0  # 0: one CTA per chunk of threads*items blocks; n: a persistent grid
-    # of n CTAs per SM looping over the chunks (the host passes max_ctas = n * SMs)
+    ctas_per_sm: int = 4  # a persistent grid of this many CTAs per SM looping over chunks of
+    # threads * items blocks (the host passes max_ctas = n * SMs); 0: one CTA per chunk
     force_general: bool = False  # always take the general (div.rn) path: tests, benchmarks
 
     def __post_init__(self):
@@ -103,7 +107,7 @@ class QuantSpec:
 
     def label(self) -> str:
         general = "-general" if self.force_general else ""
-        grid = f"p{self.ctas_per_sm}" if self.ctas_per_sm else ""
+        grid = f"p{self.ctas_per_sm}"
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
                 f"v{self.amax_vectors}{grid}{general}@{self.target}")
 
@@ -411,13 +415,77 @@ class QuantizeKernel:
         bid, _, _ = cute.arch.block_idx()
         if bid < n_item_ctas:
             gs = self._global_scale(mX, mGS, mPart, n_amax, n_vec, bid, tidx)
-            consts = _ptxf(_CONSTS_PTX, 2, gs)
-            for chunk in cutlass.range(bid, n_chunks, n_item_ctas, unroll=1):
-                self._items(mX, mQ, mSF, gs, consts[0], consts[1], kb, kbp, n_items, fdd,
-                            chunk, tidx)
+            sX = cutlass.memory.SmemAllocator().allocate_tensor(  # 2 stages of input
+                _U32, cute.make_layout(2 * self.items * 2 * self.threads * 4), byte_alignment=16)
+            args = (mX, sX, mQ, mSF, gs, kb, kbp, n_items, n_chunks, n_item_ctas, fdd, bid,
+                    tidx)
+            if cutlass.const_expr(self.spec.force_general):
+                self._quantize_chunks(self._general, *args)
+            else:
+                if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):  # uniform: one loop or other
+                    self._quantize_chunks(self._fast, *args)
+                else:
+                    self._quantize_chunks(self._general, *args)
         else:
             self._pad_rows(mSF4, m, kbp, (bid - n_item_ctas) * self.threads + tidx,
                            n_pad_ctas * self.threads)
+
+    @cute.jit
+    def _quantize_chunks(self, code: str, mX, sX, mQ, mSF, gs, kb, kbp, n_items, n_chunks,
+                         stride, fdd, first, tidx):
+        """Chunks ``first, first + stride, ...``. Each thread's input goes through shared
+        memory by cp.async one chunk ahead of the chunk it quantizes: the loads hold no
+        registers, so they are all in flight while the previous chunk computes. (A thread
+        reads back only what it copied itself: no CTA barrier.)"""
+        u = self.items
+        consts = _ptxf(_CONSTS_PTX, 2, gs)
+        cur = cute.make_rmem_tensor((u, 2), _I32)  # (row, padded column) of each item
+        nxt = cute.make_rmem_tensor((u, 2), _I32)
+        self._prefetch(mX, sX, cur, first, 0, tidx, kb, kbp, n_items, fdd)
+        cute.arch.cp_async_commit_group()
+        it = _I32(0)
+        for chunk in cutlass.range(first, n_chunks, stride, unroll=1):
+            if chunk + stride < n_chunks:
+                self._prefetch(mX, sX, nxt, chunk + stride, (it + 1) & 1, tidx, kb, kbp,
+                               n_items, fdd)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+            self._items(code, mQ, mSF, sX, cur, it & 1, gs, consts[0], consts[1], kb, kbp,
+                        n_items, chunk, tidx)
+            for j in cutlass.range_constexpr(u):
+                cur[j, 0] = nxt[j, 0]
+                cur[j, 1] = nxt[j, 1]
+            it = it + 1
+
+    def _slot(self, stage, j: int, h: int, tidx):
+        """Index (in 16-byte units) in shared memory of half ``h`` of item ``j``: a warp's
+        16-byte accesses are consecutive (no bank conflicts)."""
+        return ((stage * self.items + j) * 2 + h) * self.threads + tidx
+
+    @cute.jit
+    def _item_flags(self, chunk, j: int, r, c, tidx, kb, kbp, n_items):
+        """(in range, has data, data block index) of item ``j`` at (row ``r``, column
+        ``c``) of the scale columns padded to ``kbp``."""
+        g = (chunk * self.items + j) * self.threads + tidx
+        ok = g < n_items
+        return ok, ok & (c < kb), g - r * (kbp - kb)
+
+    @cute.jit
+    def _prefetch(self, mX, sX, idx, chunk, stage, tidx, kb, kbp, n_items, fdd):
+        """cp.async of this thread's blocks of ``chunk`` into ``stage``, their (row, column)
+        into ``idx``; items without data copy block 0 instead (their codes are not stored,
+        their scale byte is zeroed)."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   _U32, num_bits_per_copy=128)
+        for j in cutlass.range_constexpr(self.items):
+            r, c = divmod((chunk * self.items + j) * self.threads + tidx, fdd)
+            idx[j, 0] = r
+            idx[j, 1] = c
+            _, data, gd = self._item_flags(chunk, j, r, c, tidx, kb, kbp, n_items)
+            src_block = cutlass.select_(data, gd, 0)
+            for h in cutlass.range_constexpr(2):
+                cute.copy(atom, cute.local_tile(mX, (4,), (src_block * 2 + h,)),
+                          cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)))
 
     @cute.jit
     def _global_scale(self, mX, mGS, mPart, n_amax, n_vec, bid, tidx) -> cutlass.Float32:
@@ -442,19 +510,17 @@ class QuantizeKernel:
         return gs
 
     @cute.jit
-    def _items(self, mX, mQ, mSF, gs, rgs, tlim, kb, kbp, n_items, fdd, chunk, tidx):
-        """The ``threads * items`` blocks of chunk ``chunk``."""
-        t, u = self.threads, self.items
+    def _items(self, code: str, mQ, mSF, sX, idx, stage, gs, rgs, tlim, kb, kbp, n_items,
+               chunk, tidx):
+        """Quantize the ``threads * items`` blocks of ``chunk`` from shared memory."""
+        u = self.items
         rW = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
         rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(u)]
         valid, has, gds, offs = [], [], [], []
         row_block_bytes = kbp * 128
         for j in cutlass.range_constexpr(u):
-            g = (chunk * u + j) * t + tidx
-            r, c = divmod(g, fdd)
-            ok = g < n_items
-            data = ok & (c < kb)
-            gd = g - r * (kbp - kb)  # block index in the unpadded [M, K/16] order
+            r, c = idx[j, 0], idx[j, 1]
+            ok, data, gd = self._item_flags(chunk, j, r, c, tidx, kb, kbp, n_items)
             # nvfp4.sf_offset(r, c, kbp // 4) in shifts and masks (the DSL divides Int32
             # signed); tests/quantize_model.py checks the two agree
             off = ((r >> 7) * row_block_bytes + ((c >> 2) << 9) + ((r & 31) << 4)
@@ -463,29 +529,19 @@ class QuantizeKernel:
             has.append(data)
             gds.append(gd)
             offs.append(off)
-            rW[j].fill(0)
-            if data:
-                cute.autovec_copy(cute.local_tile(mX, (8,), (gd,)), rW[j])
-        if cutlass.const_expr(self.spec.force_general):
-            self._compute(rW, rO, self._general, gs, rgs, tlim)
-        else:
-            if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):
-                self._compute(rW, rO, self._fast, gs, rgs, tlim)
-            else:
-                self._compute(rW, rO, self._general, gs, rgs, tlim)
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)),
+                                  cute.local_tile(rW[j], (4,), (h,)))
+        for j in cutlass.range_constexpr(u):
+            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, rgs, tlim)
+            for i in cutlass.range_constexpr(3):
+                rO[j][i] = out[i]
         for j in cutlass.range_constexpr(u):
             if has[j]:
                 cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
                                   cute.local_tile(mQ, (2,), (gds[j],)))
             if valid[j]:
-                mSF[offs[j]] = cutlass.Uint8(rO[j][2])
-
-    @cute.jit
-    def _compute(self, rW, rO, code: str, gs, rgs, tlim):
-        for j in cutlass.range_constexpr(self.items):
-            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, rgs, tlim)
-            for i in cutlass.range_constexpr(3):
-                rO[j][i] = out[i]
+                mSF[offs[j]] = cutlass.Uint8(cutlass.select_(has[j], rO[j][2], _U32(0)))
 
     @cute.jit
     def _pad_rows(self, mSF4, m, kbp, first, stride):
