@@ -56,13 +56,23 @@ def warp_layout(mma_warps: int, producer_warpgroup: bool, pl: Plan) -> WarpLayou
 
 
 @cute.jit
-def set_registers(layout: cutlass.Constexpr, is_producer):
-    """setmaxnreg for this warp's side of ``layout`` (nothing when ``layout.regs`` is None)."""
+def producer_registers(layout: cutlass.Constexpr):
+    """setmaxnreg.dec for the producer side (nothing when ``layout.regs`` is None).
+
+    Call it inside the producer's branch and :func:`consumer_registers` inside the
+    consumers' branch: ptxas gives the consumers the larger budget only where the
+    ``setmaxnreg.inc`` dominates their code (a separate branch on the same predicate
+    leaves them at the launch budget and spills or rematerialises addresses in the loop).
+    """
     if cutlass.const_expr(layout.regs is not None):
-        if is_producer:
-            cute.arch.setmaxregister_decrease(layout.regs[0])
-        else:
-            cute.arch.setmaxregister_increase(layout.regs[1])
+        cute.arch.setmaxregister_decrease(layout.regs[0])
+
+
+@cute.jit
+def consumer_registers(layout: cutlass.Constexpr):
+    """setmaxnreg.inc for the consumer (MMA) side; see :func:`producer_registers`."""
+    if cutlass.const_expr(layout.regs is not None):
+        cute.arch.setmaxregister_increase(layout.regs[1])
 
 
 # ----------------------------------------------------------------------------- pingpong
@@ -107,5 +117,5 @@ def skip_stages(state, count):
     return state
 
 
-__all__ = ["WARP", "WARPGROUP", "Barrier", "WarpLayout", "init_turns", "set_registers",
-           "skip_stages", "turn_arrive", "turn_wait", "warp_layout"]
+__all__ = ["WARP", "WARPGROUP", "Barrier", "WarpLayout", "consumer_registers", "init_turns",
+           "producer_registers", "skip_stages", "turn_arrive", "turn_wait", "warp_layout"]

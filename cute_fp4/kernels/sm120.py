@@ -256,13 +256,13 @@ class Sm120Gemm(GemmLaunch):
         mainloop = self._make_mainloop_pipeline(bars)
         roles.init_turns(self.pingpong, bars + 2 * self.stages, self.group_threads, warp_idx)
         cute.arch.sync_threads()
-        is_producer = warp_idx >= self.producer_warp
-        roles.set_registers(self.warps, is_producer)
-        if is_producer:
+        if warp_idx >= self.producer_warp:
+            roles.producer_registers(self.warps)
             if warp_idx == self.producer_warp:
                 self.load_tiles(storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa,
                                 mSFA, tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks)
         else:
+            roles.consumer_registers(self.warps)
             self.mma_and_store(storage, mainloop, units, bars + 2 * self.stages, tma_c, mC,
                                alpha, warp_idx)
 
@@ -470,10 +470,12 @@ class Sm120Gemm(GemmLaunch):
         cute.copy(f.copy_sfa, tCsSFA[None, None, kb, s], tCrSFA_v[None, None, kb])
         cute.copy(f.copy_sfb, tCsSFB[None, None, kb, s], tCrSFB_v[None, None, kb])
 
-    @cute.jit
     def mma_k_block(self, f: MmaFragments, kb):
-        """The MMAs of one 64-wide K block: OMMA.SF, or its exact emulation (SM90 runs)."""
-        if cutlass.const_expr(self.emulate):
+        """The MMAs of one 64-wide K block: OMMA.SF, or its exact emulation (SM90 runs).
+
+        Plain Python, run while tracing (``emulate`` is a static choice), so the CPU trace
+        records the ``cute.gemm`` of the shipping build through its stand-ins."""
+        if self.emulate:
             mma_emulation.mma_k_block(f.tCrA[None, None, kb], f.tCrSFA[None, None, kb],
                                       f.tCrB[None, None, kb], f.tCrSFB[None, None, kb], f.acc)
         else:

@@ -266,12 +266,12 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         storage, mainloop = self._prologue(warp_idx, p)
         s = self._smem_tensors(storage)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        is_producer = warp_idx >= self.warps.producer_warp
-        roles.set_registers(self.warps, is_producer)
-        if is_producer:
+        if warp_idx >= self.warps.producer_warp:
+            roles.producer_registers(self.warps)
             if warp_idx == self.warps.producer_warp:
                 self.load(mainloop, p, s)
         else:
+            roles.consumer_registers(self.warps)
             if cutlass.const_expr(self.swap_ab):
                 self.consume_rs(mainloop, p, s, tidx)
             else:
