@@ -231,16 +231,25 @@ def _build(spec, sm_count: int) -> CompiledQuantize:
     return CompiledQuantize(spec, fn, kernel, time.perf_counter() - t0, how, sm_count)
 
 
-def _spec_for(x: torch.Tensor, scale: str):
+def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static", **changes):
+    """The ``QuantSpec`` that ``quantize_activation`` uses on ``target`` (``changes``
+    override fields: benchmarks and tests)."""
     from cute_fp4.kernels.quantize import QuantSpec
+    from cute_fp4.targets import get_target
+
+    # 32 KiB of staged input per CTA (256 threads x 2 blocks x 2 stages): 4 CTAs use 128 KiB
+    # of an SM90 SM's 228 KiB (and 4 x 53 registers x 256 threads fit); SM12x SMs have
+    # 100 KiB, so 3
+    per_sm = 3 if get_target(target).family == "sm120" else 4
+    fields = {"target": get_target(target).name, "in_dtype": in_dtype, "scale": scale,
+              "ctas_per_sm": per_sm, **changes}
+    return QuantSpec(**fields)
+
+
+def _spec_for(x: torch.Tensor, scale: str):
     from cute_fp4.targets import require_device
 
-    dev = require_device()
-    # 32 KiB of staged input per CTA: 4 CTAs fill 128 KiB of an SM90 SM's 228 KiB; SM12x
-    # has 100 KiB per SM, so 3
-    per_sm = 3 if dev.target.family == "sm120" else 4
-    return QuantSpec(target=dev.target.name, in_dtype=_DTYPES[x.dtype], scale=scale,
-                     ctas_per_sm=per_sm)
+    return default_spec(require_device().target.name, _DTYPES[x.dtype], scale)
 
 
 def _scale_variant(global_scale, numel: int, dynamic_mode: str) -> str:
@@ -294,5 +303,5 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
     return NVFP4Tensor._unchecked(data, scale, gs_out.reshape(()), (m, k))
 
 
-__all__ = ["quantize_activation", "compile_quantize", "cross_compile_quantize",
+__all__ = ["quantize_activation", "compile_quantize", "cross_compile_quantize", "default_spec",
            "CompiledQuantize", "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

@@ -5,8 +5,8 @@
 Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
 [16384, 4096]) and decode sizes (M in 1, 2, 4, 8, 16 x K in 4096, 8192), BF16 (and FP16
 for the large ones), for the static scale, the dynamic scale two-pass and fused, and the
-static scale forced through the general (div.rn) path. ``--sweep`` adds thread/item
-splits of the static kernel on the large sizes. Every row is checked bit for bit against
+static scale forced through the general (div.rn) path. ``--sweep`` adds thread / item /
+CTAs-per-SM splits of the static kernel on the large sizes. Every row is checked bit for bit against
 ``cute_fp4.quantize`` before it is timed.
 
 Timing (device time, CUDA events):
@@ -45,11 +45,14 @@ from cute_fp4 import quant  # noqa: E402
 from cute_fp4.bench import Timer  # noqa: E402
 from cute_fp4.kernels.quantize import PARTIALS_MAX, QuantSpec  # noqa: E402
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape  # noqa: E402
+from cute_fp4.quant import default_spec  # noqa: E402
 from cute_fp4.targets import detect_device  # noqa: E402
 
 LARGE = [(4096, 4096), (8192, 4096), (4096, 14336), (16384, 4096)]
 DECODE = [(m, k) for k in (4096, 8192) for m in (1, 2, 4, 8, 16)]
-SWEEP = [(128, 1), (128, 2), (256, 1), (256, 4), (512, 1), (512, 2), (1024, 1)]
+# (threads, items, ctas_per_sm); 0 CTAs per SM: one CTA per chunk, no persistent loop
+SWEEP = [(256, 2, 0), (256, 1, 4), (256, 1, 6), (256, 2, 3), (256, 4, 2), (128, 2, 8),
+         (512, 1, 4), (512, 2, 2)]
 GRAPH_N = 10
 ROTATE_BYTES = 100 << 20
 
@@ -141,7 +144,8 @@ def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
     kern = quant.compile_quantize(spec)
     row = {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": spec.label(),
            "scale": spec.scale, "general": spec.force_general, "threads": spec.threads,
-           "items": spec.items, "compile_s": round(kern.compile_s, 2), "source": kern.source}
+           "items": spec.items, "ctas_per_sm": spec.ctas_per_sm,
+           "compile_s": round(kern.compile_s, 2), "source": kern.source}
     row["bit_identical"] = _check(kern, buf, dynamic, two_pass)
     row["graph1_us"] = timer(_launcher(kern, buf, 0, dynamic, two_pass))
     fns = [_launcher(kern, buf, i % count, dynamic, two_pass) for i in range(GRAPH_N)]
@@ -197,17 +201,18 @@ def main(argv=None) -> int:
                                    ("dynamic_fused", False)):
                 if scale == "dynamic_fused" and m * k > 4 * quant.FUSED_MAX_ELEMENTS:
                     continue
-                spec = QuantSpec(target=target, in_dtype=dt, scale=scale, force_general=general)
+                spec = default_spec(target, dt, scale, force_general=general)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
             if args.sweep:
-                for threads, items in SWEEP:
-                    spec = QuantSpec(target=target, in_dtype=dt, threads=threads, items=items)
+                for threads, items, per_sm in SWEEP:
+                    spec = default_spec(target, dt, threads=threads, items=items,
+                                        ctas_per_sm=per_sm)
                     add(bench_row(spec, m, k, dtype, timer, bw, with_torch=False))
         if dtype == torch.float16 and not args.quick:
             continue  # decode sizes: BF16 only
         for m, k in DECODE:
             for scale in ("static", "dynamic", "dynamic_fused"):
-                spec = QuantSpec(target=target, in_dtype=dt, scale=scale)
+                spec = default_spec(target, dt, scale)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=scale == "static"))
     env = {"gpu": dev.name, "target": target, "datasheet_gbs": bw, "torch": torch.__version__,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
+import cutlass
+import cutlass.cute as cute
 import numpy as np
 import pytest
 import torch
@@ -199,3 +202,36 @@ def test_scale_variant_policy():
     assert quant._scale_variant(None, quant.FUSED_MAX_ELEMENTS, "auto") == "dynamic_fused"
     assert quant._scale_variant(None, quant.FUSED_MAX_ELEMENTS + 16, "auto") == "dynamic"
     assert quant._scale_variant(None, 16, "two_pass") == "dynamic"
+
+
+@cute.kernel
+def _rcp_probe(m: cute.Tensor):
+    m[1] = cute.arch.inline_ptx("rcp.rn.f32 {$w0}, {$r0};", write_only_types=[cutlass.Float32],
+                                read_only_args=[m[0]])
+
+
+@cute.jit
+def _rcp_launch(p: cute.Pointer):
+    _rcp_probe(cute.make_tensor(p, cute.make_layout((2,)))).launch(grid=[1, 1, 1],
+                                                                   block=[32, 1, 1])
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+def test_rcp_rn_fast_path_is_what_the_kernel_inlines(target, tmp_path):
+    """The kernel computes RN(1/d) as MUFU.RCP, FFMA(d r - 1), negate, FFMA(r e + r):
+    ptxas's own ``rcp.rn.f32`` for normal inputs, without the range test. If a DSL/ptxas
+    update changes that sequence, this fails and the kernel's copy must follow."""
+    from cutlass.cute.runtime import make_ptr
+
+    from cute_fp4.inspect import cubin_sass
+
+    cute.compile(_rcp_launch, make_ptr(cutlass.Float32, 0, cute.AddressSpace.gmem,
+                                       assumed_align=4),
+                 options=f"--gpu-arch {target} --keep-cubin --dump-dir {tmp_path}")
+    sass = cubin_sass(next(tmp_path.glob("*.cubin")))
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(MUFU\.RCP|FFMA|FADD\.FTZ)\s+([^;]*);", sass)
+    text = " | ".join(f"{op} {args.strip()}" for op, args in ops)
+    pattern = (r"MUFU\.RCP (R\d+), (R\d+) \| FFMA (R\d+), \2, \1, -1 \| "
+               r"FADD\.FTZ \3, -\3, -RZ \| FFMA (R\d+), \1, \3, \1")
+    assert re.search(pattern, text), text

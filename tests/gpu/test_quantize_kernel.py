@@ -95,8 +95,8 @@ def test_fast_and_general_paths_agree(dtype):
     target = quant._spec_for(x, "static").target
     outs = []
     for general in (False, True):
-        spec = QuantSpec(target=target, in_dtype="bf16" if dtype == torch.bfloat16 else "fp16",
-                         force_general=general)
+        spec = quant.default_spec(target, "bf16" if dtype == torch.bfloat16 else "fp16",
+                                  force_general=general)
         out = _poisoned_out(m, k)
         quant.compile_quantize(spec).launch(x, out.data, out.scale, gs, None)
         outs.append(NVFP4Tensor._unchecked(out.data, out.scale, gs.reshape(()), (m, k)))
@@ -104,16 +104,36 @@ def test_fast_and_general_paths_agree(dtype):
     assert_identical(outs[1], quantize(x, gs), "general path")
 
 
-@pytest.mark.parametrize("threads, items", [(128, 1), (256, 4), (512, 2)])
-def test_other_thread_splits(threads, items):
+@pytest.mark.parametrize("threads, items, per_sm", [(128, 1, 1), (256, 4, 2), (512, 2, 1),
+                                                    (256, 2, 0), (64, 1, 1)])
+def test_other_thread_splits(threads, items, per_sm):
+    """Other splits, including one CTA in all (every CTA loops over many chunks) and no
+    persistent loop (one chunk per CTA)."""
     m, k = 131, 1072
     x = awkward_input(m, k, torch.bfloat16, seed=5).cuda()
     gs = torch.full((1,), 2.0**-5, dtype=torch.float32, device="cuda")
-    spec = QuantSpec(target=quant._spec_for(x, "static").target, threads=threads, items=items)
+    spec = QuantSpec(target=quant._spec_for(x, "static").target, threads=threads, items=items,
+                     ctas_per_sm=per_sm)
     out = _poisoned_out(m, k)
     quant.compile_quantize(spec).launch(x, out.data, out.scale, gs, None)
     got = NVFP4Tensor._unchecked(out.data, out.scale, gs.reshape(()), (m, k))
-    assert_identical(got, quantize(x, gs), f"threads={threads} items={items}")
+    assert_identical(got, quantize(x, gs), f"threads={threads} items={items} per_sm={per_sm}")
+
+
+@pytest.mark.parametrize("max_ctas", [1, 3])
+def test_few_ctas_loop_over_every_chunk(max_ctas):
+    """One (or three) CTAs quantize all chunks: the cp.async pipeline's stage reuse."""
+    import copy
+
+    m, k = 300, 2080
+    x = awkward_input(m, k, torch.float16, seed=9).cuda()
+    gs = torch.full((1,), 1e-2, dtype=torch.float32, device="cuda")
+    kern = copy.copy(quant.compile_quantize(quant._spec_for(x, "static")))
+    kern.max_ctas = max_ctas
+    out = _poisoned_out(m, k)
+    kern.launch(x, out.data, out.scale, gs, None)
+    got = NVFP4Tensor._unchecked(out.data, out.scale, gs.reshape(()), (m, k))
+    assert_identical(got, quantize(x, gs), f"max_ctas={max_ctas}")
 
 
 def test_special_tensors():
