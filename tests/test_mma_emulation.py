@@ -1,0 +1,289 @@
+"""The emulated block-scaled MMA (kernels/mma_emulation.py) equals the OMMA's ISA model, on
+the CPU, bit for bit.
+
+* The conversion PTX (``CONVERT_PTX``, the very string the kernel inlines) is run by a small
+  interpreter of the instructions it uses (an unknown instruction fails the test) for every
+  E2M1 code at every nibble position, every finite UE4M3 scale and every scale byte; each
+  BF16 result must be exactly ``e2m1 x ue4m3``.
+* One m16n8k64 MMA: the 32 lanes' FP4 registers and scale registers are laid out by the PTX
+  ISA fragment model of ``mma.m16n8k64 .kind::mxf4nvf4 .scale_vec::4X`` (the model the
+  CPU mainloop trace checks the kernel's fragments against; scale lanes from
+  ``sf_layout.mma_sf_fragment``, the lanes the OMMA does not read hold garbage). The
+  emulation's lane routing (``sf_source``/``sf_byte``, the interpreter for the conversion)
+  builds each sub-MMA's BF16 registers, which the independent m16n8k16 BF16 fragment model
+  turns back into matrices; four such MMAs must give exactly the block-scaled product
+  (every product and these sums are exact in float64).
+* Slips a derivation could make (scale of the wrong lane, wrong K block, halves swapped)
+  are caught.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import struct
+
+import pytest
+import torch
+
+from cute_fp4.kernels import mma_emulation as emu
+from cute_fp4.kernels import sf_layout
+from cute_fp4.nvfp4 import E2M1_VALUES
+
+M32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+def _f16(bits: int) -> float:
+    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
+
+
+def _to_f16(x: float) -> int:
+    return struct.unpack("<H", struct.pack("<e", x))[0]  # round to nearest even
+
+
+def _to_bf16(x: float) -> int:
+    b = struct.unpack("<I", struct.pack("<f", x))[0]  # x is exact in FP32 here
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _f16x2_mul(a: int, b: int) -> int:
+    lo = _to_f16(_f16(a) * _f16(b))  # the product of two FP16 is exact in a double
+    hi = _to_f16(_f16(a >> 16) * _f16(b >> 16))
+    return lo | hi << 16
+
+
+def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
+    """Interpret straight-line PTX (``CONVERT_PTX``) on 32-bit inputs."""
+    regs: dict[str, object] = {}
+    for i, v in enumerate(reads):
+        regs[f"{{$r{i}}}"] = v & M32
+
+    def val(x: str):
+        x = x.strip()
+        if x in regs:
+            return regs[x]
+        return int(x, 0) & M32
+
+    for raw in ptx.splitlines():
+        line = raw.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, _, rest = line.partition(" ")
+        args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
+        d = args[0]
+        if op == "mov.b32" and d.startswith("{") and not d.startswith("{$"):
+            h0, h1 = (x.strip() for x in d.strip("{}").split(","))
+            w = val(args[1])
+            regs[h0], regs[h1] = w & 0xFFFF, w >> 16
+        elif op == "mov.b32":
+            regs[d] = val(args[1])
+        elif op == "shl.b32":
+            regs[d] = (val(args[1]) << val(args[2])) & M32
+        elif op == "shr.b32":
+            regs[d] = val(args[1]) >> val(args[2])
+        elif op == "and.b32":
+            regs[d] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[d] = val(args[1]) | val(args[2])
+        elif op == "mul.lo.u32":
+            regs[d] = (val(args[1]) * val(args[2])) & M32
+        elif op == "mul.rn.f16x2":
+            regs[d] = _f16x2_mul(val(args[1]), val(args[2]))
+        elif op == "cvt.f32.f16":
+            regs[d] = _f16(val(args[1]))
+        elif op == "cvt.rn.bf16x2.f32":
+            regs[d] = _to_bf16(regs[args[1]]) << 16 | _to_bf16(regs[args[2]])
+        else:
+            raise AssertionError(f"instruction not modelled: {raw.strip()}")
+    return [regs[f"{{$w{i}}}"] for i in range(n_writes)]
+
+
+def convert(q: int, scale_word: int, byte: int, ptx: str = emu.CONVERT_PTX) -> list[int]:
+    """What the kernel computes for one FP4 register: sub-MMA s's BF16x2 register, s = 0..3."""
+    return run_ptx(ptx, [q, scale_word, byte], emu.SUB_MMAS)
+
+
+# ----------------------------------------------------------------------------- values
+
+def e2m1(code: int) -> float:
+    v = E2M1_VALUES[code & 7]
+    return -v if code & 8 else v
+
+
+def ue4m3(byte: int) -> float:
+    return torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+
+
+FINITE_SCALES = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
+
+
+def test_conversion_is_exact_for_every_code_and_scale():
+    words = [sum(((w + i) % 16) << (4 * i) for i in range(8)) for w in range(16)]
+    bad = []
+    for sb in FINITE_SCALES:
+        s = ue4m3(sb)
+        for byte in range(4):
+            junk = random.Random(sb * 4 + byte).getrandbits(32) & ~(0xFF << (8 * byte))
+            for q in words:
+                out = convert(q, junk | sb << (8 * byte), byte)
+                for j in range(8):
+                    want = e2m1((q >> (4 * j)) & 15) * s
+                    half = out[j // 2] >> (16 * (j % 2))
+                    got = _bf16(half)
+                    if got != want or (got == 0 and (half >> 15 & 1) != (q >> (4 * j + 3) & 1)):
+                        bad.append((hex(q), j, sb, byte, got, want))
+    assert bad[:5] == []
+
+
+def test_conversion_check_catches_swapped_halves():
+    swapped = emu.CONVERT_PTX.replace("f1, f0;", "f0, f1;")
+    assert swapped != emu.CONVERT_PTX
+    q, word = 0x00000021, 0x38  # elements 1.0 and 0.5, scale 1.0
+    assert convert(q, word, 0) != convert(q, word, 0, swapped)
+
+
+# ----------------------------------------------------------------------------- ISA model
+# mma.m16n8k64 .e2m1 (PTX ISA; CUTLASS SM120_16x8x64_TN_VS traits): g = lane // 4,
+# t = lane % 4; FP4 element i of a lane is nibble i % 8 of register i // 8.
+
+def isa_fp4_a(lane: int, i: int) -> tuple[int, int]:
+    """(row, k) of A element i (32 per lane)."""
+    g, t = divmod(lane, 4)
+    return g + 8 * ((i // 8) % 2), 8 * t + i % 8 + 32 * (i // 16)
+
+
+def isa_fp4_b(lane: int, i: int) -> tuple[int, int]:
+    """(k, col) of B element i (16 per lane)."""
+    g, t = divmod(lane, 4)
+    return 8 * t + i % 8 + 32 * (i // 8), g
+
+
+# mma.m16n8k16 .bf16: element i of a lane is half i % 2 of register i // 2.
+def isa_bf16_a(lane: int, i: int) -> tuple[int, int]:
+    g, t = divmod(lane, 4)
+    return g + 8 * ((i // 2) % 2), 2 * t + i % 2 + 8 * (i // 4)
+
+
+def isa_bf16_b(lane: int, i: int) -> tuple[int, int]:
+    g, t = divmod(lane, 4)
+    return 2 * t + i % 2 + 8 * (i // 2), g
+
+
+def _random_mma(seed: int):
+    rng = random.Random(seed)
+    a = [[rng.randrange(16) for _ in range(64)] for _ in range(16)]
+    b = [[rng.randrange(16) for _ in range(64)] for _ in range(8)]
+    sfa = [[rng.choice(FINITE_SCALES) for _ in range(4)] for _ in range(16)]
+    sfb = [[rng.choice(FINITE_SCALES) for _ in range(4)] for _ in range(8)]
+    return rng, a, b, sfa, sfb
+
+
+def _lane_registers(rng, a, b, sfa, sfb):
+    """Each lane's FP4 registers and scale register, as the OMMA would read them."""
+    lanes = []
+    for lane in range(32):
+        ra = [0] * 4
+        for i in range(32):
+            r, k = isa_fp4_a(lane, i)
+            ra[i // 8] |= a[r][k] << (4 * (i % 8))
+        rb = [0] * 2
+        for i in range(16):
+            k, c = isa_fp4_b(lane, i)
+            rb[i // 8] |= b[c][k] << (4 * (i % 8))
+
+        def scale(op, table, lane=lane):
+            pairs = sf_layout.mma_sf_fragment(lane, op, 0)
+            if not pairs:  # not read by the OMMA (selector 0): garbage
+                return rng.getrandbits(32)
+            return sum(table[row][kb] << (8 * kb) for row, kb in pairs)
+
+        lanes.append((ra, rb, scale("A", sfa), scale("B", sfb)))
+    return lanes
+
+
+def reference_mma(a, b, sfa, sfb) -> list[list[float]]:
+    return [[sum(e2m1(a[r][k]) * ue4m3(sfa[r][k // 16]) * e2m1(b[c][k]) * ue4m3(sfb[c][k // 16])
+                 for k in range(64)) for c in range(8)] for r in range(16)]
+
+
+def emulated_mma(lanes, source=emu.sf_source, byte=emu.sf_byte) -> list[list[float]]:
+    """The emulation's routing + conversion, then 4 BF16 MMAs by the m16n8k16 ISA model."""
+    words = []
+    for lane, (ra, rb, _, _) in enumerate(lanes):
+        wa = [convert(ra[r], lanes[source(lane, "A", r)][2], byte(lane, "A", r))
+              for r in range(emu.REGS["A"])]
+        wb = [convert(rb[r], lanes[source(lane, "B", r)][3], byte(lane, "B", r))
+              for r in range(emu.REGS["B"])]
+        words.append((wa, wb))
+    d = [[0.0] * 8 for _ in range(16)]
+    for s in range(emu.SUB_MMAS):
+        am, bm = {}, {}
+        for lane, (wa, wb) in enumerate(words):
+            for i in range(8):
+                am.setdefault(isa_bf16_a(lane, i), []).append(
+                    _bf16(wa[i // 2][s] >> (16 * (i % 2))))
+            for i in range(4):
+                bm.setdefault(isa_bf16_b(lane, i), []).append(
+                    _bf16(wb[i // 2][s] >> (16 * (i % 2))))
+        assert sorted(am) == [(r, k) for r in range(16) for k in range(16)]
+        assert sorted(bm) == [(k, c) for k in range(16) for c in range(8)]
+        assert all(len(v) == 1 for v in (*am.values(), *bm.values()))
+        for r in range(16):
+            for c in range(8):
+                d[r][c] += sum(am[r, k][0] * bm[k, c][0] for k in range(16))
+    return d
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_emulated_mma_equals_block_scaled_mma(seed):
+    rng, a, b, sfa, sfb = _random_mma(seed)
+    lanes = _lane_registers(rng, a, b, sfa, sfb)
+    assert emulated_mma(lanes) == reference_mma(a, b, sfa, sfb)
+
+
+def test_sub_mmas_cover_k_once_with_one_bijection():
+    """Sub-MMA s gives K' = 2t + i the K 8t + 2s + i (A and B alike): K 0..63 once."""
+    ks = []
+    for s in range(emu.SUB_MMAS):
+        seen_a, seen_b = {}, {}
+        for lane in range(32):
+            for i in range(8):  # BF16 A element i comes from FP4 register i // 2, nibble 2s+i%2
+                row, kp = isa_bf16_a(lane, i)
+                r, k = isa_fp4_a(lane, 8 * (i // 2) + 2 * s + i % 2)
+                assert r == row
+                seen_a.setdefault(kp, set()).add(k)
+            for i in range(4):
+                kp, col = isa_bf16_b(lane, i)
+                k, c = isa_fp4_b(lane, 8 * (i // 2) + 2 * s + i % 2)
+                assert c == col
+                seen_b.setdefault(kp, set()).add(k)
+        assert seen_a == seen_b and all(len(v) == 1 for v in seen_a.values())
+        ks += [next(iter(v)) for v in seen_a.values()]
+    assert sorted(ks) == list(range(64))
+
+
+@pytest.mark.parametrize("slip", ["lane 4g+2", "A rows swapped", "block of K 0..31 only",
+                                  "B from lane 4g+1"])
+def test_emulation_check_catches_slips(slip):
+    def source(lane, op, r):
+        s = emu.sf_source(lane, op, r)
+        if slip == "lane 4g+2" and op == "A":
+            return s + 2
+        if slip == "A rows swapped" and op == "A":
+            return s ^ 1
+        if slip == "B from lane 4g+1" and op == "B":
+            return s + 1
+        return s
+
+    def byte(lane, op, r):
+        return lane % 4 // 2 if slip == "block of K 0..31 only" else emu.sf_byte(lane, op, r)
+
+    rng, a, b, sfa, sfb = _random_mma(7)
+    lanes = _lane_registers(rng, a, b, sfa, sfb)
+    assert emulated_mma(lanes, source, byte) != reference_mma(a, b, sfa, sfb)
