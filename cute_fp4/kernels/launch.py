@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
@@ -146,7 +147,7 @@ class GemmLaunch:
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
                  pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 max_ctas: cutlass.Int32, stream):
+                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
         """Entry point: raw global pointers and sizes (see the module docstring)."""
         self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
                                     pAlpha, pWork, m, n, k), max_ctas, stream)
