@@ -235,3 +235,24 @@ def test_rcp_rn_fast_path_is_what_the_kernel_inlines(target, tmp_path):
     pattern = (r"MUFU\.RCP (R\d+), (R\d+) \| FFMA (R\d+), \2, \1, -1 \| "
                r"FADD\.FTZ \3, -\3, -RZ \| FFMA (R\d+), \1, \3, \1")
     assert re.search(pattern, text), text
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_runtime_args_match_the_compiled_signature(scale):
+    """Launch arguments built from tensors have the pointer types and alignments of the
+    fake arguments the kernel was compiled against (alignment is part of the signature)."""
+    from cute_fp4.kernels.quantize import PARTIALS_MAX, QuantizeKernel
+
+    kern = QuantizeKernel(QuantSpec(scale=scale))
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(3, 32, dtype=torch.uint8)
+    sf = torch.zeros(128, 4, dtype=torch.uint8)
+    gs = torch.ones((), dtype=torch.float32)
+    part = torch.zeros(PARTIALS_MAX) if scale == "dynamic" else None
+    fake = kern.fake_args()
+    real = kern.runtime_args(x, q, sf, gs, part, 7, fake[-1])
+    assert len(fake) == len(real) == 9
+    for f, r in zip(fake[:5], real[:5]):
+        assert (f.dtype, f._assumed_align) == (r.dtype, r._assumed_align)
+    assert [int(v) for v in real[5:8]] == [3, 64, 7]
+    assert real[0]._pointer == x.data_ptr() and real[2]._pointer == sf.data_ptr()

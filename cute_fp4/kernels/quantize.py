@@ -81,7 +81,7 @@ class QuantSpec:
     scale: str = "static"  # see the module docstring
     threads: int = 256  # per CTA
     items: int = 2  # 16-element blocks per thread
-    amax_vectors: int = 4  # 16-byte loads per thread per amax loop iteration
+    amax_vectors: int = 8  # 16-byte loads per thread per amax loop iteration (in flight)
     ctas_per_sm: int = 4  # a persistent grid of this many CTAs per SM looping over chunks of
     # threads * items blocks (the host passes max_ctas = n * SMs); 0: one CTA per chunk
     force_general: bool = False  # always take the general (div.rn) path: tests, benchmarks
@@ -301,22 +301,26 @@ class QuantizeKernel:
                 make_ptr(_U32, 0, _GMEM, assumed_align=8),
                 make_ptr(cutlass.Uint8, 0, _GMEM, assumed_align=16),
                 make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4),
-                make_ptr(_U32, 0, _GMEM, assumed_align=16),
+                make_ptr(_U32, 0, _GMEM, assumed_align=self._part_align),
                 _I32(0), _I32(0), _I32(0), make_fake_stream())
 
-    @staticmethod
-    def runtime_args(x, q, sf, gs, partials, max_ctas: int, stream) -> tuple:
+    @property
+    def _part_align(self) -> int:
+        """The partials pointer's alignment (part of the compiled signature): without
+        partials the launcher passes the global scale's pointer (never read)."""
+        return 16 if self.spec.scale == "dynamic" else 4
+
+    def runtime_args(self, x, q, sf, gs, partials, max_ctas: int, stream) -> tuple:
         """The entry point's arguments from torch tensors (checked by the caller): ``x``
         [M, K] 16-bit, ``q`` uint8 [M, K/2], ``sf`` the blocked scales, ``gs`` float32 of one
         element, ``partials`` float32 [PARTIALS_MAX] or None, ``max_ctas`` an int."""
         m, k = x.shape
-        part = partials if partials is not None else gs
+        part = partials if self.spec.scale == "dynamic" else gs
         return (make_ptr(_U32, x.data_ptr(), _GMEM, assumed_align=16),
                 make_ptr(_U32, q.data_ptr(), _GMEM, assumed_align=8),
                 make_ptr(cutlass.Uint8, sf.data_ptr(), _GMEM, assumed_align=16),
                 make_ptr(cutlass.Float32, gs.data_ptr(), _GMEM, assumed_align=4),
-                make_ptr(_U32, part.data_ptr(), _GMEM, assumed_align=16 if partials is not None
-                         else 4),
+                make_ptr(_U32, part.data_ptr(), _GMEM, assumed_align=self._part_align),
                 _I32(m), _I32(k), _I32(max_ctas), stream)
 
     @cute.jit
