@@ -28,9 +28,10 @@ _EXPORTS = {
     "Target": "targets", "TARGETS": "targets", "get_target": "targets",
     "detect_device": "targets",
     "CompiledGemm": "compile", "compile_report": "compile",
-    "gemm": "api", "validate": "api", "NVFP4Linear": "api",
+    "gemm": "api", "validate": "api",
+    "NVFP4Linear": "nn", "convert": "nn",
 }
-_SUBMODULES = ("reference", "catalogue", "errors", "ops")
+_SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn")
 
 __all__ = sorted([*_EXPORTS, "plan", "compile"]) + list(_SUBMODULES)
 

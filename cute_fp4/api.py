@@ -1,4 +1,5 @@
-"""The torch-facing API: ``gemm``, ``validate``, the ``cute_fp4::mm`` custom op, NVFP4Linear.
+"""The torch-facing API: ``gemm``, ``validate``, the ``cute_fp4::mm`` custom op and its
+plain-tensor form :func:`mm`, :func:`quantize_op` (fused activation quantization as ops).
 
 Every call goes through :func:`cute_fp4.operands.check_operands` before anything is
 launched or written: a bad input raises a typed error naming the problem and the numbers,
@@ -10,7 +11,8 @@ it) or by ``cute_fp4.ops.register()`` (needed first only to call ``torch.ops.cut
 directly).
 
 Layering: this module builds on the host layer (``compile``, ``run``) and the tuning
-store; it re-exports the operand and launch helpers scripts use from here.
+store; it re-exports the operand and launch helpers scripts use from here. The module API
+(``NVFP4Linear``, ``convert``) is ``cute_fp4.nn``, one layer up in use (it imports this).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import threading
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.errors import InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.errors import InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import (
     ALIGN,
     alpha_tensor,
@@ -33,9 +35,9 @@ from cute_fp4.operands import (
 from cute_fp4.run import poisoned_check, run_checked, run_compiled
 from cute_fp4.schedule import OutDtype, Schedule
 
-__all__ = ["ALIGN", "DEFAULT_SHAPES", "NVFP4Linear", "SWAPAB_MAX_M", "ValidationReport",
-           "check_operands", "gemm", "heuristic", "make_operands", "out_dtype_of",
-           "poisoned_check", "register_op", "resolve_schedule", "run_compiled", "validate"]
+__all__ = ["ALIGN", "DEFAULT_SHAPES", "SWAPAB_MAX_M", "ValidationReport", "check_operands",
+           "gemm", "heuristic", "make_operands", "mm", "out_dtype_of", "poisoned_check",
+           "quantize_op", "register_op", "resolve_schedule", "run_compiled", "validate"]
 
 SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
 _alpha_tensor = alpha_tensor  # the name scripts under perf/ use
@@ -91,12 +93,11 @@ def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
 
 
 def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
-    from cute_fp4.compile import Signature, compile
+    from cute_fp4.compile import kernel_for
 
     dims = check_operands(a, b, out, alpha, out_dtype)
-    m, n, k, a_format = dims
-    s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
-    kern = compile(s, Signature(a_format))
+    # resolve_schedule + compile, memoised per (schedule, dims, out dtype, device)
+    kern = kernel_for(schedule, dims, out_dtype, b.data.get_device(), resolve_schedule)
     result = run_checked(kern, a, b, out, alpha, dims)  # checked once, above
     if check and not kern.validated:
         reference.assert_close(result, a, b, alpha)
@@ -121,7 +122,7 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
     return _gemm_impl(a, b, schedule, out, out_dtype, alpha, check)
 
 
-# ----------------------------------------------------------------------------- custom op
+# ----------------------------------------------------------------------------- custom ops
 
 def _flatten(a, b: NVFP4Tensor, alpha):
     """NVFP4 operands -> plain tensors for the op (W4A16: a has no scale)."""
@@ -134,11 +135,72 @@ def _flatten(a, b: NVFP4Tensor, alpha):
 
 def _op_call(a, b, schedule, out_dtype, alpha):
     """``gemm`` while torch.compile traces it: one ``cute_fp4::mm`` node."""
-    if not isinstance(schedule, str):
-        raise InputTypeError("under torch.compile, pass schedule as a catalogue name or 'auto'")
-    _register_while_tracing()
     a_t, a_sf, b_t, b_sf, alpha_t = _flatten(a, b, alpha)
-    return torch.ops.cute_fp4.mm(a_t, a_sf, b_t, b_sf, alpha_t, b.shape[1], out_dtype, schedule)
+    return mm(a_t, a_sf, b_t, b_sf, alpha_t, b.shape[1], out_dtype, schedule)
+
+
+def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor,
+       alpha: torch.Tensor, k: int, out_dtype: torch.dtype = torch.bfloat16,
+       schedule: str = "auto") -> torch.Tensor:
+    """``gemm`` on plain tensors, in the form of the ``cute_fp4::mm`` op (arguments on
+    :func:`register_op`): ``alpha * a @ b.T`` with ``alpha`` a float32 tensor of one element
+    (the product of the global scales; it is not derived here).
+
+    Eager, it runs the kernel without going through the op's dispatch; under torch.compile it
+    is one ``cute_fp4::mm`` node (registered while tracing). The weight's tensors are taken as
+    a valid NVFP4 encoding: shapes, dtypes, devices and alignment are checked, the values
+    are not (no GPU sync), which is what lets CUDA graphs capture it."""
+    if torch.compiler.is_compiling():
+        if not isinstance(schedule, str):
+            raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
+                                 "'auto'")
+        _register_while_tracing()
+        return torch.ops.cute_fp4.mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
+    if not _REGISTERED:
+        register_op()
+    return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
+
+
+def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Tensor:
+    """The op's body. The operands are wrapped without ``NVFP4Tensor``'s checks: its
+    global-scale check reads the value back from the GPU, and that sync inside a CUDA-graph
+    capture (torch.compile's ``mode="reduce-overhead"``) invalidates the capture
+    (``cudaErrorStreamCaptureInvalidated``). ``alpha`` is explicit, so the global scales
+    the wrappers carry (alpha itself, a placeholder) are never read."""
+    for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if b.dim() != 2:
+        raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
+                             f"{tuple(b.shape)}")
+    gs = alpha.reshape(())
+    bt = NVFP4Tensor._unchecked(b, _e4m3(b_scale), gs, (b.shape[0], k))
+    at = a
+    if a_scale is not None:
+        at = NVFP4Tensor._unchecked(a, _e4m3(a_scale), gs, (a.shape[0], k))
+    return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False)
+
+
+def _e4m3(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float8_e4m3fn (uint8 bytes are viewed, not copied)."""
+    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
+
+
+def quantize_op(x: torch.Tensor, global_scale: torch.Tensor | None = None):
+    """``cute_fp4.quant.quantize_activation`` as ``(data, scale, global_scale)`` tensors,
+    one node under torch.compile: ``cute_fp4::quantize`` for a static scale (a float32
+    tensor of one element, e.g. a calibrated ``input_scale``; returned as given) or
+    ``cute_fp4::quantize_dynamic`` (``global_scale=None``: computed on the GPU)."""
+    if not torch.compiler.is_compiling():
+        from cute_fp4.quant import quantize_activation
+
+        t = quantize_activation(x, global_scale)
+        return t.data, t.scale, t.global_scale
+    _register_while_tracing()
+    if global_scale is None:
+        return torch.ops.cute_fp4.quantize_dynamic(x)
+    data, scale = torch.ops.cute_fp4.quantize(x, global_scale)
+    return data, scale, global_scale
 
 
 def _register_while_tracing() -> None:
@@ -159,13 +221,17 @@ _REGISTER_LOCK = threading.Lock()
 
 
 def register_op():
-    """Register the custom op ``cute_fp4::mm`` with its fake implementation, once per
-    process (idempotent, thread-safe); returns the ``torch.ops.cute_fp4`` namespace.
+    """Register the custom ops with their fake implementations, once per process
+    (idempotent, thread-safe); returns the ``torch.ops.cute_fp4`` namespace.
 
     ``torch.ops.cute_fp4.mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)``: ``a``
     the packed NVFP4 bytes [M, K/2] with ``a_scale`` (W4A4) or bf16/fp16 [M, K] with
-    ``a_scale=None`` (W4A16); ``b``/``b_scale`` the weight's bytes and scales; ``alpha`` a
-    one-element float32 tensor; ``schedule`` a catalogue name or "auto"."""
+    ``a_scale=None`` (W4A16); ``b``/``b_scale`` the weight's bytes and blocked scales;
+    ``alpha`` a one-element float32 tensor; ``schedule`` a catalogue name or "auto".
+
+    ``torch.ops.cute_fp4.quantize(x, global_scale) -> (data, scale)`` and
+    ``torch.ops.cute_fp4.quantize_dynamic(x) -> (data, scale, global_scale)``: the fused
+    activation quantization (``cute_fp4.quant``) of a bf16/fp16 ``x`` [M, K]."""
     global _REGISTERED
     with _REGISTER_LOCK:
         if not _REGISTERED:
@@ -185,17 +251,43 @@ def _op_exists() -> bool:
 
 def _define_op() -> None:
     @torch.library.custom_op("cute_fp4::mm", mutates_args=())
-    def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
-           b_scale: torch.Tensor, alpha: torch.Tensor, k: int, out_dtype: torch.dtype,
-           schedule: str) -> torch.Tensor:
-        one = torch.ones((), dtype=torch.float32, device=b.device)
-        bt = NVFP4Tensor(b, b_scale, one, (b.shape[0], k))
-        at = NVFP4Tensor(a, a_scale, one, (a.shape[0], k)) if a_scale is not None else a
-        return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False)
+    def mm_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+              b_scale: torch.Tensor, alpha: torch.Tensor, k: int, out_dtype: torch.dtype,
+              schedule: str) -> torch.Tensor:
+        return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
 
-    @mm.register_fake
+    @mm_op.register_fake
     def _(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+    @torch.library.custom_op("cute_fp4::quantize", mutates_args=())
+    def quantize_static(x: torch.Tensor, global_scale: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        from cute_fp4.quant import quantize_activation
+
+        t = quantize_activation(x, global_scale)
+        return t.data, t.scale
+
+    @quantize_static.register_fake
+    def _(x, global_scale):
+        return _fake_nvfp4(x)
+
+    @torch.library.custom_op("cute_fp4::quantize_dynamic", mutates_args=())
+    def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from cute_fp4.quant import quantize_activation
+
+        t = quantize_activation(x, None)
+        return t.data, t.scale, t.global_scale
+
+    @quantize_dynamic.register_fake
+    def _(x):
+        return (*_fake_nvfp4(x), x.new_empty((), dtype=torch.float32))
+
+
+def _fake_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    return (x.new_empty((m, k // 2), dtype=torch.uint8),
+            x.new_empty(scale_shape(m, k), dtype=torch.float8_e4m3fn))
 
 
 # ----------------------------------------------------------------------------- validate
@@ -254,56 +346,3 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
         results.append(poisoned_check(kern, a, b))
     return ValidationReport(kern.schedule.name or kern.schedule.label(), a_format, results,
                             poison_ok)
-
-
-# ----------------------------------------------------------------------------- module
-
-class NVFP4Linear(torch.nn.Module):
-    """``y = x @ W^T (+ bias)`` with W stored as NVFP4 ``[out_features, in_features]``.
-
-    ``mode="w4a4"`` quantizes activations to NVFP4 on the fly (per-call global scale; the
-    amax and the NaN/Inf check synchronise with the GPU once per call, and the quantization
-    is plain torch ops, not a fused kernel); ``mode="w4a16"`` keeps them in bf16/fp16 (no
-    sync). The output has the activation's dtype.
-    """
-
-    def __init__(self, weight: NVFP4Tensor, bias: torch.Tensor | None = None,
-                 mode: str = "w4a16", schedule="auto"):
-        super().__init__()
-        if mode not in ("w4a4", "w4a16"):
-            raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
-        if not isinstance(weight, NVFP4Tensor):
-            raise InputTypeError(f"weight must be an NVFP4Tensor, got {type(weight).__name__}")
-        self.out_features, self.in_features = weight.shape
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise InputError(f"bias must have shape ({self.out_features},), "
-                             f"got {tuple(bias.shape)}")
-        self.register_buffer("w_data", weight.data)
-        self.register_buffer("w_scale", weight.scale)
-        self.register_buffer("w_global_scale", weight.global_scale)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.mode, self.schedule = mode, schedule
-
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, mode: str = "w4a16") -> NVFP4Linear:
-        w = quantize(linear.weight.detach())
-        b = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(w, b, mode)
-
-    @property
-    def weight(self) -> NVFP4Tensor:
-        return NVFP4Tensor(self.w_data, self.w_scale, self.w_global_scale,
-                           (self.out_features, self.in_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise InputError(f"input has {x.shape[-1]} features, the layer expects "
-                             f"{self.in_features}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        a = quantize(x2) if self.mode == "w4a4" else x2.contiguous()
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-        y = gemm(a, self.weight, schedule=self.schedule, out_dtype=out_dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)

@@ -1,0 +1,406 @@
+"""Modules: :class:`NVFP4Linear`, :func:`convert` of a model's ``nn.Linear`` layers, and
+ModelOpt NVFP4 checkpoints.
+
+``NVFP4Linear`` holds the weight as buffers (packed E2M1 bytes, blocked UE4M3 scales, the
+FP32 global scale) and computes ``y = x @ W^T (+ bias)`` for bf16/fp16 ``x`` of any rank:
+
+* ``mode="w4a16"``: the activations stay bf16/fp16 (SM90 kernels);
+* ``mode="w4a4"``: the activations are quantized by the fused kernel
+  (``cute_fp4.quant.quantize_activation``) with the calibrated ``input_scale`` when the
+  layer has one (one kernel), else with a per-call amax computed on the GPU.
+
+A forward call synchronises nothing with the GPU, checks only the activation (host
+metadata), never the stored weight, and allocates only the output (W4A4: also the
+quantized activation; a split-K schedule: its workspace; a non-contiguous input: one
+contiguous copy). Under ``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4: after a
+``cute_fp4::quantize`` node), so ``fullgraph=True`` and ``mode="reduce-overhead"`` (CUDA
+graphs) work. Kernels are resolved once per (schedule, M, N, K, format, dtype) and kept
+for the process (:func:`clear_kernel_cache` forgets them, e.g. after ``cute-fp4 tune``).
+
+Checkpoints: the layer's ``state_dict()`` is ModelOpt's NVFP4 form, ``weight`` (uint8
+[N, K/2]), ``weight_scale`` (float8_e4m3fn [N, K/16], row-major), ``weight_scale_2`` (FP32,
+the decode-form global scale), ``input_scale`` (FP32, when calibrated) and ``bias``, so
+``model.load_state_dict(modelopt_state_dict)`` after :func:`convert` loads a ModelOpt
+checkpoint into the converted layers (in place: CUDA graphs captured before stay valid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from cute_fp4.api import mm, quantize_op, resolve_schedule
+from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.quant import quantize_activation
+
+__all__ = ["MODES", "ConvertReport", "NVFP4Linear", "clear_kernel_cache", "convert"]
+
+MODES = ("w4a16", "w4a4")
+_ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_K_MULTIPLE = 32  # packed FP4 rows must be a multiple of 16 bytes
+_N_MULTIPLE = 8  # bf16/fp16 output rows must be a multiple of 16 bytes
+# buffers that hold the NVFP4 encoding: their dtypes never follow module.to(dtype)/half()
+_FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "alpha")
+_CHECKPOINT_KEYS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@functools.lru_cache(maxsize=1024)
+def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype):
+    """The compiled kernel an NVFP4Linear call of this shape uses (resolved once)."""
+    from cute_fp4.compile import Signature, compile
+
+    return compile(resolve_schedule(schedule, m, n, k, a_format, out_dtype),
+                   Signature(a_format))
+
+
+def clear_kernel_cache() -> None:
+    """Forget the kernels NVFP4Linear resolved (a new tuning is then picked up)."""
+    _kernel_for.cache_clear()
+
+
+def _run(kern, a, w: NVFP4Tensor, alpha, dims) -> torch.Tensor:
+    from cute_fp4.run import run_checked
+
+    return run_checked(kern, a, w, None, alpha, dims)
+
+
+def _scalar(value, name: str, device) -> torch.Tensor:
+    """A positive finite FP32 scale as a 0-d tensor on ``device`` (checked once, at
+    construction or load: reading a GPU value synchronises)."""
+    t = torch.as_tensor(value, dtype=torch.float32)
+    if t.numel() != 1:
+        raise FormatError(f"{name} must be a scalar, got {t.numel()} elements "
+                          f"(shape {tuple(t.shape)})")
+    v = float(t)
+    if not (v > 0 and v != float("inf")):
+        raise FormatError(f"{name} must be finite and > 0, got {v:g}")
+    return t.reshape(()).to(device)
+
+
+# ----------------------------------------------------------------------------- module
+
+class NVFP4Linear(torch.nn.Module):
+    """``y = x @ W^T (+ bias)`` with ``W`` NVFP4 ``[out_features, in_features]``.
+
+    ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``);
+    ``mode``: "w4a16" or "w4a4"; ``schedule``: "auto", a catalogue name (both work under
+    torch.compile) or a Schedule; ``input_scale``: W4A4's calibrated activation global
+    scale (decode form, ``amax / 2688``), None for a dynamic one. The output has the
+    input's dtype (bf16 or fp16) and shape ``[..., out_features]``.
+    """
+
+    def __init__(self, weight: NVFP4Tensor, bias: torch.Tensor | None = None,
+                 mode: str = "w4a16", schedule="auto", input_scale=None):
+        super().__init__()
+        if mode not in MODES:
+            raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
+        if not isinstance(weight, NVFP4Tensor):
+            raise InputTypeError(f"weight must be an NVFP4Tensor, got {type(weight).__name__}")
+        self.out_features, self.in_features = weight.shape
+        dev = weight.device
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.out_features,):
+                shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)
+                raise InputError(f"bias must have shape ({self.out_features},), got {shape}")
+            bias = torch.nn.Parameter(bias.detach().clone().to(dev), requires_grad=False)
+        self.mode, self.schedule = mode, schedule
+        self.register_buffer("weight_packed", weight.data, persistent=False)
+        self.register_buffer("weight_scale", weight.scale, persistent=False)
+        self.register_buffer("weight_scale_2", _scalar(weight.global_scale, "weight global "
+                                                       "scale", dev), persistent=False)
+        self.register_buffer("input_scale", None if input_scale is None else
+                             _scalar(input_scale, "input_scale", dev), persistent=False)
+        self.register_buffer("alpha", None, persistent=False)
+        self.bias = bias
+        self._view: NVFP4Tensor | None = None
+        self._refresh_alpha()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, mode: str = "w4a16", schedule="auto",
+                    input_scale=None) -> NVFP4Linear:
+        """Quantize an ``nn.Linear``'s weight (its global scale from its amax)."""
+        w = quantize(linear.weight.detach())
+        return cls(w, None if linear.bias is None else linear.bias.detach(), mode, schedule,
+                   input_scale)
+
+    @classmethod
+    def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
+                      input_scale=None, bias: torch.Tensor | None = None,
+                      mode: str | None = None, schedule="auto") -> NVFP4Linear:
+        """From a ModelOpt NVFP4 checkpoint's tensors of one layer (see the module
+        docstring). ``mode`` None: "w4a4" when ``input_scale`` is given, else "w4a16"."""
+        w = NVFP4Tensor.from_modelopt(weight, weight_scale, weight_scale_2)
+        if mode is None:
+            mode = "w4a16" if input_scale is None else "w4a4"
+        return cls(w, bias, mode, schedule, input_scale)
+
+    def load_modelopt(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
+                      input_scale=None) -> None:
+        """Overwrite the weight (and the calibrated input scale, when given) in place with
+        a ModelOpt checkpoint's tensors; the buffers keep their addresses."""
+        w = NVFP4Tensor.from_modelopt(weight, weight_scale, weight_scale_2)
+        if w.shape != (self.out_features, self.in_features):
+            raise FormatError(f"checkpoint weight is {list(w.shape)}, the layer is "
+                              f"[{self.out_features}, {self.in_features}]")
+        dev = self.weight_packed.device
+        gs = _scalar(w.global_scale, "weight_scale_2", dev)
+        with torch.no_grad():
+            self.weight_packed.copy_(w.data)
+            self.weight_scale.copy_(w.scale)
+            self.weight_scale_2.copy_(gs)
+            if input_scale is not None:
+                s = _scalar(input_scale, "input_scale", dev)
+                if self.input_scale is None:
+                    self.input_scale = s
+                else:
+                    self.input_scale.copy_(s)
+        self._refresh_alpha()
+
+    def _refresh_alpha(self) -> None:
+        """W4A4 with a static input scale: alpha = input_scale * weight_scale_2, computed
+        once (in place when it exists, so a captured CUDA graph reads the new value)."""
+        if self.mode != "w4a4" or self.input_scale is None:
+            self.alpha = None
+        elif self.alpha is None:
+            self.alpha = self.input_scale * self.weight_scale_2
+        else:
+            torch.mul(self.input_scale, self.weight_scale_2, out=self.alpha)
+
+    # ------------------------------------------------------------------ views, state
+
+    @property
+    def weight(self) -> NVFP4Tensor:
+        """The weight as an NVFP4Tensor over the buffers (built without checks, once)."""
+        d, s, g = (self._buffers["weight_packed"], self._buffers["weight_scale"],
+                   self._buffers["weight_scale_2"])
+        v = self._view
+        if v is None or v.data is not d or v.scale is not s or v.global_scale is not g:
+            v = NVFP4Tensor._unchecked(d, s, g, (self.out_features, self.in_features))
+            self._view = v
+        return v
+
+    def _apply(self, fn, recurse=True):
+        # module.to(torch.bfloat16) / .half() convert every floating buffer, float8 and
+        # the FP32 scales included: the NVFP4 buffers keep their dtypes and follow the device
+        before = {n: self._buffers[n] for n in _FORMAT_BUFFERS if self._buffers[n] is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        def keep(t):
+            return t if keep_vars else t.detach()
+
+        destination[prefix + "weight"] = keep(self.weight_packed)
+        destination[prefix + "weight_scale"] = self.weight.scale_linear()
+        destination[prefix + "weight_scale_2"] = keep(self.weight_scale_2)
+        if self.input_scale is not None:
+            destination[prefix + "input_scale"] = keep(self.input_scale)
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # bias
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)  # bias
+        keys = {name: prefix + name for name in _CHECKPOINT_KEYS}
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in keys.values()]
+        need = ["weight", "weight_scale", "weight_scale_2"]
+        if self.mode == "w4a4" and self.input_scale is not None:
+            need.append("input_scale")
+        absent = [keys[n] for n in need if keys[n] not in state_dict]
+        missing_keys.extend(absent)
+        if any(keys[n] not in state_dict for n in need[:3]):
+            return
+        self.load_modelopt(*(state_dict[keys[n]] for n in need[:3]),
+                           input_scale=state_dict.get(keys["input_scale"]))
+
+    def extra_repr(self) -> str:
+        scale = "" if self.mode != "w4a4" else (
+            ", input_scale=static" if self.input_scale is not None else ", input_scale=dynamic")
+        sched = self.schedule if isinstance(self.schedule, str) else (
+            self.schedule.name or self.schedule.label())
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, mode={self.mode}{scale}, schedule={sched}")
+
+    # ------------------------------------------------------------------ forward
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise InputError(f"input has {x.shape[-1] if x.dim() else 0} features "
+                             f"(shape {tuple(x.shape)}), the layer expects "
+                             f"{self.in_features}")
+        if x.dtype not in _ACT_FORMATS:
+            raise InputError(f"input must be bfloat16 or float16, got {x.dtype} "
+                             "(convert the model's activations, e.g. model.to(torch.bfloat16))")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if torch.compiler.is_compiling():
+            return self._forward_traced(x)
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        w = self.weight
+        if x2.device != w.data.device:
+            raise InputError(f"input is on {x2.device} but the layer is on {w.data.device}")
+        m = x2.shape[0]
+        if m == 0:
+            return x.new_empty((*x.shape[:-1], n))
+        if self.mode == "w4a4":
+            a, fmt = quantize_activation(x2, self.input_scale), "nvfp4"
+            alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
+        else:
+            a, fmt, alpha = x2, _ACT_FORMATS[x2.dtype], self.weight_scale_2
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype)
+        y = _run(kern, a, w, alpha, (m, n, k, fmt))
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], n)
+
+    def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward torch.compile traces: plain tensors into the custom ops."""
+        if not isinstance(self.schedule, str):
+            raise InputTypeError("under torch.compile, NVFP4Linear's schedule must be a "
+                                 "catalogue name or 'auto'")
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k).contiguous()
+        ws, gs = self.weight_packed, self.weight_scale_2
+        if self.mode == "w4a4":
+            data, scale, a_gs = quantize_op(x2, self.input_scale)
+            alpha = self.alpha if self.alpha is not None else a_gs * gs
+            y = mm(data, scale, ws, self.weight_scale, alpha, k, x.dtype, self.schedule)
+        else:
+            y = mm(x2, None, ws, self.weight_scale, gs, k, x.dtype, self.schedule)
+        if self.bias is not None:
+            y.add_(self.bias)  # in y's dtype, as eager
+        return y.view(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------- convert
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ConvertReport:
+    """What :func:`convert` did: ``model`` (the same object, unless the model itself was an
+    ``nn.Linear``), the qualified names converted and ``(name, reason)`` of those left."""
+
+    model: torch.nn.Module
+    mode: str
+    converted: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        total = len(self.converted) + len(self.skipped)
+        head = (f"converted {len(self.converted)} of {total} nn.Linear layers to "
+                f"NVFP4Linear ({self.mode})")
+        return "\n  ".join([head, *(f"skipped {n}: {r}" for n, r in self.skipped)])
+
+
+SkipRule = str | Callable[[str, torch.nn.Module], bool]
+
+
+def _skip_rules(skip) -> tuple[SkipRule, ...]:
+    if skip is None:
+        return ()
+    if isinstance(skip, str) or callable(skip):
+        return (skip,)
+    if not isinstance(skip, Iterable):
+        raise InputTypeError(f"skip must be a name pattern, a callable(name, module) or an "
+                             f"iterable of them, got {type(skip).__name__}")
+    rules = tuple(skip)
+    for r in rules:
+        if not (isinstance(r, str) or callable(r)):
+            raise InputTypeError(f"skip entries must be name patterns (str) or callables, "
+                                 f"got {type(r).__name__}")
+    return rules
+
+
+def _skip_reason(name: str, lin: torch.nn.Linear, rules, has_checkpoint: bool) -> str | None:
+    for r in rules:
+        if isinstance(r, str):
+            if fnmatch.fnmatchcase(name, r):
+                return f"matches skip pattern {r!r}"
+        elif r(name, lin):
+            return f"skip callable {getattr(r, '__name__', repr(r))} returned True"
+    if type(lin) is not torch.nn.Linear:
+        return (f"{type(lin).__name__} is a subclass of nn.Linear whose users may read its "
+                "weight directly; only nn.Linear itself is converted")
+    if lin.in_features % _K_MULTIPLE:
+        return (f"in_features = {lin.in_features} is not a multiple of {_K_MULTIPLE} "
+                "(packed FP4 rows must be 16-byte multiples)")
+    if lin.out_features % _N_MULTIPLE:
+        return (f"out_features = {lin.out_features} is not a multiple of {_N_MULTIPLE} "
+                "(bf16/fp16 output rows must be 16-byte multiples)")
+    if lin.weight.is_meta and not has_checkpoint:
+        return "weight is on the meta device and the state_dict has no NVFP4 tensors for it"
+    return None
+
+
+def _build(name: str, lin: torch.nn.Linear, mode: str, schedule,
+           state_dict: Mapping | None) -> NVFP4Linear:
+    if state_dict is None or f"{name}.weight_scale" not in state_dict:
+        return NVFP4Linear.from_linear(lin, mode, schedule)
+    sd = {key: state_dict.get(f"{name}.{key}") for key in (*_CHECKPOINT_KEYS, "bias")}
+    if sd["weight_scale_2"] is None:
+        raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
+    bias = sd["bias"] if sd["bias"] is not None else lin.bias
+    if bias is not None and bias.is_meta:
+        raise FormatError(f"{name}.bias is on the meta device and not in the state_dict")
+    layer = NVFP4Linear.from_modelopt(sd["weight"], sd["weight_scale"], sd["weight_scale_2"],
+                                      sd["input_scale"] if mode == "w4a4" else None, bias,
+                                      mode, schedule)
+    return layer if lin.weight.is_meta else layer.to(lin.weight.device)
+
+
+def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule="auto",
+            state_dict: Mapping[str, torch.Tensor] | None = None) -> ConvertReport:
+    """Replace the ``nn.Linear`` layers of ``model`` in place by :class:`NVFP4Linear`.
+
+    Each layer is quantized from its own weight, or, when ``state_dict`` (a ModelOpt NVFP4
+    checkpoint) holds ``<name>.weight_scale``, built from the checkpoint's tensors (W4A4
+    takes its ``input_scale``). ``skip``: fnmatch patterns of qualified names (``"lm_head"``,
+    ``"*.mlp.*"``), a callable ``(name, linear) -> bool``, or an iterable of both. Layers
+    that cannot be converted (in_features not a multiple of 32, out_features not a multiple
+    of 8, a subclass of nn.Linear) are left with their reason in the returned report. A
+    layer shared under several names is converted once and stays shared.
+    """
+    if mode not in MODES:
+        raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    rules = _skip_rules(skip)
+    done: dict[int, NVFP4Linear | None] = {}
+    converted, skipped = [], []
+
+    def visit(name: str, lin: torch.nn.Linear):
+        if id(lin) not in done:
+            why = _skip_reason(name, lin, rules,
+                               state_dict is not None and f"{name}.weight_scale" in state_dict)
+            done[id(lin)] = None if why else _build(name, lin, mode, schedule, state_dict)
+            (skipped.append((name, why)) if why else converted.append(name))
+        return done[id(lin)]
+
+    if isinstance(model, torch.nn.Linear):
+        new = visit("", model)
+        return ConvertReport(new or model, mode, tuple(converted), tuple(skipped))
+    for name, child in list(model.named_modules(remove_duplicate=False)):  # model order
+        if name and isinstance(child, torch.nn.Linear):
+            parent_name, _, attr = name.rpartition(".")
+            new = visit(name, child)
+            if new is not None:
+                setattr(model.get_submodule(parent_name), attr, new)
+    return ConvertReport(model, mode, tuple(converted), tuple(skipped))
