@@ -125,8 +125,8 @@ def block_model(h: np.ndarray, gs: float, half: str = "bf16", hw: bool = False,
             qa = fma32(er, rgs, qa)
         u = qa
     u = np.minimum(u, F32(448.0))
-    sfb = e4m3_rne(u)
-    sfb = np.maximum(sfb, np.minimum(bits(bamax), 1))
+    sfb = e4m3_rne(u) * 257  # cvt e4m3x2 of (u, u): the code in both bytes
+    sfb = np.maximum(sfb, np.minimum(bits(bamax), 257)) & 0xFF
     d = (e4m3_value(sfb) * gs).astype(F32)[:, None]
     if general:
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):

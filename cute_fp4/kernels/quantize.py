@@ -169,9 +169,10 @@ _RCP_RN_LINES = ("rcp.approx.ftz.f32 r, dd;", "fma.rn.f32 er, dd, r, 0fBF800000;
 
 def _block_ptx(half: str, hw: bool, general: bool) -> str:
     """PTX for one 16-element block: $r0..$r7 the packed input words, $r8 gs, $r9 RN(1/gs),
-    $r10 RN(449 gs); $w0, $w1 the packed codes, $w2 the UE4M3 scale byte."""
+    $r10 RN(449 gs); $w0, $w1 the packed codes, $w2 the UE4M3 scale byte (twice: low byte
+    and the next, the store keeps the low one)."""
     x2 = f"{half}x2"
-    regs = ("m, ua, ub, bamax, t, qa, nq, er, u, sfb, nz, sc2, sfv, d, dd, r, lim, limw, z, "
+    regs = ("m, ua, ub, bamax, t, qa, nq, er, u, sfb, nz, sfv, d, dd, r, lim, limw, z, "
             "cw, a, aa, q, ex, em, sc, fm, acc0, acc1")
     body = ["{", f".reg .b32 {regs};", ".reg .b16 s16, hl, hh;", ".reg .b8 eb<8>;",
             ".reg .pred pe<16>, pd;", ".reg .f32 flo, fhi;", "mov.b32 z, 0;"]
@@ -186,10 +187,10 @@ def _block_ptx(half: str, hw: bool, general: bool) -> str:
     else:
         body += _block_scale_fast()
     body += [
-        "cvt.rn.satfinite.e4m3x2.f32 s16, u, u;",
-        "cvt.u32.u16 sfb, s16;", "and.b32 sfb, sfb, 0xFF;",
-        "min.u32 nz, bamax, 1;", "max.u32 sfb, sfb, nz;",  # a non-zero block: at least 2^-9
-        "mul.lo.u32 sc2, sfb, 257;", "cvt.u16.u32 s16, sc2;",
+        # both bytes hold the code (code * 257); a non-zero block gets at least code 1
+        # (2^-9): the float32 bits of a non-zero 16-bit |x| are >= 2^16 > 257
+        "cvt.rn.satfinite.e4m3x2.f32 s16, u, u;", "cvt.u32.u16 sfb, s16;",
+        "min.u32 nz, bamax, 257;", "max.u32 sfb, sfb, nz;", "cvt.u16.u32 s16, sfb;",
         "cvt.rn.f16x2.e4m3x2 sfv, s16;", "mov.b32 {hl, hh}, sfv;", "cvt.f32.f16 sfv, hl;",
         "mul.rn.f32 d, sfv, {$r8};",
     ]
