@@ -1,0 +1,207 @@
+"""cute_fp4.nn on a GPU: NVFP4Linear against the exact reference, torch.compile
+(fullgraph, and mode="reduce-overhead", i.e. CUDA graphs) against eager for a module and
+for a plain function calling gemm, manual CUDA-graph capture of the eager forward, no host
+sync and no allocation beyond the outputs per call, ModelOpt loading, convert() of a model
+against its BF16 original. Modes: W4A16 (SM90 only), W4A4 with a static (calibrated) and
+a dynamic activation scale."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cute_fp4 as cf
+from cute_fp4 import nn as cnn
+from cute_fp4 import reference
+from cute_fp4.api import make_operands
+
+pytestmark = pytest.mark.gpu("sm90", "sm120")
+
+# (mode, static input scale)
+MODES = [("w4a16", False), ("w4a4", True), ("w4a4", False)]
+IDS = ["w4a16", "w4a4-static", "w4a4-dynamic"]
+
+
+def _skip_unsupported(mode: str) -> None:
+    if mode == "w4a16" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("W4A16 kernels exist for SM90 only")
+
+
+def _layer(mode: str, static: bool, k: int = 640, n: int = 256, bias: bool = True,
+           seed: int = 0) -> tuple[nn.Linear, cnn.NVFP4Linear]:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
+    # inputs are ~N(0, 1): a calibrated amax of 4.5 saturates a few elements, as in use
+    return lin, cnn.NVFP4Linear.from_linear(lin, mode, input_scale=4.5 / 2688 if static
+                                            else None)
+
+
+def _x(*shape: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+
+def _activation(layer: cnn.NVFP4Linear, x2: torch.Tensor):
+    from cute_fp4.quant import quantize_activation
+
+    return quantize_activation(x2, layer.input_scale) if layer.mode == "w4a4" else x2
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+def test_forward_matches_the_reference(mode, static):
+    _skip_unsupported(mode)
+    _, layer = _layer(mode, static, bias=False)
+    x = _x(2, 5, 640)
+    y = layer(x)
+    assert y.shape == (2, 5, 256) and y.dtype == torch.bfloat16
+    a = _activation(layer, x.reshape(-1, 640))
+    res = reference.check(y.reshape(-1, 256), a, layer.weight)
+    assert res.passed, str(res)
+    # the bias is added in the output's dtype, after the GEMM
+    _, with_bias = _layer(mode, static, bias=True)
+    yb = with_bias(x)
+    torch.testing.assert_close(yb, (y.float() + with_bias.bias.float()).to(torch.bfloat16),
+                               rtol=0, atol=0)
+
+
+def _single(mode, static):
+    return nn.Sequential(_layer(mode, static)[1])
+
+
+def _two_layers(mode, static):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(640, 512), nn.SiLU(), nn.Linear(512, 256)).cuda()
+    m = m.to(torch.bfloat16)
+    cf.convert(m, mode)
+    if static:
+        for layer in (m[0], m[2]):
+            w = layer.weight
+            layer.load_modelopt(w.data, w.scale_linear(), w.global_scale,
+                                input_scale=4.5 / 2688)
+    return m
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
+def test_compiled_module_matches_eager(mode, static, compile_mode):
+    _skip_unsupported(mode)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for build, exact in ((_single, True), (_two_layers, False)):
+        model = build(mode, static)
+        f = torch.compile(model, mode=compile_mode, fullgraph=True)
+        for i, shape in enumerate([(4, 3, 640), (4, 3, 640), (4, 3, 640), (16, 640)]):
+            x = _x(*shape, seed=10 + i)  # new data each call: a replay must read it
+            got = f(x).clone()
+            want = model(x)
+            if exact:  # the same kernels on the same operands
+                assert torch.equal(got, want), f"call {i}: compiled != eager"
+            else:  # SiLU compiled by inductor may round differently, so codes may flip
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    if compile_mode == "reduce-overhead":
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("shape", [(16, 256, 640), (16, 1024, 8192)], ids=["plain", "split-k"])
+def test_gemm_function_under_reduce_overhead(fmt, shape):
+    _skip_unsupported("w4a16" if fmt == "bf16" else "w4a4")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def f(x, w):
+        return cf.gemm(x, w) * 2
+
+    for seed in range(3):
+        a, b = make_operands(*shape, fmt, seed=seed)
+        got = f(a, b).clone()
+        assert torch.equal(got / 2, cf.gemm(a, b)), f"replay {seed} differs from eager"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+def test_manual_graph_capture_of_the_eager_forward(mode, static):
+    _skip_unsupported(mode)
+    _, layer = _layer(mode, static)
+    x = _x(1, 640)
+    want = layer(x).clone()  # warm-up: kernels resolved and compiled outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x)
+    x.copy_(_x(1, 640, seed=5))
+    g.replay()
+    assert torch.equal(y, layer(x)) and not torch.equal(y, want)
+    # the weights load in place: the captured graph reads the new ones
+    _, other = _layer(mode, static, seed=7)
+    layer.load_state_dict(other.state_dict())
+    g.replay()
+    assert torch.equal(y, other(x))
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+def test_forward_has_no_host_sync(mode, static):
+    _skip_unsupported(mode)
+    _, layer = _layer(mode, static)
+    x = _x(3, 640)
+    layer(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 3),
+                                                ("w4a4", False, 5)], ids=IDS)
+def test_forward_allocates_only_its_outputs(mode, static, most):
+    """W4A16: the output; W4A4: also the packed activation and its scales (dynamic: the
+    global scale and alpha). No split-K at this shape."""
+    _skip_unsupported(mode)
+    _, layer = _layer(mode, static, bias=True)
+    x = _x(3, 640)
+    layer(x)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    layer(x)
+    n = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    assert 1 <= n <= most, f"{n} allocations per forward, expected at most {most}"
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+def test_modelopt_tensors_load_into_a_converted_layer(mode, static):
+    _skip_unsupported(mode)
+    _, src = _layer(mode, static, seed=3)
+    ckpt = {k: v.cpu() for k, v in src.state_dict().items()}  # ModelOpt form, on the host
+    _, dst = _layer(mode, False, seed=4)
+    dst.load_state_dict(ckpt)
+    x = _x(2, 640)
+    assert torch.equal(dst(x), src(x))
+    fresh = cnn.NVFP4Linear.from_modelopt(**{k: v.cuda() for k, v in ckpt.items()
+                                            if k != "bias"}, bias=ckpt["bias"].cuda(),
+                                          mode=mode)
+    assert torch.equal(fresh(x), src(x))
+
+
+@pytest.mark.parametrize("mode, limit", [("w4a16", 0.2), ("w4a4", 0.27)])  # CPU: .145, .196
+def test_converted_model_is_close_to_bf16(mode, limit):
+    _skip_unsupported(mode)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512, bias=False),
+                          nn.Linear(1000, 16)).cuda().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    rep = cf.convert(model, mode, skip="2")
+    assert rep.converted == ("0", "1") and dict(rep.skipped)["2"].startswith("matches")
+    x = _x(16, 1024)
+    y, y_ref = model[1](model[0](x)).float(), ref[1](ref[0](x)).float()
+    err = float((y - y_ref).norm() / y_ref.norm())
+    assert err < limit, f"relative error {err:.3f} vs BF16, expected < {limit}"
