@@ -23,6 +23,7 @@ import threading
 import torch
 
 from cute_fp4 import reference
+from cute_fp4.compile import kernel_for
 from cute_fp4.errors import InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import (
@@ -93,8 +94,6 @@ def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
 
 
 def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
-    from cute_fp4.compile import kernel_for
-
     dims = check_operands(a, b, out, alpha, out_dtype)
     # resolve_schedule + compile, memoised per (schedule, dims, out dtype, device)
     kern = kernel_for(schedule, dims, out_dtype, b.data.get_device(), resolve_schedule)

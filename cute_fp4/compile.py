@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import threading
 import time
@@ -159,53 +160,139 @@ class Signature:
     a_format: str = "nvfp4"  # "nvfp4" (W4A4) or "bf16"/"fp16" (W4A16)
 
 
+TVM_FFI_ENV = "CUTE_FP4_TVM_FFI"  # "0": compile without the TVM-FFI entry
+
+
+def tvm_ffi_enabled() -> bool:
+    """Whether kernels are compiled with the DSL's TVM-FFI entry (``--enable-tvm-ffi``):
+    ``apache-tvm-ffi`` is importable and ``CUTE_FP4_TVM_FFI`` is not "0". That entry takes
+    plain ints, so a launch costs well under a microsecond of Python instead of the tens
+    the DSL's own argument packing takes; without the package everything works the same,
+    only the host side of each call is slower."""
+    import importlib.util
+
+    return os.environ.get(TVM_FFI_ENV, "1") != "0" and \
+        importlib.util.find_spec("tvm_ffi") is not None
+
+
+def ffi_function(compiled):
+    """The ``tvm_ffi.Function`` a kernel compiled with ``--enable-tvm-ffi`` is called
+    through (the DSL's object when built, the function itself when loaded from the disk
+    cache), or None for a kernel compiled without it."""
+    try:
+        import tvm_ffi
+    except ImportError:
+        return None
+    inner = getattr(compiled, "__tvm_ffi_object__", None)
+    if inner is not None:
+        compiled = inner()
+    return compiled if isinstance(compiled, tvm_ffi.Function) else None
+
+
+def stream_getter():
+    """``device index -> raw handle of torch's current stream there``. torch's own raw
+    getter (what Inductor uses) skips building a ``torch.cuda.Stream`` object per call."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
 class CompiledGemm:
     """A compiled kernel for one schedule and operand signature; call it on torch tensors.
 
     ``out = k(a, b, out=None, alpha=None)`` with ``a`` an NVFP4Tensor (W4A4) or a bf16/fp16
     tensor (W4A16) and ``b`` an NVFP4Tensor. Inputs are validated (``cute_fp4.run``).
+    ``call_path`` is "tvm-ffi" (the kernel's TVM-FFI entry, called with ints) or "dsl" (the
+    DSL's call path with its pointer objects, when apache-tvm-ffi is absent or disabled).
     """
 
     def __init__(self, schedule: Schedule, signature: Signature, compiled, kernel,
-                 compile_s: float, source: str = "built", rebuild=None):
+                 compile_s: float, source: str = "built", rebuild=None,
+                 max_ctas: int | None = None):
+        from cute_fp4.operands import out_dtype_of
+
         self.schedule = schedule
         self._rebuild = rebuild  # compiles afresh (used if a cached kernel fails to launch)
         self.source = source  # "built", "loaded" (disk cache) or "built-uncached"
         self.signature = signature
-        self._compiled = compiled
         self._kernel = kernel
         self.compile_s = compile_s
         self.validated = False
-        self._streams: dict[int, object] = {}  # CUstream per raw stream handle
+        self.out_dtype = out_dtype_of(schedule)
+        self.max_ctas = max_ctas  # None: the device's SM count (see kernels/launch.py)
+        self._planned: set[tuple] = set()  # (M, N, K, a_format) plan() accepted
+        self._stream_of = stream_getter()
+        self._streams: dict[int, object] = {}  # CUstream per raw handle (DSL path)
+        self._ctas: dict[int, int] = {}  # SM count per device index
+        self._set_compiled(compiled)
+
+    def _set_compiled(self, compiled) -> None:
+        self._compiled = compiled
+        self._ffi = ffi_function(compiled)
+        self.call_path = "dsl" if self._ffi is None else "tvm-ffi"
+
+    def check_plan(self, dims: tuple[int, int, int, str]) -> None:
+        """``plan(schedule, problem).raise_if_invalid()`` once per (M, N, K, a_format):
+        plan() is pure but costs ~150 us of Python. A refusal is not remembered, so it is
+        raised with its reasons on every call."""
+        if dims not in self._planned:
+            plan(self.schedule, Problem(*dims)).raise_if_invalid()
+            if len(self._planned) >= 4096:
+                self._planned.clear()
+            self._planned.add(dims)
 
     def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> None:
-        """Launch on prepared, validated tensors (the API layer's job)."""
-        import torch
+        """Launch on prepared, validated tensors (the API layer's job), on torch's current
+        stream of ``out``'s device (so CUDA-graph capture records it)."""
+        dev = out.get_device()
+        stream = self._stream_of(dev)
+        ffi = self._ffi
+        if ffi is not None:
+            ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
+            args = self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha,
+                                         workspace, ctas, stream)
+        else:
+            args = self._dsl_args(stream, a_data, a_scale, b_data, b_scale, out, alpha,
+                                  workspace)
+        try:
+            ffi(*args) if ffi is not None else self._compiled(*args)
+        except Exception as e:
+            if self.source != "loaded" or self._rebuild is None:
+                raise
+            self._recompile(e)
+            self.launch(a_data, a_scale, b_data, b_scale, out, alpha, workspace)
 
-        handle = torch.cuda.current_stream().cuda_stream
-        stream = self._streams.get(handle)
-        if stream is None:
+    def _sm_count(self, dev: int) -> int:
+        from cute_fp4.kernels.launch import sm_count
+
+        n = self._ctas[dev] = sm_count(dev)
+        return n
+
+    def _dsl_args(self, stream: int, *tensors) -> tuple:
+        """The DSL call path's arguments: its pointer objects, Int32s and a CUstream."""
+        cu = self._streams.get(stream)
+        if cu is None:
             from cuda.bindings import driver
 
             if len(self._streams) >= 64:  # many short-lived streams: don't grow forever
                 self._streams.clear()
-            stream = self._streams[handle] = driver.CUstream(handle)
-        args = self._kernel.runtime_args(a_data, a_scale, b_data, b_scale, out, alpha,
-                                         workspace, stream)
-        try:
-            self._compiled(*args)
-        except Exception as e:
-            if self.source != "loaded" or self._rebuild is None:
-                raise
-            # a disk-cache entry that loaded but cannot run here: compile and retry once
-            import warnings
+            cu = self._streams[stream] = driver.CUstream(stream)
+        return self._kernel.runtime_args(*tensors, cu)
 
-            from cute_fp4.cache import CacheWarning
+    def _recompile(self, error: Exception) -> None:
+        """A disk-cache entry that loaded but cannot run here: compile it afresh (once)."""
+        import warnings
 
-            warnings.warn(f"cute_fp4 cache: a cached kernel failed to launch "
-                          f"({type(e).__name__}: {e}); recompiling", CacheWarning, stacklevel=2)
-            self._compiled, self.source = self._rebuild(), "built"
-            self._compiled(*args)
+        from cute_fp4.cache import CacheWarning
+
+        warnings.warn(f"cute_fp4 cache: a cached kernel failed to launch "
+                      f"({type(error).__name__}: {error}); recompiling", CacheWarning,
+                      stacklevel=3)
+        self._set_compiled(self._rebuild())
+        self.source = "built"
 
     def __call__(self, a, b, out=None, alpha=None):
         from cute_fp4.run import run_compiled
@@ -214,7 +301,8 @@ class CompiledGemm:
 
     def __repr__(self) -> str:
         return (f"CompiledGemm({self.schedule.name or self.schedule.label()}, "
-                f"{self.signature.a_format}, {self.source} in {self.compile_s:.2f} s)")
+                f"{self.signature.a_format}, {self.source} in {self.compile_s:.2f} s, "
+                f"{self.call_path})")
 
 
 _CACHE: dict[tuple, CompiledGemm] = {}
@@ -232,7 +320,7 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
     sig = signature or Signature()
     dev = require_device(schedule.arch.family)
     s = retarget(schedule, dev.target.name)
-    key = (kernel_class(s).__name__, s, sig)
+    key = (kernel_class(s).__name__, s, sig, tvm_ffi_enabled())
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
@@ -240,36 +328,112 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
     return hit
 
 
-def _build(schedule: Schedule, sig: Signature, kernel=None, tag: str = "") -> CompiledGemm:
-    import cutlass.cute as cute
+# (schedule argument, M, N, K, a_format, out dtype, device) -> (argument, kernel, deadline)
+_RESOLVED: dict[tuple, tuple] = {}
+AUTO_RECHECK_S = 1.0  # how often a memoised schedule="auto" is resolved again
 
+
+def kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype, device_index: int,
+               resolve) -> CompiledGemm:
+    """The kernel ``gemm`` runs for its ``schedule`` argument (a Schedule, a catalogue name
+    or "auto") at ``dims`` = (M, N, K, a_format), memoised: resolving "auto" (tuning store,
+    heuristic, ``Schedule.replace``) and finding the compiled kernel cost ~100 us of Python
+    per call, more than the decode kernel itself. ``resolve(schedule, m, n, k, a_format,
+    out_dtype) -> Schedule`` is the API's resolver (this layer does not import it).
+
+    A Schedule argument is memoised by identity (the memo holds it, so the id stays its
+    own); "auto" is resolved again every :data:`AUTO_RECHECK_S` seconds, so a tuning
+    stored meanwhile is picked up; :func:`clear_cache` forgets everything."""
+    key = (schedule if isinstance(schedule, str) else id(schedule), *dims, out_dtype,
+           device_index)
+    hit = _RESOLVED.get(key)
+    if hit is not None and hit[0] is schedule and (hit[2] is None
+                                                   or time.monotonic() < hit[2]):
+        return hit[1]
+    s = resolve(schedule, *dims, out_dtype)
+    kern = compile(s, Signature(dims[3]))
+    deadline = time.monotonic() + AUTO_RECHECK_S if schedule == "auto" else None
+    if len(_RESOLVED) >= 4096:
+        _RESOLVED.clear()
+    _RESOLVED[key] = (schedule, kern, deadline)
+    return kern
+
+
+def _build(schedule: Schedule, sig: Signature, kernel=None, tag: str = "") -> CompiledGemm:
+    """Compile (or load from the disk cache) with the TVM-FFI entry when
+    :func:`tvm_ffi_enabled`; if that build fails where a plain one works (an
+    apache-tvm-ffi this DSL cannot use), warn once and keep the plain one."""
+    kernel = kernel or _make_kernel(schedule, Problem(a_format=sig.a_format))
+    if not tvm_ffi_enabled():
+        return _build_with(schedule, sig, kernel, tag, ffi=False)
+    try:
+        return _build_with(schedule, sig, kernel, tag, ffi=True)
+    except CompileError as e:
+        plain = _build_with(schedule, sig, kernel, tag, ffi=False)
+        _warn_once(f"the TVM-FFI build failed ({e}); launching through the DSL's own call "
+                   f"path (slower host side; set {TVM_FFI_ENV}=0 to skip the attempt)")
+        return plain
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import warnings
+
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"cute_fp4: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _build_with(schedule: Schedule, sig: Signature, kernel, tag: str,
+                ffi: bool) -> CompiledGemm:
     from cute_fp4 import cache
 
-    kernel = kernel or _make_kernel(schedule, Problem(a_format=sig.a_format))
-    key = cache.entry_key(type(kernel).__name__ + tag, schedule.key(), repr(sig),
-                          schedule.target, cache.source_fingerprint())
+    key = cache.entry_key(type(kernel).__name__ + tag + ("+tvmffi" if ffi else ""),
+                          schedule.key(), repr(sig), schedule.target,
+                          cache.source_fingerprint())
     prefix = f"cute_fp4_{key}"
 
     def build():
-        return _dsl_compile(kernel, schedule)
-
-    def export(compiled, directory: Path) -> None:
-        compiled.export_to_c(str(directory), "kernel", function_prefix=prefix)
-
-    def load(path: Path):
-        return getattr(cute.runtime.load_module(str(path)), prefix)
+        return _dsl_compile(kernel, schedule, "--enable-tvm-ffi" if ffi else None)
 
     t0 = time.perf_counter()
     if cache.enabled():
+        export, load = _exporter(prefix, ffi)
         fn, how = cache.DiskCache().get_or_build(key, build, export, load)
     else:
         fn, how = build(), "built-uncached"
     return CompiledGemm(schedule, sig, fn, kernel, time.perf_counter() - t0, how, build)
 
 
+def _exporter(prefix: str, ffi: bool):
+    """(export, load) of a compiled kernel for the disk cache: an object file holding the
+    host entry (``prefix``) and the cubin; the TVM-FFI entry is saved and loaded as such."""
+    import cutlass.cute as cute
+
+    from cute_fp4.cache import OBJECT
+
+    if ffi:
+        def export(compiled, directory: Path) -> None:
+            compiled.export_to_c(str(directory / OBJECT), prefix)
+
+        def load(path: Path):
+            return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), prefix)
+    else:
+        def export(compiled, directory: Path) -> None:
+            compiled.export_to_c(str(directory), Path(OBJECT).stem, function_prefix=prefix)
+
+        def load(path: Path):
+            return getattr(cute.runtime.load_module(str(path)), prefix)
+    return export, load
+
+
 def clear_cache() -> None:
+    """Forget every compiled kernel and memoised schedule resolution of this process."""
     with _LOCK:
         _CACHE.clear()
+        _RESOLVED.clear()
 
 
 # ----------------------------------------------------------------------------- emulated SM120
@@ -325,8 +489,9 @@ def compile_emulated(schedule: Schedule, signature: Signature | None = None) -> 
 
 
 class _CappedLaunch:
-    """A kernel object whose launches pass ``max_ctas`` (the argument before the stream in
-    the one launch signature, ``kernels/launch.py``) instead of the device's SM count."""
+    """A kernel object whose DSL-path launches pass ``max_ctas`` (the argument before the
+    stream in the one launch signature, ``kernels/launch.py``) instead of the device's SM
+    count (the TVM-FFI path reads ``CompiledGemm.max_ctas`` itself)."""
 
     def __init__(self, kernel, max_ctas: int):
         self.kernel, self.max_ctas = kernel, max_ctas
@@ -349,4 +514,4 @@ def capped(kern: CompiledGemm, max_ctas: int) -> CompiledGemm:
         raise InputError(f"max_ctas must be >= 1, got {max_ctas}")
     return CompiledGemm(kern.schedule, kern.signature, kern._compiled,
                         _CappedLaunch(kern._kernel, max_ctas), kern.compile_s, kern.source,
-                        kern._rebuild)
+                        kern._rebuild, max_ctas=max_ctas)

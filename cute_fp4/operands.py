@@ -3,6 +3,7 @@
 :func:`check_operands` runs before anything is launched or written: a bad input raises a
 typed error naming the problem and the numbers, and the output tensor is left untouched.
 Host metadata only (shapes, dtypes, devices, strides, pointers): no GPU synchronisation.
+A signature that passed is remembered, so a repeated call re-checks only its pointers.
 This module sits under the host layer (``run``) and the API (``api``), which both use it.
 """
 
@@ -57,10 +58,73 @@ def _a_format(a) -> tuple[int, int, str]:
     return *a.shape, fmt
 
 
+# Signatures of operands that passed every check, mapped to their (M, N, K, a_format). Only
+# successes are stored, so a refused input runs the full checks (and raises) every time.
+_PASSED: dict[tuple, tuple[int, int, int, str]] = {}
+_PASSED_MAX = 4096  # distinct signatures kept; the table is emptied when it is full
+
+
+def signature(a, b, out, out_dtype: torch.dtype, require_cuda: bool = True) -> tuple | None:
+    """The key of :func:`check_operands`' memo: every shape, dtype, device and contiguity the
+    checks read (the NVFP4 containers' ``shape`` included), or None for inputs the memo
+    does not handle (anything but an NVFP4Tensor ``b``, an NVFP4Tensor or tensor ``a``, a
+    tensor or None ``out``): those always take the full checks. Written out attribute by
+    attribute: it runs on every call, and a helper per tensor doubled its cost."""
+    if type(b) is not NVFP4Tensor:
+        return None
+    if out is None:
+        o = None
+    elif type(out) is torch.Tensor:
+        o = (out.shape, out.dtype, out.device, out.is_contiguous())
+    else:
+        return None
+    bd, bs = b.data, b.scale
+    rest = (b.shape, bd.shape, bd.dtype, bd.device, bd.is_contiguous(), bs.shape, bs.dtype,
+            bs.device, bs.is_contiguous(), o, out_dtype, require_cuda)
+    if type(a) is torch.Tensor:  # W4A16: 5 fields, W4A4: 10, so the two never collide
+        return a.shape, a.dtype, a.device, a.is_contiguous(), rest
+    if type(a) is NVFP4Tensor:
+        ad, asc = a.data, a.scale
+        return (a.shape, ad.shape, ad.dtype, ad.device, ad.is_contiguous(), asc.shape,
+                asc.dtype, asc.device, asc.is_contiguous(), rest)
+    return None
+
+
+def _pointers_aligned(a, b, out) -> bool:
+    """Whether every base address the kernels read or write is ALIGN-byte aligned."""
+    p = b.data.data_ptr() | b.scale.data_ptr()
+    p |= (a.data.data_ptr() | a.scale.data_ptr()) if type(a) is NVFP4Tensor else a.data_ptr()
+    if out is not None:
+        p |= out.data_ptr()
+    return not p % ALIGN
+
+
 def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
                    require_cuda: bool = True) -> tuple[int, int, int, str]:
     """Validate operands; returns (M, N, K, a_format). Raises before anything is written.
-    ``require_cuda=False`` skips only the device-type check (CPU tests of the rest)."""
+    ``require_cuda=False`` skips only the device-type check (CPU tests of the rest).
+
+    Every check but the pointer alignment depends only on the operands' metadata, so a
+    signature (:func:`signature`) that passed once is remembered: later calls with it test
+    only the alignment of the data pointers and alpha's size, a few microseconds instead
+    of tens. Anything not seen before, and any misaligned pointer, runs the full checks,
+    so each bad input raises the same error as without the memo."""
+    key = signature(a, b, out, out_dtype, require_cuda)
+    dims = _PASSED.get(key) if key is not None else None
+    if dims is None or not _pointers_aligned(a, b, out):
+        dims = check_all(a, b, out, alpha, out_dtype, require_cuda)
+        if key is not None:
+            if len(_PASSED) >= _PASSED_MAX:
+                _PASSED.clear()
+            _PASSED[key] = dims
+    elif alpha is not None and isinstance(alpha, torch.Tensor) and alpha.numel() != 1:
+        raise InputError(f"alpha must be a scalar, got {alpha.numel()} elements")
+    return dims
+
+
+def check_all(a, b, out, alpha, out_dtype: torch.dtype,
+              require_cuda: bool = True) -> tuple[int, int, int, str]:
+    """:func:`check_operands` without its memo: every check, every call."""
     if not isinstance(b, NVFP4Tensor):
         raise InputTypeError(f"b (the weight) must be an NVFP4Tensor [N, K], got "
                              f"{type(b).__name__}; use cute_fp4.quantize() or "
@@ -98,7 +162,9 @@ def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
 def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
     """alpha as a one-element float32 tensor on b's device (0-d when it comes from the
     global scales: the kernels read only its data pointer). No copy when the global scale
-    already is float32 on b's device; W4A4 multiplies the two (one elementwise op)."""
+    already is float32 on b's device; W4A4 multiplies the two (one elementwise op per call:
+    not memoised, since a dynamic quantizer rewrites its global scale in place). A Python
+    number is made into a device tensor once per value (:func:`_scalar_alpha`)."""
     if alpha is None:
         dev = b.device
         gs = b.global_scale
@@ -110,7 +176,31 @@ def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
                 ga = ga.to(dev, torch.float32)
             gs = gs * ga
         return gs if gs.dim() == 0 or gs.shape == (1,) else gs.reshape(1)
+    if (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+            and not torch.compiler.is_compiling()):
+        return _scalar_alpha(float(alpha), b.device)
     return torch.as_tensor(alpha, dtype=torch.float32, device=b.device).reshape(1)
+
+
+_ALPHAS: dict[tuple[float, torch.device], torch.Tensor] = {}  # a Python alpha on a device
+_ALPHAS_MAX = 256
+
+
+def _scalar_alpha(value: float, device: torch.device) -> torch.Tensor:
+    """A Python-number alpha as a one-element float32 tensor, made once per (value, device):
+    without the memo each call copied it to the GPU (a host-to-device copy per launch,
+    which a CUDA-graph capture also refuses). Made with ``torch.full`` (a fill kernel, no
+    copy), which rounds to float32 as ``torch.as_tensor`` does. Not kept when made during a
+    CUDA-graph capture (its memory would belong to the graph's pool)."""
+    key = (value, device)
+    t = _ALPHAS.get(key)
+    if t is None:
+        t = torch.full((1,), value, dtype=torch.float32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            if len(_ALPHAS) >= _ALPHAS_MAX:
+                _ALPHAS.clear()
+            _ALPHAS[key] = t
+    return t
 
 
 def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0,

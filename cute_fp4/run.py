@@ -22,24 +22,25 @@ from cute_fp4.schedule import Problem, Schedule
 
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials."""
-    dims = check_operands(a, b, out, alpha, out_dtype_of(kernel.schedule))
+    dims = check_operands(a, b, out, alpha, kernel.out_dtype)
     return run_checked(kernel, a, b, out, alpha, dims)
 
 
 def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
-    """:func:`run_compiled` after :func:`check_operands` returned ``dims``."""
-    s: Schedule = kernel.schedule
-    out_dtype = out_dtype_of(s)
+    """:func:`run_compiled` after :func:`check_operands` returned ``dims``. The plan check
+    is remembered per kernel and shape (``CompiledGemm.check_plan``)."""
     m, n, k, a_format = dims
     if a_format != kernel.signature.a_format:
         raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
                          f"got {a_format}")
-    check_plan(s, Problem(m, n, k, a_format))
+    kernel.check_plan(dims)
     alpha_t = alpha_tensor(a, b, alpha)
-    result = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=b.device)
-    a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
-    if s.split_k > 1:
-        ws = torch.empty((s.split_k, m, n), dtype=torch.float32, device=b.device)
+    dev = b.data.device
+    result = out if out is not None else torch.empty((m, n), dtype=kernel.out_dtype, device=dev)
+    a_data, a_scale = (a, None) if a_format != "nvfp4" else (a.data, a.scale)
+    split_k = kernel.schedule.split_k
+    if split_k > 1:
+        ws = torch.empty((split_k, m, n), dtype=torch.float32, device=dev)
         kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
         # sum over the split in a fixed order (deterministic), then alpha, rounded once
         # into result's dtype: bit-identical to result.copy_(ws.sum(0).mul_(alpha_t)) with
@@ -54,7 +55,8 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
 def check_plan(s: Schedule, p: Problem) -> None:
     """``plan(s, p).raise_if_invalid()``, memoised: plan() is pure but costs ~150 us of
     Python, which at decode sizes is several times the kernel. Refusals are not cached
-    (the exception propagates), so they are re-raised with their message every call."""
+    (the exception propagates), so they are re-raised with their message every call.
+    (The launch path uses the cheaper per-kernel ``CompiledGemm.check_plan``.)"""
     from cute_fp4.plan import plan
 
     plan(s, p).raise_if_invalid()

@@ -5,7 +5,9 @@ Compiled signature (all families)::
     (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, m, n, k, max_ctas, stream)
 
 raw global pointers and Int32 sizes, so one compile serves every shape and a launch reads
-only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call):
+only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call). Compiled with
+``--enable-tvm-ffi``, the same signature takes plain ints (:func:`raw_args`); otherwise
+DSL pointer objects and Int32s (:func:`runtime_args`):
 
 * ``pA``: A, uint8 ``[M, K/2]`` packed NVFP4 (W4A4) or bf16/fp16 ``[M, K]`` (W4A16);
 * ``pSFA``/``pSFB``: UE4M3 scales of A/B in the 128x4 blocked layout, flat bytes (W4A16:
@@ -95,6 +97,20 @@ def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out,
             cutlass.Int32(sm_count(out.device.index) if out.is_cuda else 1), stream)
 
 
+def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
+             stream: int) -> tuple[int, ...]:
+    """The compiled signature's arguments as plain ints (addresses, sizes, the raw stream
+    handle), for a kernel compiled with ``--enable-tvm-ffi``: its TVM-FFI entry takes ints
+    for pointers, Int32s and the stream, so no DSL object is built per launch. Same order
+    and the same aliasing as :func:`runtime_args`."""
+    sfb = b_scale.data_ptr()
+    pal = alpha.data_ptr()
+    m, n = out.shape
+    return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(), sfb,
+            out.data_ptr(), pal, workspace.data_ptr() if split_k > 1 else pal,
+            m, n, b.shape[1] * 2, max_ctas, stream)
+
+
 @functools.cache
 def sm_count(device_index) -> int:
     import torch
@@ -161,6 +177,12 @@ class GemmLaunch:
         return runtime_args(self.ptr_types, self.split_k, a, a_scale, b, b_scale, out,
                             alpha, workspace, stream)
 
+    def raw_args(self, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
+                 stream: int) -> tuple[int, ...]:
+        """The same arguments as ints, for the TVM-FFI entry (:func:`raw_args`)."""
+        return raw_args(self.split_k, a, a_scale, b, b_scale, out, alpha, workspace,
+                        max_ctas, stream)
+
 
 __all__ = ["GemmLaunch", "GemmTensors", "PointerTypes", "fake_args", "global_tensors", "out_dtype",
-           "runtime_args", "sm_count"]
+           "raw_args", "runtime_args", "sm_count"]
