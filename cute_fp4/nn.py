@@ -157,12 +157,21 @@ class NVFP4Linear(torch.nn.Module):
             self.weight_packed.copy_(w.data)
             self.weight_scale.copy_(w.scale)
             self.weight_scale_2.copy_(gs)
-            if input_scale is not None:
-                s = _scalar(input_scale, "input_scale", dev)
-                if self.input_scale is None:
-                    self.input_scale = s
-                else:
-                    self.input_scale.copy_(s)
+        if input_scale is not None:
+            self.set_input_scale(input_scale)
+        else:
+            self._refresh_alpha()
+
+    def set_input_scale(self, input_scale) -> None:
+        """Set the calibrated activation global scale (decode form, ``amax / 2688``) in
+        place; a W4A4 layer then quantizes with it (one kernel) instead of a per-call amax.
+        The value is checked here (a GPU value is read: one sync), never in forward."""
+        s = _scalar(input_scale, "input_scale", self.weight_packed.device)
+        with torch.no_grad():
+            if self.input_scale is None:
+                self.input_scale = s
+            else:
+                self.input_scale.copy_(s)
         self._refresh_alpha()
 
     def _refresh_alpha(self) -> None:

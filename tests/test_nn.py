@@ -6,6 +6,8 @@ tests/gpu/test_nn.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import types
 
 import pytest
@@ -446,3 +448,128 @@ def test_torch_compile_of_a_schedule_object_is_refused():
     f = torch.compile(layer, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="catalogue name or 'auto'"):
         f(torch.randn(2, 64, dtype=torch.bfloat16))
+
+
+def test_set_input_scale_switches_w4a4_to_static_in_place():
+    layer = cnn.NVFP4Linear.from_linear(_linear(64, 32), "w4a4")
+    assert layer.alpha is None
+    layer.set_input_scale(torch.tensor(0.5))
+    alpha = layer.alpha
+    assert float(alpha) == pytest.approx(0.5 * float(layer.weight_scale_2), rel=1e-6)
+    layer.set_input_scale(0.25)
+    assert layer.alpha is alpha and float(alpha) == pytest.approx(
+        0.25 * float(layer.weight_scale_2), rel=1e-6)  # in place: graphs see it
+    with pytest.raises(FormatError, match="input_scale must be finite and > 0, got nan"):
+        layer.set_input_scale(float("nan"))
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _model_decode():
+    import importlib.util
+    from pathlib import Path
+
+    if "model_decode" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "perf" / "model_decode.py"
+        spec = importlib.util.spec_from_file_location("model_decode", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["model_decode"] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["model_decode"]
+
+
+def _tiny(md):
+    return md.Config(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                     vocab=96, context=16)
+
+
+def _full_forward(model, c, ids: torch.Tensor) -> torch.Tensor:
+    """A causal forward over whole sequences ``ids`` [B, T] written without the decode
+    loop's cache, mask or rotary tables: logits [B, T, vocab]."""
+    def rms(x, norm):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.eps))
+
+    def rope(x):  # [B, heads, T, D]
+        t = torch.arange(x.shape[2], dtype=torch.float64)
+        freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64)
+                                / c.head_dim)
+        ang = torch.outer(t, freq).repeat(1, 2).to(x.dtype)
+        h = c.head_dim // 2
+        return x * ang.cos() + torch.cat((-x[..., h:], x[..., :h]), -1) * ang.sin()
+
+    b, t = ids.shape
+    body = model.model
+    h = body.embed_tokens(ids)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    for layer in body.layers:
+        a = layer.self_attn
+        x = rms(h, layer.input_layernorm)
+        q = rope(a.q_proj(x).view(b, t, c.heads, c.head_dim).transpose(1, 2))
+        k = rope(a.k_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2))
+        v = a.v_proj(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        rep = c.heads // c.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = (q @ k.transpose(-1, -2)) / c.head_dim ** 0.5
+        o = s.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        h = h + a.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
+        h = h + layer.mlp(rms(h, layer.post_attention_layernorm))
+    return model.lm_head(rms(h, body.norm))
+
+
+def test_model_decode_step_is_a_llama_forward():
+    md = _model_decode()
+    c = _tiny(md)
+    model, impl = md.build_model(c, "local", device="cpu", dtype=torch.float32)
+    assert impl == "local"
+    st = md.DecodeState(c, 3, prefix=0, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, c.vocab, (6, 3, 1), generator=torch.Generator().manual_seed(0))
+    logits = md.teacher_forced_logits(model, st, ids)  # [T, B, vocab]
+    with torch.no_grad():
+        ref = _full_forward(model, c, ids[:, :, 0].T)
+    torch.testing.assert_close(logits, ref.transpose(0, 1), rtol=1e-4, atol=1e-5)
+    assert int(st.pos) == 6
+
+
+def test_model_decode_hf_tree_and_conversion():
+    pytest.importorskip("transformers")
+    md = _model_decode()
+    c = _tiny(md)
+    model, impl = md.build_model(c, "hf", device="cpu", dtype=torch.float32)
+    assert impl == "hf" and type(model).__name__ == "LlamaForCausalLM"
+    st = md.DecodeState(c, 2, prefix=0, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, c.vocab, (5, 2, 1), generator=torch.Generator().manual_seed(1))
+    logits = md.teacher_forced_logits(model, st, ids)
+    with torch.no_grad():  # transformers' own forward over the whole sequence
+        ref = model(ids[:, :, 0].T).logits
+    torch.testing.assert_close(logits, ref.transpose(0, 1).float(), rtol=1e-4, atol=1e-5)
+    amax = md.calibrate(model, st, ids)
+    assert len(amax) == 7 * c.layers
+    q, info = md.quantized_copy(model.to(torch.bfloat16), "w4a4", amax)
+    assert info["converted"] == 7 * c.layers and info["skipped"][0].startswith("lm_head")
+    layer = q.get_submodule("model.layers.1.mlp.down_proj")
+    assert isinstance(layer, cnn.NVFP4Linear) and layer.input_scale is not None
+    assert float(layer.input_scale) == pytest.approx(
+        float(amax["model.layers.1.mlp.down_proj"]) / 2688, rel=1e-6)
+    assert md.weight_bytes(q) < md.weight_bytes(model) / 3
+
+
+def test_model_decode_bars_and_report():
+    md = _model_decode()
+    rows = [{"model": "bf16", "batch": 1, "eager_ms": 3.0, "graph_ms": 1.0},
+            {"model": "w4a16", "batch": 1, "eager_ms": 3.5, "graph_ms": 0.5},
+            {"model": "w4a4", "batch": 1, "error": "DeviceError: no kernel"}]
+    bars = md.bars(rows)
+    assert [(b["value"], b["passed"]) for b in bars] == [(2.0, True), (0.857, False)]
+    res = {"config": dataclasses.asdict(md.Config()), "impl": "local", "prefix": 470,
+           "environment": {"gpu": "H200", "date": "today", "torch": "2", "cuda": "13",
+                           "cutlass_dsl": "4.8.1", "transformers": None},
+           "steps": 32, "repeats": 3, "w4a4_scale": "static", "results": rows,
+           "accuracy": {"w4a16": {"logits_rel_err_mean": 0.1, "logits_rel_err_max": 0.2,
+                                  "top1_agreement": 0.9}, "w4a4": {"error": "x"}},
+           "weight_bytes": {"bf16": 2**30, "w4a16": 2**28}, "bars": bars,
+           "convert": {"w4a16": {"converted": 56}}, "wall_s": 100.0, "build_s": 5.0}
+    text = md.markdown(res)
+    assert "| w4a16 | 1 | 3.500 | 0.500 | 2,000 | 2.00x | 0.86x |" in text
+    assert "| w4a4 | 1 | error: DeviceError: no kernel" in text
+    assert "| w4a16 | 256 MiB | 0.1000 / 0.2000 | 0.900 |" in text
+    assert "eager: no slower than BF16: 0.857x, FAIL" in text

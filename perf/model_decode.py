@@ -1,0 +1,517 @@
+"""End-to-end decode: a Llama-architecture decoder in BF16 against the same model with its
+attention and MLP projections converted to NVFP4 by ``cute_fp4.nn.convert``, in one run.
+
+The model: hidden 4096, MLP 14336 (SiLU, gate/up/down), 32 query and 8 key/value heads of
+128 (GQA), RMSNorm, rotary embedding, random weights N(0, 0.02), ``--layers`` decoder
+layers (default 8), a BF16 ``lm_head`` of ``--vocab`` rows (not converted). With
+``transformers`` importable (``--impl auto``/``hf``), the module tree is its
+``LlamaForCausalLM`` built from a ``LlamaConfig`` (so ``convert`` works on HF's module
+names and types); otherwise (``local``) a small definition here with the same names. The
+decode step is this file's either way: embedding, per layer RMSNorm -> q/k/v projections
+-> rotary -> a static KV cache written at a position held in a GPU tensor -> attention
+over the cache with a mask -> o projection -> residual, RMSNorm -> MLP -> residual; final
+norm, logits, greedy next token. Everything in it is static-shaped and sync-free, so the
+whole step is captured in one CUDA graph.
+
+Measured per model and batch (1 and 16): latency per token of ``--steps`` decode steps
+eagerly (host included) and as replays of the captured step (median of ``--repeats``),
+tokens/s, and the ratio to BF16. Accuracy: the same token sequence (teacher-forced, same
+KV-cache prefix) through every model: relative error of the logits vs BF16
+(``||l - l_bf16|| / ||l_bf16||``, mean and max over steps) and top-1 agreement.
+W4A4 uses a static input scale per layer calibrated on the BF16 model's activations
+(``--w4a4-scale static``) or a per-call dynamic one. Bars (issue 12): with W4A16 at batch
+1, graphs >= 1.4x BF16's tokens/s and eager no slower than BF16.
+
+    python perf/model_decode.py --out DIR [--layers 8] [--quick] [--modes w4a16,w4a4]
+
+writes ``DIR/model_decode.json`` and ``DIR/model_decode.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import cute_fp4
+from cute_fp4 import nn as cnn
+
+
+@dataclass(frozen=True)
+class Config:
+    layers: int = 8
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 32000
+    context: int = 512  # KV-cache length; a random prefix fills all but the decoded tail
+    rope_theta: float = 500000.0
+    eps: float = 1e-5
+
+
+# ----------------------------------------------------------------------------- models
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down_proj = nn.Linear(c.intermediate, c.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):  # the projections; the attention itself is in decode_step
+    def __init__(self, c: Config):
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(c), MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden, c.eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden, c.eps)
+
+
+class Body(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.eps)
+
+
+class LocalLlama(nn.Module):
+    """The module tree of ``LlamaForCausalLM`` (same names), nothing else."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.model, self.lm_head = Body(c), nn.Linear(c.hidden, c.vocab, bias=False)
+
+
+def hf_config(c: Config):
+    """The ``transformers.LlamaConfig`` of ``c`` (rotary base under either major version)."""
+    import transformers
+    from transformers import LlamaConfig
+
+    rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
+            if int(transformers.__version__.split(".")[0]) >= 5 else
+            {"rope_theta": c.rope_theta})
+    return LlamaConfig(vocab_size=c.vocab, hidden_size=c.hidden,
+                       intermediate_size=c.intermediate, num_hidden_layers=c.layers,
+                       num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
+                       head_dim=c.head_dim, max_position_embeddings=c.context,
+                       rms_norm_eps=c.eps, tie_word_embeddings=False, **rope)
+
+
+def build_model(c: Config, impl: str, device="cuda",
+                dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, str]:
+    """(model with N(0, 0.02) weights, the implementation used: "hf" or "local")."""
+    if impl in ("auto", "hf"):
+        try:
+            from transformers import LlamaForCausalLM
+        except ImportError:
+            if impl == "hf":
+                raise
+            impl = "local"
+        else:
+            impl = "hf"
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config(c)) if impl == "hf" else LocalLlama(c)
+    finally:
+        torch.set_default_dtype(old)
+    model = model.to(dtype).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                mod.weight.normal_(0.0, 0.02)
+    return model, impl
+
+
+# ----------------------------------------------------------------------------- decode
+
+class DecodeState:
+    """Static buffers of one decode loop: KV caches, position, tokens, rotary tables."""
+
+    def __init__(self, c: Config, batch: int, prefix: int, device="cuda",
+                 dtype: torch.dtype = torch.bfloat16):
+        dev = torch.device(device)
+        self.c, self.batch, self.prefix = c, batch, prefix
+        shape = (batch, c.kv_heads, c.context, c.head_dim)
+        self.k = [torch.empty(shape, device=dev, dtype=dtype) for _ in range(c.layers)]
+        self.v = [torch.empty(shape, device=dev, dtype=dtype) for _ in range(c.layers)]
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.positions = torch.arange(c.context, device=dev)
+        inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=dev).float()
+                                    / c.head_dim)
+        ang = torch.outer(self.positions.float(), inv)
+        ang = torch.cat((ang, ang), dim=-1)  # [S, D]: halves rotated together (HF layout)
+        self.cos, self.sin = ang.cos(), ang.sin()
+
+    def reset(self, seed: int = 0) -> None:
+        """The same random prefix in every model's cache, position at its end."""
+        g = torch.Generator(device=self.pos.device).manual_seed(seed)
+        for t in (*self.k, *self.v):
+            t.normal_(generator=g)
+        self.pos.fill_(self.prefix)
+        self.tokens.random_(0, self.c.vocab, generator=g)
+
+
+def _rope(x, cos, sin):
+    h = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+def _attention(attn: nn.Module, h, i: int, st: DecodeState, cos, sin, valid):
+    c, b = st.c, h.shape[0]
+    g = c.heads // c.kv_heads
+    q = _rope(attn.q_proj(h).view(b, c.kv_heads, g, c.head_dim), cos, sin)
+    k = _rope(attn.k_proj(h).view(b, c.kv_heads, 1, c.head_dim), cos, sin)
+    v = attn.v_proj(h).view(b, c.kv_heads, 1, c.head_dim)
+    st.k[i].index_copy_(2, st.pos, k)
+    st.v[i].index_copy_(2, st.pos, v)
+    scores = torch.matmul(q, st.k[i].transpose(-1, -2)).float() * c.head_dim ** -0.5
+    probs = scores.masked_fill(~valid, float("-inf")).softmax(-1).to(h.dtype)
+    out = torch.matmul(probs, st.v[i])  # [B, KVH, G, D]
+    return attn.o_proj(out.reshape(b, 1, c.heads * c.head_dim))
+
+
+def decode_step(model: nn.Module, st: DecodeState, feedback: bool = True) -> torch.Tensor:
+    """One token for every sequence: logits [B, vocab]; advances ``st.pos`` (and, with
+    ``feedback``, writes the greedy next token into ``st.tokens``)."""
+    body = model.model
+    h = body.embed_tokens(st.tokens)  # [B, 1, hidden]
+    cos, sin = st.cos.index_select(0, st.pos), st.sin.index_select(0, st.pos)
+    valid = st.positions <= st.pos
+    for i, layer in enumerate(body.layers):
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), i, st, cos, sin, valid)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = model.lm_head(body.norm(h))[:, -1]
+    if feedback:
+        st.tokens.copy_(logits.argmax(-1, keepdim=True))
+    st.pos.add_(1)
+    return logits
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _per_token_ms(run_steps, reset, steps: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        reset()  # the cache has room for `steps` tokens after the prefix
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run_steps(steps)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure(model: nn.Module, st: DecodeState, steps: int, repeats: int, warmup: int
+            ) -> dict:
+    """Eager and CUDA-graph latency per token (ms) of ``model`` on ``st``."""
+    def eager(n):
+        for _ in range(n):
+            decode_step(model, st)
+
+    st.reset()
+    eager(warmup)  # compiles kernels, resolves schedules
+    eager_ms = _per_token_ms(eager, st.reset, steps, repeats)
+    st.reset()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager(2)
+    torch.cuda.current_stream().wait_stream(side)
+    st.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_step(model, st)
+    st.reset()
+
+    def replay(n):
+        for _ in range(n):
+            graph.replay()
+
+    replay(warmup)
+    graph_ms = _per_token_ms(replay, st.reset, steps, repeats)
+    return {"eager_ms": eager_ms, "graph_ms": graph_ms}
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: nn.Module, st: DecodeState, ids: torch.Tensor
+                          ) -> torch.Tensor:
+    st.reset()
+    out = []
+    for t in range(ids.shape[0]):
+        st.tokens.copy_(ids[t])
+        out.append(decode_step(model, st, feedback=False).float())
+    return torch.stack(out)
+
+
+def accuracy(logits: torch.Tensor, ref: torch.Tensor) -> dict:
+    err = [(float((a - b).norm() / b.norm())) for a, b in zip(logits, ref, strict=True)]
+    agree = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+    return {"logits_rel_err_mean": statistics.mean(err), "logits_rel_err_max": max(err),
+            "top1_agreement": agree}
+
+
+# ----------------------------------------------------------------------------- calibration
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _is_projection(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in PROJECTIONS
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, st: DecodeState, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per projection: the amax of its inputs over a teacher-forced run (on the GPU)."""
+    amax: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and _is_projection(name):
+            def hook(m, args, name=name):
+                a = args[0].abs().amax().float()
+                amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        teacher_forced_logits(model, st, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
+
+
+def quantized_copy(model: nn.Module, mode: str, amax: dict | None) -> tuple[nn.Module, dict]:
+    q = copy.deepcopy(model)
+    rep = cnn.convert(q, mode, skip=lambda name, lin: not _is_projection(name))
+    if amax is not None:
+        for name in rep.converted:
+            q.get_submodule(name).set_input_scale(amax[name] / 2688.0)
+    info = {"converted": len(rep.converted),
+            "skipped": [f"{n}: {r}" for n, r in rep.skipped]}
+    return q, info
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the projection weights (NVFP4: packed elements and block scales)."""
+    total = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, cnn.NVFP4Linear):
+            total += sum(b.numel() * b.element_size() for b in
+                         (mod.weight_packed, mod.weight_scale))
+        elif isinstance(mod, nn.Linear) and _is_projection(name):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- report
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    try:
+        import transformers
+        tf = transformers.__version__
+    except ImportError:
+        tf = None
+    try:
+        import cutlass
+        dsl = getattr(cutlass, "__version__", "?")
+    except ImportError:
+        dsl = None
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cute_fp4": cute_fp4.__version__, "cutlass_dsl": dsl,
+            "transformers": tf, "python": sys.version.split()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def bars(rows: list[dict]) -> list[dict]:
+    by = {(r["model"], r["batch"]): r for r in rows if "error" not in r}
+    out = []
+    base, w = by.get(("bf16", 1)), by.get(("w4a16", 1))
+    if base and w:
+        sp = base["graph_ms"] / w["graph_ms"]
+        out.append({"bar": "W4A16 batch 1, CUDA graphs: >= 1.4x BF16 tokens/s",
+                    "value": round(sp, 3), "passed": sp >= 1.4})
+        ratio = base["eager_ms"] / w["eager_ms"]
+        out.append({"bar": "W4A16 batch 1, eager: no slower than BF16",
+                    "value": round(ratio, 3), "passed": ratio >= 1.0})
+    return out
+
+
+def markdown(res: dict) -> str:
+    env, cfg = res["environment"], res["config"]
+    lines = [f"# Decode, Llama-architecture {cfg['layers']} layers ({res['impl']}), "
+             f"{env['gpu']}", "",
+             f"{env['date']}; torch {env['torch']} (CUDA {env['cuda']}), CuTe DSL "
+             f"{env['cutlass_dsl']}, transformers {env['transformers']}; hidden "
+             f"{cfg['hidden']}, MLP {cfg['intermediate']}, {cfg['heads']}/{cfg['kv_heads']} "
+             f"heads of {cfg['head_dim']}, vocab {cfg['vocab']} (BF16 lm_head), KV cache "
+             f"{cfg['context']} (prefix {res['prefix']}); {res['steps']} steps x "
+             f"{res['repeats']} repeats, median; W4A4 input scale: {res['w4a4_scale']}.", "",
+             "| model | batch | eager ms/token | graph ms/token | graph tokens/s | "
+             "graph vs BF16 | eager vs BF16 |", "|---|---|---|---|---|---|---|"]
+    base = {r["batch"]: r for r in res["results"] if r["model"] == "bf16" and "error" not in r}
+    for r in res["results"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | error: {r['error'][:150]} | | | | |")
+            continue
+        b = base.get(r["batch"])
+        tok = r["batch"] * 1e3 / r["graph_ms"]
+        sg = f"{b['graph_ms'] / r['graph_ms']:.2f}x" if b else "-"
+        se = f"{b['eager_ms'] / r['eager_ms']:.2f}x" if b else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['eager_ms']:.3f} | "
+                     f"{r['graph_ms']:.3f} | {tok:,.0f} | {sg} | {se} |")
+    lines += ["", "| model | projection weights | logits rel. err vs BF16 (mean / max) | "
+              "top-1 agreement |", "|---|---|---|---|"]
+    for name, acc in res["accuracy"].items():
+        mb = res["weight_bytes"].get(name, 0) / 2**20
+        if "error" in acc:
+            lines.append(f"| {name} | {mb:,.0f} MiB | error: {acc['error'][:150]} | |")
+        else:
+            lines.append(f"| {name} | {mb:,.0f} MiB | {acc['logits_rel_err_mean']:.4f} / "
+                         f"{acc['logits_rel_err_max']:.4f} | {acc['top1_agreement']:.3f} |")
+    if res["bars"]:
+        lines += ["", "Bars (issue 12):", ""]
+        lines += [f"* {b['bar']}: {b['value']}x, {'PASS' if b['passed'] else 'FAIL'}"
+                  for b in res["bars"]]
+    lines += ["", f"Converted per mode: {res['convert']}", "",
+              f"Wall time {res['wall_s']:.0f} s (build {res['build_s']:.0f} s).", ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for model_decode.json and .md")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; "
+                    "4 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="4 layers, fewer steps and repeats")
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    ap.add_argument("--modes", default=None, help="comma-separated NVFP4 modes (default: "
+                    "w4a16,w4a4 on SM90, w4a4 on SM12x)")
+    ap.add_argument("--w4a4-scale", choices=("static", "dynamic"), default="static",
+                    help="W4A4 activation scale: calibrated per layer, or per call")
+    ap.add_argument("--impl", choices=("auto", "hf", "local"), default="auto",
+                    help="module tree: transformers' LlamaForCausalLM or the local one")
+    ap.add_argument("--vocab", type=int, default=32000, help="lm_head rows")
+    ap.add_argument("--context", type=int, default=512, help="KV-cache length")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps per timing")
+    ap.add_argument("--repeats", type=int, default=None, help="timings per measure")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("model_decode: no CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    layers = args.layers or (4 if args.quick else 8)
+    steps = args.steps or (16 if args.quick else 32)
+    repeats = args.repeats or (2 if args.quick else 3)
+    warmup, check_steps = (3, 4) if args.quick else (4, 8)
+    c = Config(layers=layers, vocab=args.vocab, context=args.context)
+    prefix = c.context - (warmup + steps) - 2  # room for the decoded tail
+    if prefix < 1:
+        ap.error(f"--context {c.context} leaves no prefix for {warmup + steps} steps")
+    sm90 = torch.cuda.get_device_capability()[0] == 9
+    modes = (args.modes.split(",") if args.modes else
+             ["w4a16", "w4a4"] if sm90 else ["w4a4"])
+    batches = [int(b) for b in args.batches.split(",")]
+
+    model, impl = build_model(c, args.impl)
+    build_s = time.perf_counter() - t_start
+    print(f"built {impl} model, {layers} layers, in {build_s:.1f} s", flush=True)
+    states = {b: DecodeState(c, b, prefix) for b in batches}
+    check_b = max(batches)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, c.vocab, (check_steps, check_b, 1), generator=g, device="cuda")
+    ref_logits = teacher_forced_logits(model, states[check_b], ids)
+    amax = calibrate(model, states[check_b], ids) if "w4a4" in modes and \
+        args.w4a4_scale == "static" else None
+
+    results, acc, convert_info, wbytes = [], {}, {}, {"bf16": weight_bytes(model)}
+    for b in batches:
+        r = measure(model, states[b], steps, repeats, warmup)
+        results.append({"model": "bf16", "batch": b, **r})
+        print(f"bf16 batch {b}: {r}", flush=True)
+    for mode in modes:
+        try:
+            t0 = time.perf_counter()
+            q, convert_info[mode] = quantized_copy(model, mode, amax if mode == "w4a4"
+                                                   else None)
+            convert_info[mode]["seconds"] = round(time.perf_counter() - t0, 1)
+            wbytes[mode] = weight_bytes(q)
+            acc[mode] = accuracy(teacher_forced_logits(q, states[check_b], ids), ref_logits)
+            print(f"{mode}: {convert_info[mode]['converted']} layers converted, {acc[mode]}",
+                  flush=True)
+        except Exception as e:  # record and go on with the other modes
+            acc[mode] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{mode}: {acc[mode]['error']}", flush=True)
+            continue
+        for b in batches:
+            try:
+                r = measure(q, states[b], steps, repeats, warmup)
+            except Exception as e:
+                r = {"error": f"{type(e).__name__}: {e}"}
+            results.append({"model": mode, "batch": b, **r})
+            print(f"{mode} batch {b}: {r}", flush=True)
+        del q
+        torch.cuda.empty_cache()
+
+    res = {"config": asdict(c), "impl": impl, "environment": environment(), "prefix": prefix,
+           "steps": steps, "repeats": repeats, "w4a4_scale": args.w4a4_scale,
+           "results": results, "accuracy": acc, "convert": convert_info,
+           "weight_bytes": wbytes, "bars": bars(results), "build_s": build_s,
+           "wall_s": time.perf_counter() - t_start,
+           "method": "latency per token = wall time of `steps` decode steps (eager: host "
+                     "included; graphs: replays of one captured step) / steps, "
+                     "synchronised before and after; median of `repeats`"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_decode.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (out / "model_decode.md").write_text(md)
+    print(md)
+    return 0 if all(math.isfinite(r.get("graph_ms", math.nan)) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
