@@ -11,7 +11,13 @@ variant.
 Constraints
 -----------
 * A [M, K] and B [N, K]: Float4E2M1FN packed two per byte (even K in the low nibble),
-  K-major (TN only); passed as uint8 [rows, K/2] and reinterpreted in the launcher.
+  K-major (TN only); passed as uint8 [rows, K/2]. Their TMA moves bytes: built on the
+  uint8 tensors with a byte-typed swizzled stage layout (``s*_tma_layout``, K/2 columns)
+  whose image is the FP4 layout's (the same bytes at the same addresses,
+  tests/test_sm120_tma_bytes.py), while ldmatrix and the MMA read the same storage through
+  the FP4 layout (``s*_layout``). Hopper's TMA rejects 4-bit types, so this one load path
+  also serves the emulated build; never ``internal_type=Uint8`` on an FP4 tensor (the DSL
+  then picks an unpacking TMA format that doubles the bytes).
 * Scale factors: Float8E4M3FN (UE4M3), one per 16 K elements, in the cuBLAS 128x4 blocked
   layout, padded to rows -> multiple of 128 and K/16 -> multiple of 4, padding zero-filled
   (or at least not NaN: padded scales multiply zero-filled data). Passed flat as uint8.
@@ -41,6 +47,14 @@ Constraints
   roles, named barriers and pingpong turns from kernels/roles.py, the epilogue from
   kernels/epilogue.py.
   M = 0 or N = 0 would launch an empty grid: the host layer must skip those.
+* ``emulate=True`` (``compile.compile_emulated``): the same kernel for sm_90a with only
+  :meth:`Sm120Gemm.mma_k_block` changed, each OMMA replaced by 4 exact BF16 ``mma.sync``
+  on the same registers (kernels/mma_emulation.py), so it runs on an H200. Such a run checks
+  the data path (TMA, barriers, ldmatrix, scale copies, scheduler, pingpong, split-K,
+  epilogue, hangs); it does not check the OMMA itself (the CPU trace
+  tests/sm120_mainloop_trace.py covers its operand model), the sm_120a binary's register
+  allocation (sm_90a is compiled apart), nor the 99 KiB limit (the H200 has 227 KiB;
+  ``plan()`` and the compile checks cover it).
 """
 
 from typing import NamedTuple
@@ -256,7 +270,7 @@ class Sm120Gemm(GemmLaunch):
         mainloop = self._make_mainloop_pipeline(bars)
         roles.init_turns(self.pingpong, bars + 2 * self.stages, self.group_threads, warp_idx)
         cute.arch.sync_threads()
-        if warp_idx >= self.producer_warp:
+        if warp_idx < self.warps.first_mma_warp:
             roles.producer_registers(self.warps)
             if warp_idx == self.producer_warp:
                 self.load_tiles(storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa,
@@ -337,8 +351,9 @@ class Sm120Gemm(GemmLaunch):
     def mma_and_store(self, storage, mainloop, units, turn_bars, tma_c, mC, alpha, warp_idx):
         """MMA warps: per work unit, the K mainloop into registers, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
-        group = warp_idx // self.group_warps
-        gtid = tidx % self.group_threads
+        mma_warp = warp_idx - self.warps.first_mma_warp
+        group = mma_warp // self.group_warps
+        gtid = (tidx - self.warps.first_mma_thread) % self.group_threads
         frags = self._mma_fragments(storage, gtid)
         sC = storage.sC.get_tensor(self.sC_layout.outer, swizzle=self.sC_layout.inner)
         gC = cute.local_tile(mC, self.tile_mnk[:2], (None, None, None))
@@ -363,7 +378,7 @@ class Sm120Gemm(GemmLaunch):
                 roles.turn_wait(self.pingpong, turn_bars, group, turn, 2)
                 store_smem_tma(epi, tma_c, gC[(None, None, w.m, w.n, w.split)], sC, scale,
                                self.epi_tile, self.epi_stages, bar,
-                               warp_idx % self.group_warps == 0, self.c_dtype)
+                               mma_warp % self.group_warps == 0, self.c_dtype)
                 roles.turn_arrive(self.pingpong, turn_bars, group, 2)
                 turn += 1
             else:

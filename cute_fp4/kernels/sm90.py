@@ -15,9 +15,9 @@ One kernel class, two mainloops (a static choice of the schedule):
   operand, converted straight into registers, and D^T is stored.
 
 Shared components: work units (kernels/scheduler.py; persistent CTAs walk them in grouped
-raster order), warp roles (kernels/roles.py: consumer warpgroups first, the producer
-warpgroup last; its first warp issues TMA for A, B and the scale factors of each K tile into
-a ``stages``-deep mbarrier pipeline, setmaxnreg moves its registers to the consumers), loads
+raster order), warp roles (kernels/roles.py: the producer warpgroup first, its first warp
+issuing TMA for A, B and the scale factors of each K tile into a ``stages``-deep mbarrier
+pipeline; setmaxnreg moves its registers to the consumer warpgroups after it), loads
 (kernels/loads.py), the epilogue (kernels/epilogue.py: 16-bit outputs staged through shared
 memory and stored with TMA, 32-bit results (FP32 output, split-K partials) and the
 swap-AB's D^T stored from registers with bounds checks) and the launch signature
@@ -266,16 +266,18 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         storage, mainloop = self._prologue(warp_idx, p)
         s = self._smem_tensors(storage)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        if warp_idx >= self.warps.producer_warp:
+        first = self.warps.first_mma_warp
+        if warp_idx < first:
             roles.producer_registers(self.warps)
             if warp_idx == self.warps.producer_warp:
                 self.load(mainloop, p, s)
         else:
             roles.consumer_registers(self.warps)
+            ctid = tidx - self.warps.first_mma_thread
             if cutlass.const_expr(self.swap_ab):
-                self.consume_rs(mainloop, p, s, tidx)
+                self.consume_rs(mainloop, p, s, ctid)
             else:
-                self.consume_ss(mainloop, p, s, tidx, warp_idx)
+                self.consume_ss(mainloop, p, s, ctid, warp_idx - first)
 
     @cute.jit
     def _prologue(self, warp_idx, p: Sm90Params):
@@ -383,8 +385,9 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
-    def consume_ss(self, mainloop, p: Sm90Params, s: SmemTensors, ctid, warp_idx):
-        """Shared-memory sourced mainloop and epilogue, per work unit."""
+    def consume_ss(self, mainloop, p: Sm90Params, s: SmemTensors, ctid, mma_warp):
+        """Shared-memory sourced mainloop and epilogue, per work unit (``ctid``, ``mma_warp``:
+        this thread's and warp's index among the consumers)."""
         tm, tn = self.tile_m, self.tile_n
         tiled_mma = self.tiled_mma
         wg = ctid // WARPGROUP
@@ -447,7 +450,7 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
                              rows_a, rows_b, self.epi_dtype)
             else:
                 store_smem_tma(epi, p.tma_c, gD_tile, s.sC, scale, self.epi_tile,
-                               self.epi_stages, sync, warp_idx == 0, self.epi_dtype)
+                               self.epi_stages, sync, mma_warp == 0, self.epi_dtype)
             unit += nctas
 
     def _r2s_copy(self):
