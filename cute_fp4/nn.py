@@ -14,8 +14,8 @@ metadata), never the stored weight, and allocates only the output (W4A4: also th
 quantized activation; a split-K schedule: its workspace; a non-contiguous input: one
 contiguous copy). Under ``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4: after a
 ``cute_fp4::quantize`` node), so ``fullgraph=True`` and ``mode="reduce-overhead"`` (CUDA
-graphs) work. Kernels are resolved once per (schedule, M, N, K, format, dtype) and kept
-for the process (:func:`clear_kernel_cache` forgets them, e.g. after ``cute-fp4 tune``).
+graphs) work. Kernels are found through ``gemm``'s memo per (schedule, M, N, K, format,
+dtype, device).
 
 Checkpoints: the layer's ``state_dict()`` is ModelOpt's NVFP4 form, ``weight`` (uint8
 [N, K/2]), ``weight_scale`` (float8_e4m3fn [N, K/16], row-major), ``weight_scale_2`` (FP32,
@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from cute_fp4.api import mm, quantize_op, resolve_schedule
+from cute_fp4.compile import kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.quant import quantize_activation
 
-__all__ = ["MODES", "ConvertReport", "NVFP4Linear", "clear_kernel_cache", "convert"]
+__all__ = ["MODES", "ConvertReport", "NVFP4Linear", "convert"]
 
 MODES = ("w4a16", "w4a4")
 _ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -51,18 +51,12 @@ _CHECKPOINT_KEYS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 # ----------------------------------------------------------------------------- kernels
 
-@functools.lru_cache(maxsize=1024)
-def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype):
-    """The compiled kernel an NVFP4Linear call of this shape uses (resolved once)."""
-    from cute_fp4.compile import Signature, compile
-
-    return compile(resolve_schedule(schedule, m, n, k, a_format, out_dtype),
-                   Signature(a_format))
-
-
-def clear_kernel_cache() -> None:
-    """Forget the kernels NVFP4Linear resolved (a new tuning is then picked up)."""
-    _kernel_for.cache_clear()
+def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
+                device_index: int):
+    """The compiled kernel of a call of this shape: ``gemm``'s memo (``compile.kernel_for``:
+    "auto" is resolved again every second, so a new tuning is picked up)."""
+    return kernel_for(schedule, (m, n, k, a_format), out_dtype, device_index,
+                      resolve_schedule)
 
 
 def _run(kern, a, w: NVFP4Tensor, alpha, dims) -> torch.Tensor:
@@ -261,7 +255,8 @@ class NVFP4Linear(torch.nn.Module):
         if torch.compiler.is_compiling():
             return self._forward_traced(x)
         k, n = self.in_features, self.out_features
-        x2 = x.reshape(-1, k)
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, k)  # a view op costs ~2 us of host time
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         w = self.weight
@@ -275,11 +270,11 @@ class NVFP4Linear(torch.nn.Module):
             alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
         else:
             a, fmt, alpha = x2, _ACT_FORMATS[x2.dtype], self.weight_scale_2
-        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype)
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, w.data.get_device())
         y = _run(kern, a, w, alpha, (m, n, k, fmt))
         if self.bias is not None:
             y.add_(self.bias)
-        return y.view(*x.shape[:-1], n)
+        return y if flat else y.view(*x.shape[:-1], n)
 
     def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
         """The forward torch.compile traces: plain tensors into the custom ops."""
