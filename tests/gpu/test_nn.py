@@ -92,10 +92,12 @@ def test_compiled_module_matches_eager(mode, static, compile_mode):
 
     torch._dynamo.reset()
     counters.clear()
-    for build, exact in ((_single, True), (_two_layers, False)):
+    three_d = [(4, 3, 640)] * 3  # record, then replays
+    for build, exact, shapes in ((_single, True, [*three_d, (16, 640)]),
+                                 (_two_layers, False, three_d)):
         model = build(mode, static)
         f = torch.compile(model, mode=compile_mode, fullgraph=True)
-        for i, shape in enumerate([(4, 3, 640), (4, 3, 640), (4, 3, 640), (16, 640)]):
+        for i, shape in enumerate(shapes):
             x = _x(*shape, seed=10 + i)  # new data each call: a replay must read it
             got = f(x).clone()
             want = model(x)
