@@ -117,22 +117,33 @@ def _kloop_cell(k: dict | None) -> str:
 
 
 def cmd_validate(args) -> int:
+    import textwrap
+
     family = _device_family()
     from cute_fp4.api import validate
+    from cute_fp4.compile import EMULATION_NOTE, Signature, compile_emulated
     from cute_fp4.plan import plan
 
-    scheds = _resolve(args.names, args.all, family, cmd="validate")
+    if args.emulate and family != "sm90":
+        raise InputError(f"--emulate runs SM120 schedules on an SM90 GPU; this GPU is {family}")
+    scheds = _resolve(args.names, args.all, "sm120" if args.emulate else family, cmd="validate")
     jobs = [(s, fmt) for s in scheds for fmt in args.formats]
-    ok = True
+    ok, noted = True, False
     for i, (s, fmt) in enumerate(jobs, 1):
         p = plan(s)
         if not p.ok:
             print(f"{s.name}: refused by plan(): {'; '.join(p.reasons)}")
             ok &= _refused_ok(False, True, args.all)
             continue
-        tables.progress(i, len(jobs), f"validate {s.name} ({fmt})")
-        rep = validate(s, shapes=_shapes(args.shapes), a_format=fmt)
-        print(rep, flush=True)
+        # an SM120 schedule on an SM90 GPU runs with its MMA emulated, and says so
+        emulate = s.arch.family == "sm120" and family == "sm90"
+        if emulate and not noted:
+            print(textwrap.fill(EMULATION_NOTE, tables.WIDTH), flush=True)
+            noted = True
+        tables.progress(i, len(jobs), f"validate {s.name} ({fmt}{', emulated' if emulate else ''})")
+        kern = compile_emulated(s, Signature(fmt)) if emulate else s
+        rep = validate(kern, shapes=_shapes(args.shapes), a_format=fmt)
+        print(f"[emulated MMA] {rep}" if emulate else rep, flush=True)
         ok &= rep.passed
     return EXIT_OK if ok else EXIT_REFUSED
 
@@ -251,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="problem sizes (default: the command's standard set)")
         s.add_argument("--formats", nargs="+", default=["nvfp4"],
                        choices=["nvfp4", "bf16"], help="A operand: nvfp4 (W4A4), bf16 (W4A16)")
+        if name == "validate":
+            s.add_argument("--emulate", action="store_true",
+                           help="on an SM90 GPU: SM120 schedules (--all: the SM120 catalogue) "
+                           "with an exact emulated MMA, a data-path check, not the OMMA "
+                           "(automatic for SM120 names)")
         if name != "validate":
             s.add_argument("--json", action="store_true", help="rows as JSON")
             s.add_argument("--csv", action="store_true", help="rows as CSV")
