@@ -171,8 +171,12 @@ def tvm_ffi_enabled() -> bool:
     only the host side of each call is slower."""
     import importlib.util
 
-    return os.environ.get(TVM_FFI_ENV, "1") != "0" and \
-        importlib.util.find_spec("tvm_ffi") is not None
+    if os.environ.get(TVM_FFI_ENV, "1") == "0":
+        return False
+    try:
+        return importlib.util.find_spec("tvm_ffi") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as absent
+        return False
 
 
 def ffi_function(compiled):
@@ -225,7 +229,7 @@ class CompiledGemm:
         self.max_ctas = max_ctas  # None: the device's SM count (see kernels/launch.py)
         self._planned: set[tuple] = set()  # (M, N, K, a_format) plan() accepted
         self._stream_of = stream_getter()
-        self._streams: dict[int, object] = {}  # CUstream per raw handle (DSL path)
+        self._made: dict[tuple[int, int], object] = {}  # (slot, value) -> DSL object
         self._ctas: dict[int, int] = {}  # SM count per device index
         self._set_compiled(compiled)
 
@@ -248,15 +252,12 @@ class CompiledGemm:
         """Launch on prepared, validated tensors (the API layer's job), on torch's current
         stream of ``out``'s device (so CUDA-graph capture records it)."""
         dev = out.get_device()
-        stream = self._stream_of(dev)
+        ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
+        args = self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
+                                     ctas, self._stream_of(dev))
         ffi = self._ffi
-        if ffi is not None:
-            ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
-            args = self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha,
-                                         workspace, ctas, stream)
-        else:
-            args = self._dsl_args(stream, a_data, a_scale, b_data, b_scale, out, alpha,
-                                  workspace)
+        if ffi is None:
+            args = self._dsl_args(args)
         try:
             ffi(*args) if ffi is not None else self._compiled(*args)
         except Exception as e:
@@ -271,16 +272,34 @@ class CompiledGemm:
         n = self._ctas[dev] = sm_count(dev)
         return n
 
-    def _dsl_args(self, stream: int, *tensors) -> tuple:
-        """The DSL call path's arguments: its pointer objects, Int32s and a CUstream."""
-        cu = self._streams.get(stream)
-        if cu is None:
-            from cuda.bindings import driver
+    def _dsl_args(self, raw: tuple[int, ...]) -> tuple:
+        """The DSL call path's arguments for ``raw`` (:func:`kernels.launch.raw_args`): its
+        pointer objects, Int32s and a CUstream, each made once per value and kept (making
+        the seven pointers alone took ~15 us per call)."""
+        made = self._made
+        if len(made) >= 4096:  # many distinct addresses: don't grow forever
+            made.clear()
+        args = []
+        for i, v in enumerate(raw):
+            obj = made.get((i, v))
+            if obj is None:
+                obj = made[(i, v)] = self._dsl_object(i, v)
+            args.append(obj)
+        return tuple(args)
 
-            if len(self._streams) >= 64:  # many short-lived streams: don't grow forever
-                self._streams.clear()
-            cu = self._streams[stream] = driver.CUstream(stream)
-        return self._kernel.runtime_args(*tensors, cu)
+    def _dsl_object(self, slot: int, value: int):
+        import cutlass
+
+        if slot < 7:
+            from cutlass.cute.runtime import make_ptr
+
+            dtype, align = self._kernel.pointer_slots()[slot]
+            return make_ptr(dtype, value, cutlass.AddressSpace.gmem, assumed_align=align)
+        if slot < 11:
+            return cutlass.Int32(value)
+        from cuda.bindings import driver
+
+        return driver.CUstream(value)
 
     def _recompile(self, error: Exception) -> None:
         """A disk-cache entry that loaded but cannot run here: compile it afresh (once)."""
@@ -488,30 +507,11 @@ def compile_emulated(schedule: Schedule, signature: Signature | None = None) -> 
     return hit
 
 
-class _CappedLaunch:
-    """A kernel object whose DSL-path launches pass ``max_ctas`` (the argument before the
-    stream in the one launch signature, ``kernels/launch.py``) instead of the device's SM
-    count (the TVM-FFI path reads ``CompiledGemm.max_ctas`` itself)."""
-
-    def __init__(self, kernel, max_ctas: int):
-        self.kernel, self.max_ctas = kernel, max_ctas
-
-    def runtime_args(self, *args) -> tuple:
-        import cutlass
-
-        out = self.kernel.runtime_args(*args)
-        return (*out[:-2], cutlass.Int32(self.max_ctas), out[-1])
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-
 def capped(kern: CompiledGemm, max_ctas: int) -> CompiledGemm:
     """The same compiled kernel, launched with at most ``max_ctas`` CTAs: a persistent
     schedule's CTAs then walk more work units each (``max_ctas=1``: one CTA walks them all).
     For tests; a one-CTA-per-tile schedule ignores it."""
     if max_ctas < 1:
         raise InputError(f"max_ctas must be >= 1, got {max_ctas}")
-    return CompiledGemm(kern.schedule, kern.signature, kern._compiled,
-                        _CappedLaunch(kern._kernel, max_ctas), kern.compile_s, kern.source,
-                        kern._rebuild, max_ctas=max_ctas)
+    return CompiledGemm(kern.schedule, kern.signature, kern._compiled, kern._kernel,
+                        kern.compile_s, kern.source, kern._rebuild, max_ctas=max_ctas)

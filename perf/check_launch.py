@@ -12,8 +12,10 @@
 2. The split-K heuristic path (sm90_decode_swapab with split_k=2) on the same shapes.
 3. CUDA-graph capture of run_compiled (as perf/gpu_session.py does) replays correctly.
 4. Eager host us/call of run_compiled at M=16, N=K=8192 per schedule and format, with a
-   breakdown (check_operands, _alpha_tensor, runtime_args, compiled call on prebuilt args)
-   and the whole-call time without synchronising (host-issue rate).
+   breakdown (check_operands, _alpha_tensor, the launch arguments of the kernel's call
+   path (TVM-FFI ints or DSL objects), the compiled entry on prebuilt arguments) and the
+   whole-call time without synchronising (host-issue rate). perf/host_overhead.py compares
+   gemm's host time with torch and QuACK.
 
 Exit status 1 if any check fails. Prints one line per check and a summary.
 """
@@ -31,6 +33,7 @@ from cute_fp4 import catalogue, reference
 from cute_fp4.api import _alpha_tensor, check_operands, make_operands, out_dtype_of, run_compiled
 from cute_fp4.compile import Signature, compile
 from cute_fp4.errors import InputError
+from cute_fp4.kernels.launch import sm_count
 
 SHAPES = [(m, n, k) for m in (1, 16, 129) for n in (136, 8192) for k in (320, 8256)]
 FAILS: list[str] = []
@@ -143,8 +146,6 @@ def per_call_us(fn, calls=300, sync=True) -> float:
 
 
 def timings(kern, label: str, fmt: str) -> dict:
-    from cuda.bindings import driver
-
     m, n, k = 16, 8192, 8192
     a, b = make_operands(m, n, k, fmt, seed=1)
     dt = out_dtype_of(kern.schedule)
@@ -154,19 +155,26 @@ def timings(kern, label: str, fmt: str) -> dict:
     ws = (torch.empty((s.split_k, m, n), dtype=torch.float32, device="cuda")
           if s.split_k > 1 else None)
     a_data, a_scale = (a.data, a.scale) if fmt == "nvfp4" else (a, None)
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    args = kern._kernel.runtime_args(a_data, a_scale, b.data, b.scale, out, alpha, ws, stream)
+    dev = out.get_device()
+    stream = kern._stream_of(dev)
+
+    def raw():
+        return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, ws,
+                                     sm_count(dev), stream)
+
+    launch_args = raw if kern.call_path == "tvm-ffi" else (lambda: kern._dsl_args(raw()))
+    entry = kern._ffi if kern.call_path == "tvm-ffi" else kern._compiled
+    args = launch_args()
     row = {
         "check_operands": per_call_us(lambda: check_operands(a, b, out, None, dt)),
         "alpha_tensor": per_call_us(lambda: _alpha_tensor(a, b, None)),
-        "runtime_args": per_call_us(lambda: kern._kernel.runtime_args(
-            a_data, a_scale, b.data, b.scale, out, alpha, ws, stream)),
-        "compiled_call": per_call_us(lambda: kern._compiled(*args)),
+        "launch args": per_call_us(launch_args),
+        "compiled_call": per_call_us(lambda: entry(*args)),
         "run_compiled (host issue, no sync)": per_call_us(
             lambda: run_compiled(kern, a, b, out=out), sync=False),
         "run_compiled (eager, synced)": per_call_us(lambda: run_compiled(kern, a, b, out=out)),
     }
-    print(f"TIMING {label} [{fmt}] M=16 N=K=8192 us/call: "
+    print(f"TIMING {label} [{fmt}] ({kern.call_path}) M=16 N=K=8192 us/call: "
           + ", ".join(f"{key} {v:.1f}" for key, v in row.items()), flush=True)
     return row
 

@@ -85,14 +85,15 @@ def breakdown(a, b, out, calls: int, repeats: int, sync) -> dict:
     a_data, a_scale = (a.data, a.scale) if dims[3] == "nvfp4" else (a, None)
     stream = kern._stream_of(dev)
     ctas = kern.max_ctas or 1
+
+    def raw():
+        return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, None, ctas,
+                                     stream)
     if kern._ffi is not None:
-        def args():
-            return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, None,
-                                         ctas, stream)
-        entry = kern._ffi
+        args, entry = raw, kern._ffi
     else:
         def args():
-            return kern._dsl_args(stream, a_data, a_scale, b.data, b.scale, out, alpha, None)
+            return kern._dsl_args(raw())
         entry = kern._compiled
     prebuilt = args()
     steps = {

@@ -111,6 +111,14 @@ def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ct
             m, n, b.shape[1] * 2, max_ctas, stream)
 
 
+def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], ...]:
+    """(element type, assumed alignment in bytes) of the seven pointer arguments, as
+    :func:`fake_args` compiles them and :func:`runtime_args` makes them."""
+    u8, f32 = cutlass.Uint8, cutlass.Float32
+    return ((types.a, 16), (u8, 16), (u8, 16), (u8, 16), (types.c, 16), (f32, 4),
+            (f32, 16 if split_k > 1 else 4))
+
+
 @functools.cache
 def sm_count(device_index) -> int:
     import torch
@@ -183,6 +191,10 @@ class GemmLaunch:
         return raw_args(self.split_k, a, a_scale, b, b_scale, out, alpha, workspace,
                         max_ctas, stream)
 
+    def pointer_slots(self) -> tuple[tuple[type, int], ...]:
+        """The pointer arguments' element types and alignments (:func:`pointer_slots`)."""
+        return pointer_slots(self.ptr_types, self.split_k)
+
 
 __all__ = ["GemmLaunch", "GemmTensors", "PointerTypes", "fake_args", "global_tensors", "out_dtype",
-           "raw_args", "runtime_args", "sm_count"]
+           "pointer_slots", "raw_args", "runtime_args", "sm_count"]

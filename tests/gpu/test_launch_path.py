@@ -1,0 +1,144 @@
+"""The low-overhead call path on a GPU: the TVM-FFI entry is used when apache-tvm-ffi is
+importable and gives the DSL call path's bits; the disk cache loads it back; gemm runs
+on torch's current stream, captures into CUDA graphs (output given or allocated, split-K,
+W4A4, a Python alpha) whose replays equal eager, and syncs with the GPU on no call.
+Host time itself is measured (never asserted) by perf/host_overhead.py."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+import torch
+
+import cute_fp4 as cf
+from cute_fp4 import api, catalogue, reference
+from cute_fp4.api import make_operands
+
+host = importlib.import_module("cute_fp4.compile")
+pytestmark = pytest.mark.gpu("sm90", "sm120")
+HAVE_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def decode_schedule():
+    return "sm90_decode_swapab" if torch.cuda.get_device_capability()[0] == 9 else \
+        "sm120_decode_splitk4"
+
+
+@pytest.fixture
+def fresh_kernels():
+    """Memos emptied before and after (the test changes how kernels are compiled)."""
+    host.clear_cache()
+    yield
+    host.clear_cache()
+
+
+@pytest.mark.skipif(not HAVE_TVM_FFI, reason="apache-tvm-ffi is not installed")
+def test_tvm_ffi_path_is_used_and_matches_the_dsl_path(monkeypatch, fresh_kernels):
+    a, b = make_operands(16, 1024, 4096, "bf16")
+    y = cf.gemm(a, b)
+    kern = host.kernel_for("auto", (16, 1024, 4096, "bf16"), torch.bfloat16,
+                           b.data.get_device(), api.resolve_schedule)
+    assert kern.call_path == "tvm-ffi"
+    monkeypatch.setenv(host.TVM_FFI_ENV, "0")
+    host.clear_cache()
+    y_dsl = cf.gemm(a, b)
+    kern_dsl = host.kernel_for("auto", (16, 1024, 4096, "bf16"), torch.bfloat16,
+                               b.data.get_device(), api.resolve_schedule)
+    assert kern_dsl.call_path == "dsl" and kern_dsl is not kern
+    torch.cuda.synchronize()
+    assert torch.equal(bits(y), bits(y_dsl))
+    assert reference.check(y, a, b).passed
+
+
+def test_a_disk_cache_load_launches(monkeypatch, tmp_path, fresh_kernels):
+    monkeypatch.setenv("CUTE_FP4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUTE_FP4_CACHE", "1")
+    s = catalogue.get(decode_schedule())
+    a, b = make_operands(16, 512, 2048, "nvfp4")
+    host.clear_cache()
+    built = host.compile(s, host.Signature("nvfp4"))
+    y1 = built(a, b)
+    host.clear_cache()
+    loaded = host.compile(s, host.Signature("nvfp4"))
+    assert built.source == "built" and loaded.source == "loaded"
+    assert loaded.call_path == ("tvm-ffi" if HAVE_TVM_FFI else "dsl")
+    y2 = loaded(a, b)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(y1), bits(y2)) and reference.check(y2, a, b).passed
+
+
+def test_gemm_runs_on_the_current_stream():
+    a, b = make_operands(16, 2048, 4096, "bf16")
+    ref = cf.gemm(a, b)
+    out = torch.empty_like(ref)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # holds the side stream back
+        out.fill_(float("nan"))  # a gemm issued on another stream would run before this
+        cf.gemm(a, b, out=out)
+        got = out.clone()
+    side.synchronize()
+    assert torch.equal(bits(got), bits(ref))
+
+
+CASES = [("bf16", None, None), ("nvfp4", None, None), ("bf16", 0.375, None),
+         ("nvfp4", None, "split")]
+
+
+@pytest.mark.parametrize("fmt, alpha, split", CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("given_out", [True, False], ids=["out", "alloc"])
+def test_cuda_graph_replays_equal_eager(fmt, alpha, split, given_out):
+    a, b = make_operands(16, 1024, 8192, fmt)
+    sched = decode_schedule()
+    if split:
+        s = catalogue.get(sched)
+        sched = s.replace(split_k=2) if s.split_k == 1 else s
+    ref = cf.gemm(a, b, alpha=alpha, schedule=sched).clone()
+    out = torch.empty_like(ref)
+
+    def call():
+        if given_out:
+            return cf.gemm(a, b, out=out, alpha=alpha, schedule=sched)
+        return cf.gemm(a, b, alpha=alpha, schedule=sched)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = call()
+    for _ in range(2):
+        got.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(got), bits(ref))
+
+
+def test_no_call_syncs_with_the_gpu():
+    a16, b = make_operands(16, 1024, 4096, "bf16")
+    a4, _ = make_operands(16, 1024, 4096, "nvfp4")
+    out = torch.empty(16, 1024, dtype=torch.bfloat16, device="cuda")
+    for a in (a16, a4):  # warm: compile, memos
+        cf.gemm(a, b, out=out, alpha=0.5)
+        cf.gemm(a, b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for a in (a16, a4):
+                cf.gemm(a, b)
+                cf.gemm(a, b, out=out)
+                cf.gemm(a, b, out=out, alpha=0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

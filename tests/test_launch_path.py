@@ -1,0 +1,391 @@
+"""The low-overhead call path, on the CPU: the TVM-FFI arguments (ints) against the DSL's
+objects, the TVM-FFI entry of a real kernel decoding them, the fallback when apache-tvm-ffi
+is absent or disabled, the memo of the operand checks (every refusal still raised), the
+memo of gemm's schedule resolution, the plan check per kernel, and alpha as a Python
+number. What needs a GPU (launches, CUDA graphs, host time) is tests/gpu/test_launch_path.py
+and perf/host_overhead.py."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+
+import cute_fp4 as cf
+from cute_fp4 import api, catalogue, operands
+from cute_fp4.errors import InputError, ScheduleError
+from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.schedule import Problem
+
+host = importlib.import_module("cute_fp4.compile")
+M, N, K = 16, 256, 512
+
+
+def w4a16():
+    a = torch.randn(M, K).to(torch.bfloat16)
+    return a, cf.quantize(torch.randn(N, K))
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return host._make_kernel(catalogue.get("sm90_decode_swapab"), Problem(a_format="bf16"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_memos():
+    operands._PASSED.clear()
+    host.clear_cache()
+    yield
+    operands._PASSED.clear()
+    host.clear_cache()
+
+
+def check(a, b, out=None, alpha=None):
+    return operands.check_operands(a, b, out, alpha, torch.bfloat16, require_cuda=False)
+
+
+# ----------------------------------------------------------------------------- arguments
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
+    a, b = w4a16()
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    alpha = torch.ones(1)
+    ws = torch.empty(split_k, M, N) if split_k > 1 else None
+    kern = kernel if split_k == 1 else host._make_kernel(
+        catalogue.get("sm90_decode_swapab").replace(split_k=2), Problem(a_format="bf16"))
+    raw = kern.raw_args(a, None, b.data, b.scale, out, alpha, ws, 132, 0xABC0)
+    dsl = kern.runtime_args(a, None, b.data, b.scale, out, alpha, ws, "stream")
+    assert len(raw) == len(dsl) == 12 and all(type(x) is int for x in raw)
+    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:7]] == list(raw[:7])
+    assert [int(x) for x in dsl[7:10]] == list(raw[7:10]) == [M, N, K]
+    assert raw[10:] == (132, 0xABC0) and dsl[11] == "stream"
+    sfb, pal = b.scale.data_ptr(), alpha.data_ptr()
+    assert raw[:6] == (a.data_ptr(), sfb, b.data.data_ptr(), sfb, out.data_ptr(), pal)
+    assert raw[6] == (ws.data_ptr() if split_k > 1 else pal)
+
+
+def test_w4a4_raw_args_carry_both_scales(kernel):
+    a, b = cf.quantize(torch.randn(M, K)), cf.quantize(torch.randn(N, K))
+    out, alpha = torch.empty(M, N, dtype=torch.bfloat16), torch.ones(1)
+    raw = kernel.raw_args(a.data, a.scale, b.data, b.scale, out, alpha, None, 8, 0)
+    assert raw[:4] == (a.data.data_ptr(), a.scale.data_ptr(), b.data.data_ptr(),
+                       b.scale.data_ptr())
+
+
+class Recorder:
+    """A stand-in for a compiled kernel: records what it is called with."""
+
+    def __init__(self, fail=0):
+        self.calls, self.fail = [], fail
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("launch failed")
+
+
+def compiled_gemm(kernel, fn, **kw):
+    s = catalogue.get("sm90_decode_swapab")
+    kern = host.CompiledGemm(s, host.Signature("bf16"), fn, kernel, 0.0, max_ctas=7, **kw)
+    kern._stream_of = lambda index: 0x5000  # torch's raw stream getter needs CUDA
+    return kern
+
+
+def launch(kern):
+    a, b = w4a16()
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
+    return a, b, out
+
+
+def test_without_tvm_ffi_the_dsl_call_path_gets_its_objects(kernel):
+    rec = Recorder()
+    kern = compiled_gemm(kernel, rec)
+    assert kern.call_path == "dsl" and host.ffi_function(rec) is None
+    a, b, out = launch(kern)
+    (args,) = rec.calls
+    from cuda.bindings import driver
+
+    assert int(args[0].__tvm_ffi_opaque_ptr__()) == a.data_ptr()
+    assert int(args[4].__tvm_ffi_opaque_ptr__()) == out.data_ptr()
+    assert isinstance(args[11], driver.CUstream) and int(args[11]) == 0x5000
+    assert [int(x) for x in args[7:11]] == [M, N, K, 7]  # max_ctas of compiled_gemm
+    # the same types and alignments as runtime_args makes (what fake_args compiled)
+    ref = kernel.runtime_args(a, None, b.data, b.scale, out, torch.ones(1), None, None)
+    for got, want in zip(args[:7], ref[:7]):
+        assert (got.dtype, got._assumed_align) == (want.dtype, want._assumed_align)
+    kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
+    assert rec.calls[1][:5] == args[:5]  # made once per address, then reused
+    assert all(x is y for x, y in zip(rec.calls[1][:5], args[:5]))
+
+
+def test_absent_or_disabled_tvm_ffi_builds_plain(monkeypatch, kernel):
+    seen = []
+    monkeypatch.setattr(host, "_build_with",
+                        lambda s, sig, k, tag, ffi: seen.append(ffi) or "built")
+    s = catalogue.get("sm90_decode_swapab")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tvm_ffi" else real(name, *a))
+    assert not host.tvm_ffi_enabled()
+    host._build(s, host.Signature("bf16"), kernel)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.setenv(host.TVM_FFI_ENV, "0")
+    assert not host.tvm_ffi_enabled()
+    host._build(s, host.Signature("bf16"), kernel)
+    assert seen == [False, False]
+
+
+def test_a_failing_tvm_ffi_build_falls_back_once_with_a_warning(monkeypatch, kernel):
+    seen = []
+
+    def build_with(s, sig, k, tag, ffi):
+        seen.append(ffi)
+        if ffi:
+            raise host.CompileError("no TVM-FFI here")
+        return "plain"
+
+    monkeypatch.setattr(host, "_build_with", build_with)
+    monkeypatch.setattr(host, "tvm_ffi_enabled", lambda: True)
+    with pytest.warns(RuntimeWarning, match="TVM-FFI build failed .*no TVM-FFI here"):
+        got = host._build(catalogue.get("sm90_decode_swapab"), host.Signature("bf16"), kernel)
+    assert got == "plain" and seen == [True, False]
+
+
+def test_a_loaded_kernel_that_fails_is_rebuilt_once(kernel):
+    from cute_fp4.cache import CacheWarning
+
+    bad, good = Recorder(fail=1), Recorder()
+    kern = compiled_gemm(kernel, bad, source="loaded", rebuild=lambda: good)
+    with pytest.warns(CacheWarning, match="recompiling"):
+        launch(kern)
+    assert len(bad.calls) == 1 and len(good.calls) == 1 and kern.source == "built"
+    kern2 = compiled_gemm(kernel, Recorder(fail=5), source="built", rebuild=lambda: good)
+    with pytest.raises(RuntimeError, match="launch failed"):  # only disk-cache loads retry
+        launch(kern2)
+
+
+@pytest.fixture(scope="module")
+def ffi_kernel(tmp_path_factory, kernel):
+    """The real decode kernel compiled for sm_90a with the TVM-FFI entry, exported and
+    loaded back as the disk cache does (works without a GPU up to the CUDA calls)."""
+    pytest.importorskip("tvm_ffi")
+    s = catalogue.get("sm90_decode_swapab")
+    compiled = host._dsl_compile(kernel, s, "--gpu-arch sm_90a --enable-tvm-ffi")
+    export, load = host._exporter("cute_fp4_test_entry", ffi=True)
+    d = tmp_path_factory.mktemp("ffi")
+    export(compiled, d)
+    return compiled, load(d / "kernel.o")
+
+
+class NoopEntry:
+    """A host-only function of the launch signature (runs on the CPU)."""
+
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
+                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
+                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32,
+                 k: cutlass.Int32, max_ctas: cutlass.Int32, stream):
+        pass
+
+
+def test_ffi_function_of_a_built_and_a_plain_entry(kernel):
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    from cute_fp4.kernels.launch import PointerTypes, fake_args
+
+    fake = fake_args(PointerTypes(cutlass.BFloat16, cutlass.BFloat16), 1, 132)
+    built = cute.compile(NoopEntry(), *fake, options="--enable-tvm-ffi")
+    fn = host.ffi_function(built)
+    assert isinstance(fn, tvm_ffi.Function)
+    kern = compiled_gemm(kernel, built)
+    assert kern.call_path == "tvm-ffi"
+    launch(kern)  # the entry decodes the ints and returns (nothing to launch)
+    plain = cute.compile(NoopEntry(), *fake)
+    assert host.ffi_function(plain) is None
+    kern = compiled_gemm(kernel, plain)
+    assert kern.call_path == "dsl"
+    launch(kern)  # the DSL's own call path with its objects
+
+
+def test_the_tvm_ffi_entry_takes_the_raw_args(ffi_kernel, kernel):
+    import tvm_ffi
+
+    _, loaded = ffi_kernel
+    assert isinstance(host.ffi_function(loaded), tvm_ffi.Function)
+    kern = compiled_gemm(kernel, loaded)
+    assert kern.call_path == "tvm-ffi"
+    # the arguments decode; what fails is the first CUDA call (no driver here)
+    with pytest.raises(RuntimeError, match="(?i)cuda"):
+        launch(kern)
+    a, b = w4a16()
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    args = list(kernel.raw_args(a, None, b.data, b.scale, out, torch.ones(1), None, 8, 0))
+    with pytest.raises(TypeError, match="Expects 12 parameters"):
+        loaded(*args[:-1])
+    args[8] = 1.5  # n must be an int
+    with pytest.raises(TypeError, match="argument #8"):
+        loaded(*args)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def test_a_passing_signature_is_memoised_and_skips_the_full_checks(monkeypatch):
+    a, b = w4a16()
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    assert check(a, b, out) == (M, N, K, "bf16")
+    assert len(operands._PASSED) == 1
+    monkeypatch.setattr(operands, "check_all", lambda *a, **k: pytest.fail("full checks ran"))
+    a2 = torch.randn(M, K).to(torch.bfloat16)  # another tensor, the same signature
+    assert check(a2, b, torch.empty(M, N, dtype=torch.bfloat16)) == (M, N, K, "bf16")
+
+
+def test_refusals_are_never_memoised():
+    a, b = w4a16()
+    bad_out = torch.empty(M, N // 2, dtype=torch.bfloat16)
+    for _ in range(2):
+        with pytest.raises(InputError, match=r"out must have shape \(16, 256\)"):
+            check(a, b, bad_out)
+    assert not operands._PASSED
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor of the same shape whose data pointer is off by 2 bytes."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype)[1:1 + t.numel()]
+    return flat.view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("what", ["a", "out", "b.data", "b.scale"])
+def test_a_misaligned_pointer_is_refused_after_the_signature_passed(what):
+    a, b = w4a16()
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    check(a, b, out)
+    if what == "a":
+        a = misaligned(a)
+    elif what == "out":
+        out = misaligned(out)
+    else:
+        data, scale = b.data, b.scale
+        if what == "b.data":
+            data = misaligned(data)
+        else:
+            scale = misaligned(scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+        b = NVFP4Tensor._unchecked(data, scale, b.global_scale, b.shape)
+    with pytest.raises(InputError, match=f"{what}'s data pointer 0x[0-9a-f]+ is not 16-byte"):
+        check(a, b, out)
+
+
+def test_metadata_changes_after_a_pass_are_caught():
+    a, b = w4a16()
+    check(a, b)
+    b.shape = (N, 2 * K)  # the container no longer matches its bytes
+    with pytest.raises(InputError):
+        check(a, b)
+    a2, b2 = w4a16()
+    check(a2, b2)
+    with pytest.raises(InputError, match="a must be contiguous"):
+        check(torch.randn(K, M).to(torch.bfloat16).T, b2)
+    with pytest.raises(InputError, match="alpha must be a scalar, got 3"):
+        check(a2, b2, alpha=torch.ones(3))  # alpha is checked on a memo hit too
+
+
+def test_w4a4_and_w4a16_signatures_differ():
+    a16, b = w4a16()
+    a4 = cf.quantize(torch.randn(M, K))
+    assert operands.signature(a16, b, None, torch.bfloat16) != \
+        operands.signature(a4, b, None, torch.bfloat16)
+    assert operands.signature([1], b, None, torch.bfloat16) is None
+    assert operands.signature(a16, torch.zeros(N, K), None, torch.bfloat16) is None
+    assert check(a4, b) == (M, N, K, "nvfp4")
+
+
+def test_a_python_alpha_is_made_once_per_value():
+    a, b = w4a16()
+    t1 = operands.alpha_tensor(a, b, 0.1)
+    assert operands.alpha_tensor(a, b, 0.1) is t1
+    assert t1.dtype == torch.float32 and t1.shape == (1,)
+    assert torch.equal(t1, torch.as_tensor(0.1, dtype=torch.float32).reshape(1))
+    assert operands.alpha_tensor(a, b, 2) is not t1
+    assert float(operands.alpha_tensor(a, b, 2)) == 2.0
+    assert operands.alpha_tensor(a, b, None) is b.global_scale  # no copy
+
+
+# ----------------------------------------------------------------------------- resolution
+
+def test_kernel_for_memoises_resolution(monkeypatch):
+    calls = []
+    s = catalogue.get("sm90_decode_swapab")
+
+    def resolve(schedule, m, n, k, a_format, out_dtype):
+        calls.append(schedule)
+        return s
+
+    monkeypatch.setattr(host, "compile", lambda sched, sig: ("kernel", sched, sig))
+    dims = (M, N, K, "bf16")
+    first = host.kernel_for("auto", dims, torch.bfloat16, 0, resolve)
+    assert host.kernel_for("auto", dims, torch.bfloat16, 0, resolve) is first
+    assert len(calls) == 1
+    host.kernel_for("auto", (M + 1, N, K, "bf16"), torch.bfloat16, 0, resolve)  # another M
+    host.kernel_for("auto", dims, torch.bfloat16, 1, resolve)  # another device
+    assert len(calls) == 3
+    twin = s.replace(stages=s.stages)  # equal, but another object: keyed by identity
+    host.kernel_for(s, dims, torch.bfloat16, 0, resolve)
+    host.kernel_for(s, dims, torch.bfloat16, 0, resolve)
+    host.kernel_for(twin, dims, torch.bfloat16, 0, resolve)
+    assert calls[3:] == [s, twin]
+    monkeypatch.setattr(host, "AUTO_RECHECK_S", -1.0)  # "auto" resolved again when stale
+    host.clear_cache()
+    host.kernel_for("auto", dims, torch.bfloat16, 0, resolve)
+    host.kernel_for("auto", dims, torch.bfloat16, 0, resolve)
+    host.kernel_for("sm90_decode_swapab", dims, torch.bfloat16, 0, resolve)
+    host.kernel_for("sm90_decode_swapab", dims, torch.bfloat16, 0, resolve)
+    assert calls[5:] == ["auto", "auto", "sm90_decode_swapab"]
+
+
+def test_resolution_errors_are_not_memoised(monkeypatch):
+    def resolve(*args):
+        raise InputError("no schedule named 'x'")
+
+    for _ in range(2):
+        with pytest.raises(InputError, match="no schedule named"):
+            host.kernel_for("x", (M, N, K, "bf16"), torch.bfloat16, 0, resolve)
+    assert not host._RESOLVED
+
+
+def test_plan_check_per_kernel_and_shape(kernel):
+    kern = compiled_gemm(kernel, Recorder())
+    kern.check_plan((M, N, K, "bf16"))
+    assert (M, N, K, "bf16") in kern._planned
+    for _ in range(2):  # a refusal is raised every time
+        with pytest.raises(ScheduleError):
+            kern.check_plan((M, N, 40, "bf16"))
+    assert len(kern._planned) == 1
+
+
+def test_gemm_on_the_stubbed_path_still_checks(monkeypatch, kernel):
+    """``gemm`` end to end on the CPU with the device and the launch stubbed: repeated
+    calls reuse the memos, a bad call after good ones still raises before launching."""
+    from cute_fp4 import targets
+
+    h200 = targets.Device(0, "H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"), 4800.)
+    monkeypatch.setattr(targets, "require_device", lambda family=None: h200)
+    monkeypatch.setattr(api, "check_operands", lambda a, b, out, alpha, dt: check(
+        a, b, out, alpha))
+    rec = Recorder()
+    monkeypatch.setattr(host, "_build", lambda s, sig, k=None, tag="": compiled_gemm(
+        host._make_kernel(s, Problem(a_format=sig.a_format)), rec))
+    a, b = w4a16()
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    for _ in range(3):
+        assert cf.gemm(a, b, out=out) is out
+    assert len(rec.calls) == 3 and len(host._RESOLVED) == 1
+    with pytest.raises(InputError, match="out must be torch.bfloat16"):
+        cf.gemm(a, b, out=out.float())
+    with pytest.raises(InputError, match="a's data pointer"):
+        cf.gemm(misaligned(a), b, out=out)
+    assert len(rec.calls) == 3
