@@ -44,6 +44,21 @@ class Raster(enum.Enum):
     ALONG_N = "n"  # consecutive tiles share a row block of A
 
 
+class Mainloop(enum.Enum):
+    """Which mainloop a kernel runs, where a family has more than one (sm_90a).
+
+    ``STANDARD``: the family's mainloops on the plain cuBLAS-layout weight (on sm_90a the
+    shared-memory sourced one, or the swap-AB decode one with ``swap_ab``).
+    ``RS_PACKED`` (sm_90a): register-sourced WGMMA on a weight repacked offline into WGMMA
+    A-fragment order (:mod:`cute_fp4.packed`); the weight is WGMMA's A operand, decoded in
+    registers, the activations are its B, D^T is stored (kernels/sm90_rs_wide.py). Such a
+    kernel reads only a packed weight, and a packed weight only such a kernel.
+    """
+
+    STANDARD = "standard"
+    RS_PACKED = "rs_packed"
+
+
 class OutDtype(enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -186,6 +201,9 @@ class Schedule:
     ``swap_ab`` (sm_90a decode): the weight B is WGMMA's A operand (64 rows per CTA,
     converted in registers) and the activations are its N (``tile.m`` columns); the kernel
     computes ``D^T`` tiles and stores them transposed. ``tile.n`` must be 64.
+    ``mainloop`` (:class:`Mainloop`): ``rs_packed`` runs the register-sourced mainloop on a
+    fragment-order packed weight (``tile.m`` activation rows are WGMMA's N, ``tile.n``
+    weight rows are split over the consumer warpgroups along M).
     ``name`` and ``doc`` are labels only; they take no part in equality or hashing.
     """
 
@@ -198,6 +216,7 @@ class Schedule:
     split_k: int = 1
     epilogue: Epilogue = Epilogue()
     swap_ab: bool = False
+    mainloop: Mainloop = Mainloop.STANDARD
     name: str = dataclasses.field(default="", compare=False)
     doc: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -208,6 +227,7 @@ class Schedule:
         _positive("Schedule.split_k", self.split_k)
         _bool("Schedule.swap_ab", self.swap_ab)
         _set(self, "sf_load", as_enum(SFLoad, self.sf_load, "Schedule.sf_load"))
+        _set(self, "mainloop", as_enum(Mainloop, self.mainloop, "Schedule.mainloop"))
         for f, typ in (("tile", Tile), ("warps", Warps), ("scheduler", Scheduler),
                        ("epilogue", Epilogue)):
             if not isinstance(getattr(self, f), typ):
@@ -258,6 +278,8 @@ class Schedule:
             parts.append(f"splitk={self.split_k}")
         if self.swap_ab:
             parts.append("swap_ab")
+        if self.mainloop is not Mainloop.STANDARD:
+            parts.append(self.mainloop.value)
         if self.epilogue.tile:
             parts.append(f"epi={self.epilogue.tile[0]}x{self.epilogue.tile[1]}")
         return " ".join(parts)
@@ -269,6 +291,8 @@ class Schedule:
         d.pop("doc")
         if not d["swap_ab"]:
             d.pop("swap_ab")  # keys of existing schedules (and their caches) are unchanged
+        if d["mainloop"] is Mainloop.STANDARD:
+            d.pop("mainloop")  # likewise
         return repr(_plain(d))
 
 

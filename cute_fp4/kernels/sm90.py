@@ -12,7 +12,10 @@ One kernel class, two mainloops (a static choice of the schedule):
   stage, wait for the WGMMA of tile k-1, synchronise on a named barrier and issue the WGMMA
   of tile k;
 * register sourced (``swap_ab``, decode, kernels/sm90_rs.py): the weight is WGMMA's A
-  operand, converted straight into registers, and D^T is stored.
+  operand, converted straight into registers, and D^T is stored;
+* register sourced on a fragment-order packed weight (``mainloop=rs_packed``, every M,
+  kernels/sm90_rs_wide.py): the packed weight is WGMMA's A operand decoded in registers,
+  the activations TMA'd straight into WGMMA's B layout, D^T stored.
 
 Shared components: work units (kernels/scheduler.py; persistent CTAs walk them in grouped
 raster order), warp roles (kernels/roles.py: the producer warpgroup first, its first warp
@@ -57,9 +60,14 @@ from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.scheduler import TileScheduler
 from cute_fp4.kernels.sm90_convert import convert_word, scale_word
 from cute_fp4.kernels.sm90_rs import RegisterSourcedMainloop
+from cute_fp4.kernels.sm90_rs_wide import (
+    PackedRegisterMainloop,
+    weight_global_view,
+    weight_stage_layout,
+)
 from cute_fp4.nvfp4 import SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.plan import plan
-from cute_fp4.schedule import Problem, Raster, Schedule
+from cute_fp4.schedule import Mainloop, Problem, Raster, Schedule
 
 _ALIGN = 1024
 
@@ -94,7 +102,12 @@ class SmemTensors(NamedTuple):
     red_ptr: object  # swap-AB: FP32 view of the activation buffers for the reduction
 
 
-class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
+def _stage0(layout):
+    """Stage 0 of a staged shared-memory layout (the stage is the last mode)."""
+    return cute.slice_(layout, (None,) * (cute.rank(layout) - 1) + (0,))
+
+
+class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
     """NVFP4 x NVFP4 (W4A4) or 16-bit x NVFP4 (W4A16) GEMM for sm_90a."""
 
     def __init__(self, schedule: Schedule, problem: Problem):
@@ -106,15 +119,18 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         self.epi_tile = tuple(pl.epi_tile)
         self.epi_stages = pl.epi_stages
         self.swap_ab = schedule.swap_ab
+        self.rs_packed = schedule.mainloop is Mainloop.RS_PACKED
+        self.transposed = self.swap_ab or self.rs_packed  # D^T tiles, weight = WGMMA's A
         self.w4a16 = problem.w4a16
         self.mma_dtype = cutlass.BFloat16 if problem.a_format == "bf16" else cutlass.Float16
         self.split_k = schedule.split_k
         self.out_dtype = out_dtype(schedule)
         self.epi_dtype = cutlass.Float32 if self.split_k > 1 else self.out_dtype
         # 32-bit results (split-K partials, FP32 output) and D^T are stored from registers.
-        self.direct_store = self.epi_dtype.width == 32 or self.swap_ab
+        self.direct_store = self.epi_dtype.width == 32 or self.transposed
         self.wm, self.wn = schedule.warps.mma
         self.num_wg = self.wn if self.swap_ab else self.wm * self.wn
+        self.rs_m_blocks = t.n // self.wm // 64  # rs_packed: 64-row M blocks per warpgroup
         self.num_mma_threads = self.num_wg * WARPGROUP
         self.warps = roles.warp_layout(self.num_wg * 4, True, pl)
         self.threads = self.warps.threads
@@ -147,7 +163,22 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         self.sB_layout = packed(tn, tk // 2)
         self.sB16_layout = None
         self.sC_layout = None
-        if cutlass.const_expr(self.swap_ab):
+        if cutlass.const_expr(self.rs_packed):
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.mma_dtype, self.mma_dtype, OperandMajorMode.K, OperandMajorMode.K,
+                cutlass.Float32, (1, 1, 1), tiler_mn=(64, tm),
+                a_source=warpgroup.OperandSource.RMEM)
+            self.sB_layout = weight_stage_layout(tn, tk, self.stages)
+            if cutlass.const_expr(self.w4a16):
+                # the activation is TMA'd straight into WGMMA's B layout (natural K order)
+                self.sA_layout = sm90_utils.make_smem_layout_b(row, (64, tm, tk),
+                                                               self.mma_dtype, self.stages)
+                self.sA16_layout = self.sA_layout
+            else:
+                self.sA_layout = packed(tm, a_cols)
+                self.sA16_layout = sm90_utils.make_smem_layout_b(row, (64, tm, tk),
+                                                                 self.mma_dtype, 1)
+        elif cutlass.const_expr(self.swap_ab):
             self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.mma_dtype, self.mma_dtype, OperandMajorMode.K, OperandMajorMode.K,
                 cutlass.Float32, (1, 1, 1), tiler_mn=(64, tm),
@@ -188,7 +219,7 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         a_type = self._a_type()
         w4a4 = not self.w4a16
         own_a16 = w4a4 or self.swap_ab  # W4A16's SS mainloop reads A where TMA put it
-        has_b16 = not self.swap_ab
+        has_b16 = not self.transposed
         staged_c = not self.direct_store
         nbar = 2 * self.stages
 
@@ -222,10 +253,14 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB = self._make_load_atoms(t, m, n)
         gD = t.mD
         tma_c = tma_b  # unused: D is stored from registers
-        if cutlass.const_expr(self.swap_ab):
+        if cutlass.const_expr(self.transposed):
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
                 (n, m, t.mD.shape[2]), stride=(1, t.mD.stride[0], t.mD.stride[2])))
-            units = TileScheduler.create(n, m, k, (tn, tm, tk), self.split_k)
+            if cutlass.const_expr(self.rs_packed):
+                units = TileScheduler.create(n, m, k, (tn, tm, tk), self.split_k,
+                                             self.group_size, self.raster_m)
+            else:
+                units = TileScheduler.create(n, m, k, (tn, tm, tk), self.split_k)
         else:
             units = TileScheduler.create(m, n, k, (tm, tn, tk), self.split_k,
                                          self.group_size, self.raster_m)
@@ -246,8 +281,12 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         a_tile_k = tk if self.w4a16 else tk // 2
         tma_a, gA = cpasync.make_tiled_tma_atom(
             g2s, t.mA, cute.slice_(self.sA_layout, (None, None, 0)), (tm, a_tile_k))
-        tma_b, gB = cpasync.make_tiled_tma_atom(
-            g2s, t.mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
+        if cutlass.const_expr(self.rs_packed):  # whole 2,048-byte packed units
+            tma_b, gB = loads.sf_tma_atom(weight_global_view(t.mB, n, t.mB.shape[1] * 2),
+                                          self.sB_layout)
+        else:
+            tma_b, gB = cpasync.make_tiled_tma_atom(
+                g2s, t.mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
         half_k = t.mB.shape[1]
         tma_sfb, gSFB = loads.sf_tma_atom(loads.sf_global_view(t.mSFB, n, half_k),
                                           self.sSFB_layout)
@@ -274,7 +313,9 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         else:
             roles.consumer_registers(self.warps)
             ctid = tidx - self.warps.first_mma_thread
-            if cutlass.const_expr(self.swap_ab):
+            if cutlass.const_expr(self.rs_packed):
+                self.consume_rs_packed(mainloop, p, s, ctid)
+            elif cutlass.const_expr(self.swap_ab):
                 self.consume_rs(mainloop, p, s, ctid)
             else:
                 self.consume_ss(mainloop, p, s, ctid, warp_idx - first)
@@ -296,7 +337,7 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         sf_stage = (None,) * 4 + (0,)
         tx_bytes = (
             cute.size_in_bytes(self._a_type(), cute.slice_(self.sA_layout, (None, None, 0)))
-            + cute.size_in_bytes(cutlass.Uint8, cute.slice_(self.sB_layout, (None, None, 0)))
+            + cute.size_in_bytes(cutlass.Uint8, _stage0(self.sB_layout))
             + cute.size_in_bytes(cutlass.Uint8, cute.slice_(self.sSFB_layout, sf_stage)))
         if cutlass.const_expr(not self.w4a16):
             tx_bytes += cute.size_in_bytes(cutlass.Uint8,
@@ -320,6 +361,15 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
             return region.get_tensor(layout.outer, swizzle=layout.inner)
 
         sSFA = storage.sSFA.get_tensor(self.sSFA_layout) if not self.w4a16 else None
+        if self.rs_packed:
+            if self.w4a16:
+                sA = swizzled(storage.sA, self.sA_layout)
+                sA16 = sA
+            else:
+                sA = storage.sA.get_tensor(self.sA_layout)
+                sA16 = swizzled(storage.sA16, self.sA16_layout)
+            return SmemTensors(sA, sA16, storage.sB.get_tensor(self.sB_layout), None, sSFA,
+                               storage.sSFB.get_tensor(self.sSFB_layout), None, None)
         if self.swap_ab:
             sA = storage.sA.get_tensor(self.sA_layout)
             sA16 = swizzled(storage.sA16, self.sA16_layout)
@@ -351,7 +401,10 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
         a_cols = tk if self.w4a16 else tk // 2
         tAsA, tAgA = loads.tma_views(p.tma_a, s.sA, p.gA, (tm, a_cols))
-        tBsB, tBgB = loads.tma_views(p.tma_b, s.sB, p.gB, (tn, tk // 2))
+        b_box = cute.shape(_stage0(self.sB_layout))  # rs_packed: whole packed units
+        if cutlass.const_expr(not self.rs_packed):
+            b_box = (tn, tk // 2)
+        tBsB, tBgB = loads.tma_views(p.tma_b, s.sB, p.gB, b_box)
         box_b = cute.shape(cute.slice_(self.sSFB_layout, (None,) * 4 + (0,)))
         tSFBs, tSFBg = loads.tma_views(p.tma_sfb, s.sSFB, p.gSFB, box_b)
         if cutlass.const_expr(not self.w4a16):
@@ -362,7 +415,7 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
         while unit < p.units.total:
             w = p.units.coords(unit)
             mt, nt = w.m, w.n
-            if cutlass.const_expr(self.swap_ab):  # the scheduler's M tiles are B's rows
+            if cutlass.const_expr(self.transposed):  # the scheduler's M tiles are B's rows
                 mt, nt = w.n, w.m
             rb_a = (mt * tm) // SF_ATOM_ROWS // self.sfa_row_blocks
             rb_b = (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks
@@ -372,7 +425,12 @@ class Sm90Gemm(RegisterSourcedMainloop, GemmLaunch):
                 bar = mainloop.producer_get_barrier(state)
                 st = state.index
                 cute.copy(p.tma_a, tAgA[(None, mt, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
-                cute.copy(p.tma_b, tBgB[(None, nt, kk)], tBsB[(None, st)], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.rs_packed):
+                    cute.copy(p.tma_b, tBgB[(None, 0, 0, kk, nt)], tBsB[(None, st)],
+                              tma_bar_ptr=bar)
+                else:
+                    cute.copy(p.tma_b, tBgB[(None, nt, kk)], tBsB[(None, st)],
+                              tma_bar_ptr=bar)
                 cute.copy(p.tma_sfb, tSFBg[(None, 0, 0, kk, rb_b)], tSFBs[(None, st)],
                           tma_bar_ptr=bar)
                 if cutlass.const_expr(not self.w4a16):

@@ -80,6 +80,8 @@ def registers(s: Schedule) -> RegisterSplit | None:
 def check_swap_ab(s: Schedule, p: Problem) -> list[str]:
     if s.swap_ab:
         return [f"swap_ab is implemented for sm_90a only, not {s.target}"]
+    if s.mainloop.value != "standard":
+        return [f"mainloop={s.mainloop.value} is implemented for sm_90a only, not {s.target}"]
     return []
 
 

@@ -15,6 +15,11 @@ scale factors by cp.async (both kernels load them by TMA), and settings a kernel
 silently ignore: an epilogue tile where results are stored from registers, and a
 persistent scheduler, raster order or group size with ``swap_ab`` (its grid maps one CTA
 to each tile directly).
+
+``mainloop=rs_packed`` (kernels/sm90_rs_wide.py): ``barriers | A | B | SFA | SFB | A16``:
+A is the 16-bit activation tile TMA'd into WGMMA's B layout (W4A16), or packed NVFP4
+converted per stage into one 16-bit buffer ``A16`` (W4A4); B is the fragment-order packed
+weight; D^T is stored from registers (no C).
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ from cute_fp4.planning.common import (
     sf_stage_bytes,
     staged_c_region,
 )
-from cute_fp4.schedule import Problem, Schedule, Scheduler, SFLoad, WarpRoles
+from cute_fp4.schedule import Mainloop, Problem, Schedule, Scheduler, SFLoad, WarpRoles
 
 CONVERT_STAGES = 2  # 16-bit conversion buffers per operand (double-buffered)
 PRODUCER_REGS = 40  # setmaxnreg budget of the producer warpgroup
 MMA_REGS_MAX = 240  # and the most the consumer warpgroups take
 SWAP_AB_TILE_M = (8, 16, 32, 64)  # activation rows: WGMMA's N
 MAX_WG_N = 256  # WGMMA N per warpgroup
+RS_PACKED_TILE_K = (64, 128)  # rs_packed: K per stage (whole 64-element packed units)
+RS_PACKED_ACC_COLUMNS = 256  # rs_packed: 64-row blocks x activation columns per warpgroup
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -57,6 +64,11 @@ def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
     """The mainloop regions, the 16-bit conversion buffers and C, for ``stages`` stages."""
     t = s.tile
     out = mainloop_regions(stage_bytes(s, p), stages, 2 * stages)
+    if rs_packed(s):
+        if not p.w4a16:  # the activation stage is converted into one 16-bit buffer
+            out.append(Region("A16", t.m * t.k * 2, f"1 x FP16 {t.m}x{t.k}"))
+        out.append(Region("C", 0, "none: D^T stored from registers"))
+        return tuple(out)
     if s.swap_ab:
         # the weight is converted in registers; the activation (WGMMA's B) gets two 16-bit
         # buffers per consumer warpgroup; results are stored from registers
@@ -73,6 +85,11 @@ def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
     else:
         out.append(staged_c_region(s))
     return tuple(out)
+
+
+def rs_packed(s: Schedule) -> bool:
+    """The register-sourced mainloop on a fragment-order packed weight."""
+    return s.mainloop is Mainloop.RS_PACKED
 
 
 def _direct_store(s: Schedule) -> bool:
@@ -115,9 +132,59 @@ def check_swap_ab_warps(s: Schedule, p: Problem) -> list[str]:
     return []
 
 
+def check_rs_packed(s: Schedule, p: Problem) -> list[str]:
+    """What the rs_packed mainloop implements: tile N (weight rows) 128 or 256 over
+    ``Warps.mma = (W, 1)`` warpgroups of 64 or 128 rows each, tile M (activation rows,
+    WGMMA's N) a multiple of 8 up to 256 whose accumulators fit (64-row blocks x tile M
+    <= 256 per warpgroup: 128 FP32 registers), tile K 64 or 128, not swap_ab (it is the
+    swapped form already), K a multiple of 64 (the packed weight's 64-element units)."""
+    if not rs_packed(s):
+        return []
+    t, (wm, wn) = s.tile, s.warps.mma
+    out = []
+    if s.swap_ab:
+        out.append("mainloop=rs_packed already runs the weight as WGMMA's A operand and "
+                   "stores D^T: leave swap_ab False")
+    if wn != 1 or wm not in (1, 2) or t.n not in (128, 256) or t.n // wm not in (64, 128):
+        out.append(f"rs_packed takes tile N (weight rows) 128 or 256 over Warps.mma = "
+                   f"(W, 1) warpgroups of 64 or 128 rows, got tile N {t.n} and "
+                   f"Warps.mma {s.warps.mma}")
+    elif (t.n // wm // 64) * t.m > RS_PACKED_ACC_COLUMNS:
+        out.append(f"rs_packed: {t.n // wm // 64} x 64 weight rows x {t.m} activation "
+                   f"columns per warpgroup need {(t.n // wm // 64) * t.m // 2} FP32 "
+                   f"accumulator registers per thread; at most "
+                   f"{RS_PACKED_ACC_COLUMNS // 2}")
+    if t.m % 8 or not 8 <= t.m <= MAX_WG_N:
+        out.append(f"rs_packed tile M {t.m} (activation rows, WGMMA's N) must be a "
+                   "multiple of 8 from 8 to 256")
+    if t.k not in RS_PACKED_TILE_K:
+        out.append(f"rs_packed tile K {t.k} must be 64 or 128")
+    if p.k and p.k % 64:
+        out.append(f"K = {p.k} is not a multiple of 64: the packed weight is cut into "
+                   "64-element K units (use the plain weight and mainloop=standard)")
+    if not p.w4a16 and not out:
+        out += _rs_packed_w4a4(s)
+    return out
+
+
+def _rs_packed_w4a4(s: Schedule) -> list[str]:
+    """W4A4: the activation stage is converted by every consumer thread in whole passes of
+    16-element chunks (Sm90Gemm.convert), its scale atoms whole (tile M 64 or 128k)."""
+    t, (wm, _) = s.tile, s.warps.mma
+    n_threads, chunks = WARPGROUP * wm, t.k // SF_VEC
+    out = []
+    if t.m != 64 and t.m % SF_ATOM_ROWS:
+        out.append(f"rs_packed W4A4 tile M {t.m} must be 64 or a multiple of 128 (the "
+                   "activation's scale atoms cover 128 rows)")
+    if n_threads % chunks or (t.m * chunks) % n_threads:
+        out.append(f"rs_packed W4A4: the {n_threads} converting threads do not split a "
+                   f"{t.m}x{t.k} activation tile into whole passes of 16-element chunks")
+    return out
+
+
 def check_tile(s: Schedule, p: Problem) -> list[str]:
     """The WGMMA tile: 64-row warpgroups, N per warpgroup, whole scale atoms along M, N, K."""
-    if s.swap_ab:
+    if s.swap_ab or rs_packed(s):
         return []
     t, (wm, wn) = s.tile, s.warps.mma
     out = []
@@ -139,7 +206,7 @@ def check_tile(s: Schedule, p: Problem) -> list[str]:
 def check_conversion_split(s: Schedule, p: Problem) -> list[str]:
     """The consumer threads convert a tile in whole passes of 16-element chunks (checked
     only on a tile that passes ``check_tile``)."""
-    if s.swap_ab or check_tile(s, p):
+    if s.swap_ab or rs_packed(s) or check_tile(s, p):
         return []
     t, (wm, wn) = s.tile, s.warps.mma
     n_threads, chunks = WARPGROUP * wm * wn, t.k // SF_VEC
@@ -157,7 +224,7 @@ def check_threads(s: Schedule, p: Problem) -> list[str]:
 def check_epilogue(s: Schedule, p: Problem) -> list[str]:
     """The epilogue tile divides the CTA tile; 16-bit outputs are staged per warpgroup
     rows (and the whole tile N with several warpgroups along N); rows >= 16 bytes."""
-    if s.swap_ab:
+    if s.swap_ab or rs_packed(s):
         return []  # D^T is stored from registers; no epilogue tile
     em, en = epilogue_tile(s)
     t = s.tile
@@ -193,8 +260,8 @@ def check_epilogue_tile_used(s: Schedule, p: Problem) -> list[str]:
     if s.epilogue.tile is None:
         return []
     em, en = s.epilogue.tile
-    if s.swap_ab:
-        what = "swap_ab stores D^T from registers"
+    if s.swap_ab or rs_packed(s):
+        what = f"{'swap_ab' if s.swap_ab else 'rs_packed'} stores D^T from registers"
     elif _direct_store(s):
         kind = "split-K partials" if s.split_k > 1 else "FP32 output"
         what = f"{s.target} stores 32-bit results ({kind}) from registers"
@@ -220,8 +287,8 @@ def check_swap_ab_scheduler(s: Schedule, p: Problem) -> list[str]:
     return out
 
 
-CHECKS = (check_swap_ab_tile, check_swap_ab_warps, check_tile, check_conversion_split,
-          check_threads, check_epilogue, check_roles, check_sf_load,
+CHECKS = (check_rs_packed, check_swap_ab_tile, check_swap_ab_warps, check_tile,
+          check_conversion_split, check_threads, check_epilogue, check_roles, check_sf_load,
           check_epilogue_tile_used, check_swap_ab_scheduler)
 
 RULES = FamilyRules(stage_bytes=stage_bytes, regions=regions, threads=threads,

@@ -1,0 +1,147 @@
+"""The NVFP4 weight repacked offline into WGMMA A-fragment order (sm_90a ``rs_packed``).
+
+Hopper has no FP4 tensor cores: the ``rs_packed`` mainloop (kernels/sm90_rs_wide.py) makes
+the weight WGMMA's A operand, loads each thread's packed bytes from shared memory into
+registers and decodes them there into the A fragment (E2M1 x UE4M3 -> BF16/FP16, exact).
+With the plain ``[N, K/2]`` layout a thread's fragment bytes are scattered over 16 rows;
+repacked once, they are 16 contiguous bytes per 64 K elements (one ``ld.shared.v4``,
+bank-conflict free), so the K order of the activations stays natural (no conversion pass
+over the activations).
+
+Layout. The weight is cut into units of 64 rows x 64 K elements (2,048 bytes), stored
+row-block major: unit ``(rb, ku)`` at byte ``(rb * K/64 + ku) * 2048``. Inside a unit,
+thread ``t`` of the consumer warpgroup (warp ``w = t // 32``, lane ``l``, ``g = l // 4``,
+``c = l % 4``) owns bytes ``16 t .. 16 t + 15``; byte ``4 kb + j`` (K block ``kb`` = 0..3 of
+16 elements, fragment register ``j`` = 0..3) is the packed byte (two E2M1 elements, the
+even K index in the low nibble, as in the plain layout) of
+
+* row ``64 rb + 16 w + g + 8 (j % 2)``,
+* packed column ``32 ku + 8 kb + c + 4 (j // 2)`` (elements ``2 c, 2 c + 1`` of the K
+  block for ``j < 2``, ``2 c + 8, 2 c + 9`` for ``j >= 2``),
+
+which is WGMMA's A-fragment register ``a_j`` of K block ``kb`` (PTX ISA, wgmma 16-bit A
+fragment: rows ``g`` / ``g + 8`` of the warp's 16, K pairs ``2c`` / ``2c + 8``). Rows are
+padded to a multiple of 64 with zeros; K must be a multiple of 64. The scale factors keep
+the 128x4 blocked layout of :class:`~cute_fp4.nvfp4.NVFP4Tensor` unchanged (each thread
+reads one 32-bit word per row and 64 K elements). :func:`pack` and :func:`unpack` are exact
+inverses (a permutation of bytes plus zero padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_fp4.errors import FormatError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor
+
+UNIT_ROWS = 64  # weight rows per packed unit (one WGMMA M)
+UNIT_K = 64  # K elements per packed unit
+UNIT_BYTES = UNIT_ROWS * UNIT_K // 2  # 2,048: 128 threads x 16 bytes
+
+# [rb, w, h, g, ku, kb, hi, c] (plain) -> [rb, ku, w, g, c, kb, hi, h] (packed)
+_TO_PACKED = (0, 4, 1, 3, 7, 5, 6, 2)
+_TO_PLAIN = tuple(_TO_PACKED.index(i) for i in range(8))
+
+
+def packed_rows(n: int) -> int:
+    """Rows of the packed data: ``n`` rounded up to whole 64-row units."""
+    return -(-n // UNIT_ROWS) * UNIT_ROWS
+
+
+def _check_k(k: int) -> None:
+    if k % UNIT_K:
+        raise FormatError(f"K = {k} is not a multiple of {UNIT_K}: the fragment-order "
+                          f"layout cuts K into {UNIT_K}-element units; keep the plain "
+                          "NVFP4Tensor for this weight")
+
+
+def pack(data: torch.Tensor) -> torch.Tensor:
+    """Plain packed E2M1 bytes ``[N, K/2]`` -> fragment order ``[packed_rows(N), K/2]``."""
+    if data.dtype != torch.uint8 or data.dim() != 2:
+        raise FormatError(f"data must be uint8 [N, K/2], got {data.dtype} with shape "
+                          f"{tuple(data.shape)}")
+    n, half_k = data.shape
+    _check_k(2 * half_k)
+    rows = packed_rows(n)
+    padded = data
+    if rows != n:
+        padded = torch.zeros((rows, half_k), dtype=torch.uint8, device=data.device)
+        padded[:n] = data
+    units = padded.reshape(rows // 64, 4, 2, 8, half_k // 32, 4, 2, 4)
+    return units.permute(_TO_PACKED).contiguous().reshape(rows, half_k)
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: fragment order -> plain ``[n, K/2]`` bytes."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise FormatError(f"packed data must be uint8 [rows, K/2], got {packed.dtype} with "
+                          f"shape {tuple(packed.shape)}")
+    rows, half_k = packed.shape
+    _check_k(2 * half_k)
+    if rows != packed_rows(n):
+        raise FormatError(f"packed data of {n} rows must have {packed_rows(n)} rows, "
+                          f"got {rows}")
+    units = packed.reshape(rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
+    return units.permute(_TO_PLAIN).contiguous().reshape(rows, half_k)[:n].contiguous()
+
+
+def source_of(t: int, kb: int, j: int) -> tuple[int, int]:
+    """(row, packed column) inside a unit of the byte thread ``t`` holds as fragment
+    register ``j`` of K block ``kb`` (the layout's definition, for tests and readers)."""
+    w, lane = divmod(t, 32)
+    g, c = divmod(lane, 4)
+    return 16 * w + g + 8 * (j % 2), 8 * kb + c + 4 * (j // 2)
+
+
+class PackedNVFP4Weight:
+    """An NVFP4 weight ``[N, K]`` in fragment order, for ``mainloop=rs_packed`` kernels.
+
+    Attributes: ``data`` uint8 ``[packed_rows(N), K/2]`` (see the module docstring),
+    ``scale`` (the blocked UE4M3 scales, as in NVFP4Tensor), ``global_scale``, ``shape``
+    ``(N, K)``. Made once from an NVFP4Tensor (:meth:`from_tensor`, or
+    ``NVFP4Tensor.repack()``); :meth:`unpack` gives the plain tensor back, bit for bit.
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                 shape: tuple[int, int]):
+        n, k = shape
+        _check_k(k)
+        if data.dtype != torch.uint8 or tuple(data.shape) != (packed_rows(n), k // 2):
+            raise FormatError(f"packed data for [{n}, {k}] must be uint8 "
+                              f"[{packed_rows(n)}, {k // 2}], got {data.dtype} "
+                              f"{tuple(data.shape)}")
+        self.data, self.scale, self.global_scale = data, scale, global_scale
+        self.shape = (n, k)
+
+    @classmethod
+    def from_tensor(cls, w: NVFP4Tensor) -> PackedNVFP4Weight:
+        """Repack a plain NVFP4 weight (its scales and global scale are shared, not copied)."""
+        if not isinstance(w, NVFP4Tensor):
+            raise InputTypeError(f"from_tensor() takes an NVFP4Tensor, got {type(w).__name__}")
+        return cls(pack(w.data.contiguous()), w.scale, w.global_scale, w.shape)
+
+    def unpack(self) -> NVFP4Tensor:
+        """The plain cuBLAS-layout NVFP4Tensor this weight was packed from."""
+        n, k = self.shape
+        return NVFP4Tensor(unpack(self.data, n), self.scale, self.global_scale, (n, k))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device) -> PackedNVFP4Weight:
+        return PackedNVFP4Weight(self.data.to(device), self.scale.to(device),
+                                 self.global_scale.to(device), self.shape)
+
+    def __repr__(self) -> str:
+        return f"PackedNVFP4Weight(shape={self.shape}, device={self.device})"
+
+
+def repack(w: NVFP4Tensor) -> PackedNVFP4Weight:
+    """The function ``cute_fp4.nn`` (or any caller) uses once per weight: ``w`` in fragment
+    order for the ``rs_packed`` kernels. Raises FormatError when K is not a multiple of 64."""
+    return PackedNVFP4Weight.from_tensor(w)
+
+
+__all__ = ["UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedNVFP4Weight", "pack", "packed_rows",
+           "repack", "source_of", "unpack"]
