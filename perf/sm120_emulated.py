@@ -23,11 +23,14 @@ and a split-K default), each case a pass/fail with its numbers:
   refuses (recorded); the kernel is then launched directly anyway (NaN-poisoned workspace)
   and must still be right: empty K ranges store zero partials.
 
-Each schedule runs in a child process (``--child``) that prints one JSON line as each case
-starts and ends; the parent kills a child whose case runs past its timeout (a hang: the
-case fails as ``hang``) or that dies (``crash``, e.g. an illegal instruction), and starts a
-new child from the next case. Writes ``<out>/sm120_emulated.json`` (every case, the
-environment, the summary; rewritten after each schedule) and prints one line per schedule.
+Compiles are cases of their own (``compile``, ``<variant>:compile``, 300 s) so that a run's
+timeout (``--case-timeout``, 90 s) is a kernel's. Each schedule runs in a child process
+(``--child``) that prints one JSON line as each case starts and ends; the parent kills a
+child whose case runs past its timeout (a hang: the case fails as ``hang``) or that dies
+(``crash``, e.g. an illegal instruction), and starts a new child from the next case (also
+after a CUDA error, which may leave the context unusable). Writes
+``<out>/sm120_emulated.json`` (every case, the environment, the summary; rewritten after
+each schedule) and prints one line per schedule.
 
 What an emulated run does not check: the OMMA instruction itself (the CPU trace covers its
 operand model), the sm_120a binary's register allocation, the 99 KiB shared-memory limit
@@ -188,6 +191,19 @@ def case_ctas(c: int):
     return run
 
 
+def case_variant_compile(variant: Schedule):
+    """Compile a variant schedule (its own case: a compile may take long, a run may not)."""
+    def run(ctx: Ctx) -> dict:
+        p = plan(variant)
+        if not p.ok:
+            return {"passed": True, "refused_by_plan": "; ".join(p.reasons)}
+        t0 = time.perf_counter()
+        ctx.kernel(variant)
+        return {"passed": True, "compile_s": round(time.perf_counter() - t0, 2),
+                "stages": p.stages}
+    return run
+
+
 def case_variant(variant: Schedule, compare: bool = True):
     """The variant schedule on VARIANT_SHAPES; bit-identical to the base when ``compare``."""
     def run(ctx: Ctx) -> dict:
@@ -237,16 +253,19 @@ def cases(s: Schedule, quick: bool, t: float = 90.0) -> list[Case]:
     out.append(Case("long_k", case_long_k, t))
     for c in (1,) if quick else CTAS:
         out.append(Case(f"ctas/{c}", case_ctas(c), t))
+
+    def variant(label: str, v: Schedule, compare: bool = True) -> None:
+        out.append(Case(f"{label}:compile", case_variant_compile(v), COMPILE_TIMEOUT))
+        out.append(Case(label, case_variant(v, compare), t))
+
     for st in (1, 2):
-        out.append(Case(f"stages/{st}", case_variant(s.replace(stages=st)), COMPILE_TIMEOUT))
+        variant(f"stages/{st}", s.replace(stages=st))
     other = SFLoad.CP_ASYNC if s.sf_load is SFLoad.TMA else SFLoad.TMA
-    out.append(Case(f"sf_load/{other.value}", case_variant(s.replace(sf_load=other)),
-                    COMPILE_TIMEOUT))
+    variant(f"sf_load/{other.value}", s.replace(sf_load=other))
     if not quick:
         for dt in (OutDtype.FP16, OutDtype.FP32):
             if dt is not s.epilogue.out_dtype:
-                out.append(Case(f"out/{dt.value}", case_variant(s.replace(out_dtype=dt), False),
-                                COMPILE_TIMEOUT))
+                variant(f"out/{dt.value}", s.replace(out_dtype=dt), compare=False)
     if s.warps.roles is WarpRoles.PINGPONG:
         for c, u in PINGPONG[:4] if quick else PINGPONG:
             out.append(Case(f"pingpong/{c}x{u}", case_pingpong(c, u), t))
