@@ -24,7 +24,7 @@ import torch
 
 from cute_fp4 import reference
 from cute_fp4.compile import kernel_for
-from cute_fp4.errors import InputTypeError
+from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import (
     ALIGN,
@@ -33,8 +33,9 @@ from cute_fp4.operands import (
     make_operands,
     out_dtype_of,
 )
+from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.run import poisoned_check, run_checked, run_compiled
-from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.schedule import Mainloop, OutDtype, Schedule
 
 __all__ = ["ALIGN", "DEFAULT_SHAPES", "SWAPAB_MAX_M", "ValidationReport", "check_operands",
            "gemm", "heuristic", "make_operands", "mm", "out_dtype_of", "poisoned_check",
@@ -66,10 +67,18 @@ def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
     return schedule if schedule.epilogue.out_dtype is want else schedule.replace(out_dtype=want)
 
 
-def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
-    """The catalogue schedule a shape gets when nothing was tuned for it."""
+def heuristic(family: str, m: int, n: int, k: int, packed: bool = False) -> Schedule:
+    """The catalogue schedule a shape gets when nothing was tuned for it (``packed``: the
+    weight is a fragment-order PackedNVFP4Weight, which only ``mainloop=rs_packed`` reads;
+    tile choices by M not yet measured: activation tile 64 / 128 / 256 rows)."""
     from cute_fp4 import catalogue
 
+    if packed:
+        if family != "sm90":
+            raise InputError(f"a PackedNVFP4Weight runs on sm_90a only, not on {family}; "
+                             "use weight.unpack()")
+        return catalogue.get("sm90_rs_packed_m64" if m <= 64 else
+                             "sm90_rs_packed_w256" if m <= 512 else "sm90_rs_packed")
     if family == "sm90":
         if m <= SWAPAB_MAX_M:
             # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
@@ -93,7 +102,45 @@ def heuristic(family: str, m: int, n: int, k: int) -> Schedule:
     return catalogue.get(name)
 
 
+_AUTO_PACKED = "auto:packed"  # kernel_for's memo key of "auto" with a packed weight
+
+
+def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
+                    out_dtype: torch.dtype) -> Schedule:
+    """resolve_schedule for a PackedNVFP4Weight: "auto" is the packed heuristic (the tuning
+    store holds plain-weight schedules), anything else must be ``mainloop=rs_packed``."""
+    from cute_fp4.targets import require_device
+
+    if schedule == _AUTO_PACKED:
+        s = heuristic(require_device().target.family, m, n, k, packed=True)
+        want = OutDtype.of(out_dtype)
+        return s if s.epilogue.out_dtype is want else s.replace(out_dtype=want)
+    s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
+    if s.mainloop is not Mainloop.RS_PACKED:
+        raise InputError(f"schedule {s.name or s.label()} reads the plain weight layout, but "
+                         "b is a PackedNVFP4Weight: use a mainloop=rs_packed schedule, "
+                         "'auto', or b.unpack()")
+    return s
+
+
+def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check):
+    """gemm with a fragment-order packed weight: the plain checks on a view of its first N
+    rows (same bytes count per row, same scales), then an rs_packed kernel."""
+    n, k = b.shape
+    view = NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
+    dims = check_operands(a, view, out, alpha, out_dtype)
+    key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
+    kern = kernel_for(key, dims, out_dtype, b.data.get_device(), _resolve_packed)
+    result = run_checked(kern, a, b, out, alpha, dims)
+    if check and not kern.validated:
+        reference.assert_close(result, a, b.unpack(), alpha)
+        kern.validated = True
+    return result
+
+
 def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
+    if isinstance(b, PackedNVFP4Weight):
+        return _gemm_packed(a, b, schedule, out, out_dtype, alpha, check)
     dims = check_operands(a, b, out, alpha, out_dtype)
     # resolve_schedule + compile, memoised per (schedule, dims, out dtype, device)
     kern = kernel_for(schedule, dims, out_dtype, b.data.get_device(), resolve_schedule)
@@ -115,6 +162,10 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
     reference (raises ValidationError on disagreement).
     """
     if torch.compiler.is_compiling():
+        if isinstance(b, PackedNVFP4Weight):
+            raise InputError("a PackedNVFP4Weight is not supported under torch.compile yet "
+                             "(the cute_fp4::mm op takes the plain layout); use the plain "
+                             "NVFP4Tensor there")
         return _op_call(a, b, schedule, out_dtype, alpha)
     if not _REGISTERED:
         register_op()

@@ -91,6 +91,15 @@ def decode_fragment(q, scale_lo, scale_hi, bf16: bool):
                                 read_only_args=[q, scale_lo, scale_hi])
 
 
+def sf_word_offset(row, k_units):
+    """Offset in 32-bit words, in one stage of the weight tile's scale atoms (``(16, 32,
+    k_units, row_atoms)`` bytes, as TMA copies them), of the four scales of tile row
+    ``row`` for K unit 0; K unit ``u`` is ``u * 128`` words further. Plain integer
+    arithmetic (the kernel and the CPU tests run it)."""
+    return ((row // SF_ATOM_ROWS) * k_units * SF_ATOM_BYTES
+            + sf_atom_offset(row % SF_ATOM_ROWS, 0)) // 4
+
+
 def weight_stage_layout(tile_n: int, tile_k: int, stages: int):
     """Bytes ``(256, 8, K unit, row block, stage)`` of staged packed weight units (a unit:
     64 rows x 64 K = 2,048 contiguous bytes, 256 x 8 to keep TMA boxes <= 256)."""
@@ -139,8 +148,7 @@ class PackedRegisterMainloop:
         for b in cutlass.range_constexpr(mb_n):
             for h in cutlass.range_constexpr(2):
                 r = (wg * mb_n + b) * UNIT_ROWS + r0 + 8 * h  # row inside the weight tile
-                sf_word.append(((r // SF_ATOM_ROWS) * k_units * SF_ATOM_BYTES
-                                + sf_atom_offset(r % SF_ATOM_ROWS, 0)) // 4)
+                sf_word.append(sf_word_offset(r, k_units))
         w4a4_sync = pipeline.NamedBarrier(barrier_id=int(Barrier.ALL_MMA),
                                           num_threads=self.num_mma_threads)
         scale = self._scale(p)
@@ -264,4 +272,4 @@ class PackedRegisterMainloop:
 
 
 __all__ = ["GROUP_K_BLOCKS", "PackedRegisterMainloop", "decode_fragment", "fragment_ptx",
-           "weight_global_view", "weight_stage_layout"]
+           "sf_word_offset", "weight_global_view", "weight_stage_layout"]

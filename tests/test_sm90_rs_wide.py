@@ -1,0 +1,404 @@
+"""The sm_90a ``rs_packed`` mainloop on the CPU: packed layout, K order, decode, plan, SASS.
+
+* the fragment-order repack (cute_fp4.packed) round-trips exactly and matches its
+  definition byte by byte; K not a multiple of 64 is refused;
+* a pure-Python model of the kernel's register fragments (which packed word each thread
+  loads per K unit, which scale word, how a byte becomes a register) checked against the
+  PTX ISA's WGMMA A-fragment layout and the activation's natural K order: a wrong byte,
+  register or scale in the layout or in the kernel's indexing changes the modelled GEMM;
+* the decode PTX interpreted for every E2M1 code, every finite UE4M3 scale and both row
+  scales, BF16 and FP16: exact ``v * s * 2^-7``;
+* plan: regions, refusals with reasons, the schedule key;
+* one catalogue schedule compiled for sm_90a: HGMMA, 0 spills, smem == plan, the WGMMAs
+  pipelined (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: ptxas did not serialise them) and the
+  fragments loaded with 16-byte shared loads.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import struct
+
+import pytest
+import torch
+
+import cute_fp4 as cf
+from cute_fp4 import catalogue, packed
+from cute_fp4.errors import FormatError, InputError
+from cute_fp4.kernels.sm90_rs_wide import GROUP_K_BLOCKS, fragment_ptx, sf_word_offset
+from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize, sf_atom_offset
+from cute_fp4.schedule import Mainloop, Problem, Schedule, Tile, Warps
+
+M32 = 0xFFFFFFFF
+RS = [s for s in catalogue.all_schedules("sm90") if s.mainloop is Mainloop.RS_PACKED]
+
+
+# ----------------------------------------------------------------------------- packing
+
+@pytest.mark.parametrize("n, k", [(64, 64), (8, 64), (200, 128), (1000, 192), (64, 4096)])
+def test_pack_round_trip_and_definition(n, k):
+    data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    p = packed.pack(data)
+    assert p.shape == (packed.packed_rows(n), k // 2)
+    assert torch.equal(packed.unpack(p, n), data)
+    flat = p.reshape(-1)
+    rng = random.Random(n * k)
+    for _ in range(3000):
+        rb, ku = rng.randrange(p.shape[0] // 64), rng.randrange(k // 64)
+        t, kb, j = rng.randrange(128), rng.randrange(4), rng.randrange(4)
+        r, c = packed.source_of(t, kb, j)
+        r, c = r + 64 * rb, c + 32 * ku
+        want = int(data[r, c]) if r < n else 0  # padding rows are zero
+        got = int(flat[((rb * (k // 64) + ku) * 128 + t) * 16 + 4 * kb + j])
+        assert got == want, (rb, ku, t, kb, j)
+
+
+def test_packed_weight_round_trip_and_refusals():
+    w = quantize(torch.randn(136, 192))
+    pw = packed.repack(w)
+    back = pw.unpack()
+    assert torch.equal(back.data, w.data) and back.shape == w.shape
+    assert torch.equal(back.scale.view(torch.uint8), w.scale.view(torch.uint8))
+    assert torch.equal(back.global_scale, w.global_scale)
+    assert pw.data.shape == (192, 96)
+    with pytest.raises(FormatError, match="multiple of 64"):
+        packed.repack(quantize(torch.randn(64, 96)))
+    with pytest.raises(FormatError, match="must have 192 rows"):
+        packed.unpack(pw.data[:64], 136)
+
+
+def test_pack_is_a_permutation():
+    """Every byte of a unit lands once: the packed unit is a permutation of the plain one."""
+    data = torch.arange(64 * 32, dtype=torch.int64).reshape(64, 32)
+    src = {packed.source_of(t, kb, j) for t in range(128) for kb in range(4) for j in range(4)}
+    assert len(src) == 64 * 32 and src == {(r, c) for r in range(64) for c in range(32)}
+    p = packed.pack((data % 251).to(torch.uint8))
+    assert sorted(p.flatten().tolist()) == sorted((data % 251).flatten().tolist())
+
+
+# ----------------------------------------------------------------------------- K order
+
+def isa_a_fragment(t: int, j: int, h: int) -> tuple[int, int]:
+    """PTX ISA, wgmma 16-bit A in registers (m64 x k16): thread ``t`` register ``j`` half
+    ``h`` holds (row, k) of the 64 x 16 A tile."""
+    w, lane = divmod(t, 32)
+    g, c = divmod(lane, 4)
+    return 16 * w + g + 8 * (j % 2), 2 * c + 8 * (j // 2) + h
+
+
+def kernel_fragments(w: NVFP4Tensor, tile_k: int, k_tile: int, t: int, row_block: int):
+    """What the kernel puts in thread ``t``'s A registers for K tile ``k_tile`` of the
+    weight's 64-row block ``row_block`` (tile N = 128, this block at ``row_block % 2``):
+    ``{(kb, j, h): value}`` with ``kb`` the K block inside the tile. Mirrors
+    PackedRegisterMainloop: words ``4t .. 4t+3`` of unit (ku, block), scale word
+    ``sf_word_offset(row) + 128 ku`` of the stage, byte ``j`` of word ``kq`` -> register ``j``
+    with the scale of row ``r0`` (j even) or ``r0 + 8`` (j odd)."""
+    n, k = w.shape
+    stage_k_units = tile_k // 64
+    pdata = packed.pack(w.data).reshape(-1)
+    sf = w.scale.view(torch.uint8).reshape(-1)
+    tile_row0 = (row_block // 2) * 128
+    b = row_block % 2  # the 64-row block inside the 128-row tile (wg * m_blocks + b)
+    col_blocks = -(-k // 64)
+    # the stage's scale atoms: (16, 32, ku, row_atom) bytes copied from the blocked layout
+    stage_sf = {}
+    for ra in range(1):
+        for ku in range(stage_k_units):
+            cb = k_tile * stage_k_units + ku
+            base = ((tile_row0 // 128 + ra) * col_blocks + cb) * 512
+            for i in range(512):
+                stage_sf[(ra * stage_k_units + ku) * 512 + i] = int(sf[base + i])
+    lane = t % 32
+    r0 = (t // 32) * 16 + lane // 4
+    out = {}
+    for kb in range(tile_k // 16):
+        ku, kq = divmod(kb, 4)
+        unit = (tile_row0 // 64 + b) * (k // 64) + k_tile * stage_k_units + ku
+        word = [int(pdata[unit * 2048 + 16 * t + 4 * kq + i]) for i in range(4)]
+        for j in range(4):
+            row = b * 64 + r0 + 8 * (j % 2)  # row inside the weight tile
+            wo = sf_word_offset(row, stage_k_units) + ku * 128
+            scale_byte = stage_sf[4 * wo + kq]
+            s = float(torch.tensor([scale_byte], dtype=torch.uint8).view(torch.float8_e4m3fn)
+                      .float())
+            for h in range(2):
+                code = (word[j] >> (4 * h)) & 0xF
+                v = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1)
+                out[(kb, j, h)] = v * s
+    return out
+
+
+@pytest.mark.parametrize("tile_k, k_tile, row_block", [(64, 0, 0), (64, 2, 1), (128, 1, 3),
+                                                       (128, 0, 2)])
+def test_register_fragments_follow_the_activation_k_order(tile_k, k_tile, row_block):
+    """Thread t's register (kb, j, h) holds W[row, K] exactly where the ISA says WGMMA
+    multiplies it with the activation's K element 16 kb + k (natural order) of K tile
+    ``k_tile``: the modelled kernel fragments equal the block values W = e2m1 x scale."""
+    torch.manual_seed(tile_k + row_block)
+    w = quantize(torch.randn(256, 384) * torch.logspace(-3, 3, 384))
+    vals = w.block_values(torch.float64)
+    for t in range(0, 128, 5):
+        frag = kernel_fragments(w, tile_k, k_tile, t, row_block)
+        for (kb, j, h), v in frag.items():
+            r, kk = isa_a_fragment(t, j, h)
+            assert v == float(vals[row_block * 64 + r, k_tile * tile_k + 16 * kb + kk]), \
+                (t, kb, j, h)
+
+
+def test_fragment_model_catches_a_swapped_register():
+    w = quantize(torch.randn(128, 128))
+    vals = w.block_values(torch.float64)
+    frag = kernel_fragments(w, 64, 0, 7, 0)
+    wrong = 0
+    for (kb, j, h), v in frag.items():
+        r, kk = isa_a_fragment(7, j ^ 1, h)  # rows g and g + 8 swapped
+        wrong += v != float(vals[r, 16 * kb + kk])
+    assert wrong > 0
+
+
+def test_scale_word_offsets_match_the_blocked_layout():
+    for k_units in (1, 2):
+        for row in range(256):
+            for ku in range(k_units):
+                for kq in range(4):
+                    byte = 4 * (sf_word_offset(row, k_units) + 128 * ku) + kq
+                    c = 4 * ku + kq
+                    want = ((row // 128) * k_units * 512 + (c // 4) * 512
+                            + sf_atom_offset(row % 128, c % 4))
+                    assert byte == want
+
+
+def test_groups_alternate_buffers_across_tiles():
+    """The A buffers alternate g % 2: an even group count per tile keeps them alternating
+    across the K-tile boundary, which the wait_group(1) reuse argument needs."""
+    for tile_k in (64, 128):
+        assert (tile_k // (16 * GROUP_K_BLOCKS)) % 2 == 0
+
+
+# ----------------------------------------------------------------------------- decode PTX
+
+def _f16(bits: int) -> float:
+    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
+
+
+def _to_f16(x: float) -> int:
+    return struct.unpack("<H", struct.pack("<e", x))[0]
+
+
+def _to_bf16(x: float) -> int:
+    b = struct.unpack("<I", struct.pack("<f", x))[0]
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 0xF
+        byte = pool[s & 7]
+        if s & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
+    """Interpret the straight-line decode PTX on 32-bit inputs."""
+    regs: dict[str, object] = {f"{{$r{i}}}": v & M32 for i, v in enumerate(reads)}
+
+    def val(x: str):
+        x = x.strip()
+        return regs[x] if x in regs else int(x, 0) & M32
+
+    for raw in ptx.splitlines():
+        line = raw.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, _, rest = line.partition(" ")
+        args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
+        d = args[0]
+        if op == "mov.b32" and d.startswith("{") and not d.startswith("{$"):
+            h0, h1 = (x.strip() for x in d.strip("{}").split(","))
+            w = val(args[1])
+            regs[h0], regs[h1] = w & 0xFFFF, w >> 16
+        elif op == "mov.b32":
+            regs[d] = val(args[1])
+        elif op == "shl.b32":
+            regs[d] = (val(args[1]) << val(args[2])) & M32
+        elif op == "shr.u32":
+            regs[d] = val(args[1]) >> val(args[2])
+        elif op == "and.b32":
+            regs[d] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[d] = val(args[1]) | val(args[2])
+        elif op == "prmt.b32":
+            regs[d] = _prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "mul.lo.u32":
+            regs[d] = (val(args[1]) * val(args[2])) & M32
+        elif op == "mul.rn.f16x2":
+            a, b = val(args[1]), val(args[2])
+            regs[d] = (_to_f16(_f16(a) * _f16(b))
+                       | _to_f16(_f16(a >> 16) * _f16(b >> 16)) << 16)
+        elif op == "cvt.f32.f16":
+            regs[d] = _f16(val(args[1]))
+        elif op == "cvt.rn.bf16x2.f32":
+            regs[d] = _to_bf16(regs[args[1]]) << 16 | _to_bf16(regs[args[2]])
+        else:
+            raise AssertionError(f"instruction not modelled: {raw.strip()}")
+    return [regs[f"{{$w{i}}}"] for i in range(n_writes)]
+
+
+def _scale_word(byte_word: int) -> int:
+    from cute_fp4.kernels.sm90_convert import _SCALE_PTX
+
+    return run_ptx(_SCALE_PTX, [byte_word], 1)[0]
+
+
+def _ue4m3(b: int) -> float:
+    return float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_decode_is_exact_for_every_code_and_scale(bf16):
+    ptx = fragment_ptx(bf16)
+    to_float = _bf16 if bf16 else _f16
+    bad = []
+    scales = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
+    for i, sb in enumerate(scales):
+        other = scales[(i * 37 + 11) % len(scales)]
+        kq = i % 4  # the kernel passes the scale word shifted right by 8 kq
+        word_lo = (random.Random(i).getrandbits(32) & ~(0xFF << 8 * kq)) | sb << 8 * kq
+        word_hi = (random.Random(~i).getrandbits(32) & ~(0xFF << 8 * kq)) | other << 8 * kq
+        s_lo, s_hi = _scale_word(word_lo >> 8 * kq), _scale_word(word_hi >> 8 * kq)
+        for q in (sum(((c + r) % 16) << 4 * r for r in range(8)) for c in range(16)):
+            out = run_ptx(ptx, [q, s_lo, s_hi], 4)
+            for j in range(4):
+                s = _ue4m3(sb if j % 2 == 0 else other)
+                for h in range(2):
+                    code = (q >> (8 * j + 4 * h)) & 0xF
+                    want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s * 2.0**-7
+                    got = to_float(out[j] >> 16 * h)
+                    if got != want:
+                        bad.append((hex(q), j, h, sb, other, got, want))
+    assert bad[:5] == []
+
+
+def test_decode_check_catches_a_swapped_scale():
+    swapped = fragment_ptx(True).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
+        .replace("{$rX}", "{$r1}")
+    s1, s2 = _scale_word(0x38), _scale_word(0x40)
+    good, bad = run_ptx(fragment_ptx(True), [0x22222222, s1, s2], 4), \
+        run_ptx(swapped, [0x22222222, s1, s2], 4)
+    assert good != bad
+
+
+# ----------------------------------------------------------------------------- plan
+
+def _rs(**kw) -> Schedule:
+    base = dict(target="sm_90a", tile=Tile(256, 128, 64), warps=Warps(mma=(2, 1)),
+                mainloop="rs_packed")
+    base.update(kw)
+    return Schedule(**base)
+
+
+def test_catalogue_has_rs_packed_schedules_that_plan():
+    assert len(RS) >= 3
+    for s in RS:
+        for fmt in ("bf16", "fp16", "nvfp4"):
+            p = cf.plan(s, Problem(4096, 8192, 8192, fmt))
+            assert p.ok, (s.name, fmt, p.reasons)
+            assert p.stages >= 2
+            names = [r.name for r in p.regions]
+            assert ("A16" in names) == (fmt == "nvfp4") and "B16" not in names
+
+
+def test_rs_packed_regions_count_the_stages():
+    p = cf.plan(_rs(stages=3), Problem(256, 4096, 4096, "bf16"))
+    by = {r.name: r.bytes for r in p.regions}
+    assert by["A"] == 3 * 256 * 64 * 2 and by["B"] == 3 * 128 * 32 and by["SFB"] == 3 * 512
+    assert by["C"] == 0 and "SFA" not in by
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(swap_ab=True, scheduler=cf.schedule.Scheduler(persistent=False)), "swap_ab False"),
+    (dict(tile=Tile(256, 64, 64)), "tile N"),
+    (dict(warps=Warps(mma=(1, 2))), "Warps.mma"),
+    (dict(tile=Tile(256, 256, 64)), "accumulator registers"),
+    (dict(tile=Tile(260, 128, 64)), "multiple of 8"),
+    (dict(tile=Tile(256, 128, 256)), "tile K"),
+])
+def test_rs_packed_refusals(kw, reason):
+    p = cf.plan(_rs(**kw), Problem(256, 4096, 4096, "bf16"))
+    assert not p.ok and any(reason in r for r in p.reasons), p.reasons
+
+
+def test_rs_packed_refuses_k_tails_and_other_targets():
+    p = cf.plan(_rs(), Problem(256, 4096, 4128, "bf16"))
+    assert not p.ok and any("multiple of 64" in r for r in p.reasons)
+    p = cf.plan(_rs(target="sm_120a"), Problem(256, 4096, 4096))
+    assert not p.ok and any("sm_90a only" in r for r in p.reasons)
+    w4a4 = cf.plan(_rs(tile=Tile(200, 128, 64)), Problem(256, 4096, 4096, "nvfp4"))
+    assert not w4a4.ok and any("W4A4" in r for r in w4a4.reasons)
+
+
+def test_key_changes_with_the_mainloop():
+    std = _rs(mainloop="standard")
+    assert "mainloop" not in std.key() and "mainloop" in _rs().key()
+    assert std.key() != _rs().key()
+    assert _rs().mainloop is Mainloop.RS_PACKED and "rs_packed" in _rs().label()
+    with pytest.raises(InputError, match="mainloop"):
+        _rs(mainloop="bogus")
+
+
+def test_packed_heuristic_and_resolution():
+    from cute_fp4.api import _resolve_packed, heuristic
+
+    for m in (1, 64, 65, 512, 513, 8192):
+        s = heuristic("sm90", m, 8192, 8192, packed=True)
+        assert s.mainloop is Mainloop.RS_PACKED and cf.plan(s, (m, 8192, 8192, "bf16")).ok
+    assert heuristic("sm90", 4096, 8192, 8192).mainloop is Mainloop.STANDARD
+    with pytest.raises(InputError, match="sm_90a only"):
+        heuristic("sm120", 1, 8192, 8192, packed=True)
+    with pytest.raises(InputError, match="plain weight layout"):
+        _resolve_packed("sm90_default", 16, 4096, 4096, "bf16", torch.bfloat16)
+
+
+def test_run_refuses_a_layout_mismatch():
+    from cute_fp4.run import run_checked
+
+    class Kern:
+        schedule = RS[0]
+
+    w = quantize(torch.randn(64, 64))
+    with pytest.raises(InputError, match="rs_packed schedules take"):
+        run_checked(Kern(), torch.zeros(1, 64), w, None, None, (1, 64, 64, "bf16"))
+
+    class Plain:
+        schedule = catalogue.get("sm90_default")
+
+    with pytest.raises(InputError, match="rs_packed schedules take"):
+        run_checked(Plain(), torch.zeros(1, 64), packed.repack(w), None, None,
+                    (1, 64, 64, "bf16"))
+
+
+# ----------------------------------------------------------------------------- compile
+
+@pytest.mark.compile
+def test_rs_packed_compiles_pipelined(tmp_path):
+    from cute_fp4.compile import compile_report
+
+    s = catalogue.get("sm90_rs_packed")
+    row = compile_report(s, "sm_90a", Problem(a_format="bf16"), dump_dir=tmp_path)
+    assert row["ok"], row.get("reason")
+    assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"]
+    assert any(op.startswith("HGMMA.64x256x16") for op in row["mma_instructions"])
+    sass = next(tmp_path.glob("*.sass")).read_text()
+    # WGMMAs in flight while the next group decodes (serialised ones wait at 0 after each)
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    assert len(re.findall(r"\bLDS\.128\b", sass)) >= 1
+    assert row["kloop"]["mma"] == 4
