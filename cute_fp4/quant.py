@@ -252,6 +252,23 @@ def _spec_for(x: torch.Tensor, scale: str):
     return default_spec(require_device().target.name, _DTYPES[x.dtype], scale)
 
 
+_KERNELS: dict[tuple, CompiledQuantize] = {}
+
+
+def _kernel_for(x: torch.Tensor, scale: str) -> CompiledQuantize:
+    """The default kernel for ``x`` (memoised per device, dtype and variant: no device
+    query per call). ``x`` must be on the current device (the launch uses its stream)."""
+    cur = torch.cuda.current_device()
+    if x.device.index != cur:
+        raise InputError(f"x is on {x.device} but the current CUDA device is cuda:{cur}; "
+                         f"call under torch.cuda.device({x.device.index})")
+    key = (cur, x.dtype, scale)
+    kern = _KERNELS.get(key)
+    if kern is None:
+        kern = _KERNELS[key] = compile_quantize(_spec_for(x, scale))
+    return kern
+
+
 def _scale_variant(global_scale, numel: int, dynamic_mode: str) -> str:
     if dynamic_mode not in DYNAMIC_MODES:
         raise InputError(f"dynamic_mode must be one of {DYNAMIC_MODES}, got {dynamic_mode!r}")
@@ -267,7 +284,9 @@ def _scale_variant(global_scale, numel: int, dynamic_mode: str) -> str:
 def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | None = None,
                         out: NVFP4Tensor | None = None, *, dynamic_mode: str = "auto"
                         ) -> NVFP4Tensor:
-    """Quantize a bf16/fp16 ``[M, K]`` CUDA tensor to NVFP4 in one fused GPU pass.
+    """Quantize a bf16/fp16 ``[M, K]`` tensor on the current CUDA device to NVFP4 in one
+    fused GPU pass (two kernels for a dynamic scale of a large tensor), on the current
+    stream.
 
     ``global_scale`` (decode form, ``amax / 2688``): a float32 tensor of one element on
     ``x``'s device (e.g. a calibrated ModelOpt ``input_scale``; its value is not checked,
@@ -286,7 +305,7 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
     gs = None if dynamic else _static_scale(global_scale, x.device)
     if out is not None:
         _check_out(out, m, k, x.device, dynamic)
-    kern = compile_quantize(_spec_for(x, variant))
+    kern = _kernel_for(x, variant)
     if out is not None:
         data, scale = out.data, out.scale
         gs_out = out.global_scale if dynamic else gs
