@@ -22,12 +22,16 @@ __all__ = ["candidates", "tune", "load_store", "lookup", "store_path"]
 def candidates(family: str, problem: Problem, out_dtype: str = "bf16") -> list[Schedule]:
     """Catalogue schedules of ``family`` that plan() accepts for ``problem``, all writing
     ``out_dtype`` (schedules that differ only in their output dtype collapse into one).
-    Each keeps its catalogue name, which is what the tuning store records."""
+    Each keeps its catalogue name, which is what the tuning store records. Schedules
+    that read a packed weight (``mainloop=rs_packed``) are left out: the store serves
+    ``gemm`` with the plain NVFP4Tensor, which they do not read."""
     from cute_fp4 import catalogue
     from cute_fp4.plan import plan
 
     out = {}
     for s in catalogue.all_schedules(family):
+        if s.mainloop.value != "standard":
+            continue
         s = s.replace(out_dtype=out_dtype, name=s.name)
         if s not in out and plan(s, problem).ok:
             out[s] = s

@@ -100,6 +100,8 @@ SM120_REFUSALS = [
 # ----------------------------------------------------------------------------- SM90
 
 SM90_REFUSALS = [
+    (SM90.replace(mainloop="rs_packed", tile=(128, 128, 256)), None,
+     "rs_packed tile K 256 must be 64 or 128"),
     (SWAP.replace(tile=(24, 64, 256)), None,
      "swap_ab tile 24x64x256 must be Mx64x256 with M (activation rows, WGMMA's N) 8, 16, 32 "
      "or 64"),
@@ -232,6 +234,12 @@ ACCOUNTING = {
     ("sm90_default", "bf16"): (3, 208_896, (128, 256)),
     ("sm90_nonpersistent_fp32", "nvfp4"): (5, 224_256, (128, 128)),
     ("sm90_nonpersistent_fp32", "bf16"): (3, 192_512, (128, 128)),
+    ("sm90_rs_packed", "nvfp4"): (14, 227_328, (256, 128)),
+    ("sm90_rs_packed", "bf16"): (6, 225_280, (256, 128)),
+    ("sm90_rs_packed_m64", "nvfp4"): (15, 232_448, (64, 128)),
+    ("sm90_rs_packed_m64", "bf16"): (9, 231_424, (64, 128)),
+    ("sm90_rs_packed_w256", "nvfp4"): (7, 227_328, (128, 256)),
+    ("sm90_rs_packed_w256", "bf16"): (4, 205_824, (128, 256)),
 }
 
 
