@@ -77,8 +77,7 @@ def heuristic(family: str, m: int, n: int, k: int, packed: bool = False) -> Sche
         if family != "sm90":
             raise InputError(f"a PackedNVFP4Weight runs on sm_90a only, not on {family}; "
                              "use weight.unpack()")
-        return catalogue.get("sm90_rs_packed_m64" if m <= 64 else
-                             "sm90_rs_packed_w256" if m <= 512 else "sm90_rs_packed")
+        return _packed_heuristic(m, n, k)
     if family == "sm90":
         if m <= SWAPAB_MAX_M:
             # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
@@ -100,6 +99,26 @@ def heuristic(family: str, m: int, n: int, k: int, packed: bool = False) -> Sche
     else:
         name = "sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default"
     return catalogue.get(name)
+
+
+def _packed_heuristic(m: int, n: int, k: int) -> Schedule:
+    """rs_packed tiles by M (not measured yet; QuACK's measured rule for the same kernel
+    shape is the guide: 256 activation rows x 128 weight rows at large M, and at small M a
+    grid of ~one CTA per SM made up by split-K while each split keeps >= 16 K tiles)."""
+    from cute_fp4 import catalogue
+
+    if m > 128:
+        s = catalogue.get("sm90_rs_packed")
+    else:
+        s = catalogue.get("sm90_rs_packed_m64")
+        if m > 64:
+            s = s.replace(tile=(128, s.tile.n, s.tile.k))
+    ctas = -(-n // s.tile.n) * -(-m // s.tile.m)
+    k_tiles = -(-k // s.tile.k)
+    split = 1
+    while ctas * split * 2 <= s.arch.sm_count and k_tiles // (split * 2) >= 16:
+        split *= 2
+    return s.replace(split_k=split) if split > 1 else s
 
 
 _AUTO_PACKED = "auto:packed"  # kernel_for's memo key of "auto" with a packed weight
