@@ -402,3 +402,48 @@ def test_rs_packed_compiles_pipelined(tmp_path):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     assert len(re.findall(r"\bLDS\.128\b", sass)) >= 1
     assert row["kloop"]["mma"] == 4
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["sm90_rs_packed", "sm90_rs_packed_w256"])
+def test_fragment_registers_are_where_the_decode_writes_them(name):
+    """Traced (no GPU): the kernel's A fragment of one group (64 rows x 32 K) holds, at
+    32-bit word ``4 j + i`` half ``h`` (what ``_decode_group`` writes: register ``i`` of
+    K block ``j``), the (row, K) the PTX ISA gives register ``i`` of K block ``j`` — CuTe's
+    partition of the RS tiled MMA agrees with the byte order of cute_fp4.packed."""
+    import cutlass.cute as cute
+
+    from cute_fp4.compile import kernel_class
+    from cute_fp4.kernels.sm90_rs_wide import GROUP_K_BLOCKS
+
+    s = catalogue.get(name)
+    k = kernel_class(s)(s, Problem(a_format="bf16"))
+    out = {}
+
+    def walk():
+        k._setup()
+        bad = 0
+        for t in range(128):
+            part = k.tiled_mma.get_slice(t).partition_A(
+                cute.make_identity_tensor((64, 16 * GROUP_K_BLOCKS)))
+            assert cute.size(part) == 8 * GROUP_K_BLOCKS
+            for j in range(GROUP_K_BLOCKS):
+                for i in range(4):
+                    for h in range(2):
+                        r, kk = isa_a_fragment(t, i, h)
+                        bad += tuple(part[2 * (4 * j + i) + h]) != (r, 16 * j + kk)
+        # the activation (WGMMA's B): K block kb of a tile is K columns 16 kb .. 16 kb + 15
+        tm, tk = s.tile.m, s.tile.k
+        pb = k.tiled_mma.get_slice(0).partition_B(cute.make_identity_tensor((tm, tk)))
+        for kb in range(tk // 16):
+            blk = pb[(None, None, kb)]
+            cols = {blk[v][1] for v in range(cute.size(blk))}
+            bad += cols != set(range(16 * kb, 16 * kb + 16))
+        out["bad"] = bad
+
+    @cute.jit
+    def probe():
+        walk()
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert out == {"bad": 0}
