@@ -105,8 +105,7 @@ def _check_out(out, m: int, k: int, device: torch.device, dynamic: bool) -> None
         if t.data_ptr() % align:
             raise InputError(f"{name}'s data pointer 0x{t.data_ptr():x} is not {align}-byte "
                              "aligned")
-    if dynamic:
-        _check_scale_tensor(out.global_scale, device, "out.global_scale")
+    _check_scale_tensor(out.global_scale, device, "out.global_scale")  # written either way
 
 
 # ----------------------------------------------------------------------------- compile
@@ -308,7 +307,9 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
     kern = _kernel_for(x, variant)
     if out is not None:
         data, scale = out.data, out.scale
-        gs_out = out.global_scale if dynamic else gs
+        gs_out = out.global_scale
+        if not dynamic and gs_out.data_ptr() != gs.data_ptr():
+            gs_out.copy_(gs.reshape(gs_out.shape))  # ``out`` is then a whole NVFP4 tensor
     else:
         data = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
         scale = torch.empty(scale_shape(m, k), dtype=torch.float8_e4m3fn, device=x.device)
