@@ -190,7 +190,8 @@ def test_global_scale_and_out_checks():
     bad = NVFP4Tensor._unchecked(ok.data, ok.scale, torch.ones(2), (3, 64))
     with pytest.raises(InputError, match="out.global_scale must have one element"):
         quant._check_out(bad, 3, 64, cpu, dynamic=True)
-    quant._check_out(bad, 3, 64, cpu, dynamic=False)  # a static scale leaves it alone
+    with pytest.raises(InputError, match="out.global_scale must have one element"):
+        quant._check_out(bad, 3, 64, cpu, dynamic=False)  # a static scale is written too
     strided = NVFP4Tensor._unchecked(torch.zeros(3, 64, dtype=torch.uint8)[:, ::2], ok.scale,
                                      ok.global_scale, (3, 64))
     with pytest.raises(InputError, match="out.data must be contiguous"):
