@@ -171,6 +171,10 @@ def case_poison(ctx: Ctx) -> dict:
 
 def case_validate(shape, seed):
     def run(ctx: Ctx) -> dict:
+        m, n, k = shape
+        p = plan(ctx.s, Problem(m=m, n=n, k=k))
+        if not p.ok:  # e.g. split-K past the K tiles: refused up front, like the API does
+            return {"passed": True, "refused_by_plan": "; ".join(p.reasons)}
         return _result([run_poisoned(ctx.kernel(), shape, seed)[1]])
     return run
 

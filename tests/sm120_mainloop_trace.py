@@ -380,13 +380,15 @@ class _Tok:
 
 
 STAGE = "stage"
+K_TILES = 2  # the recorded mainloop runs two K tiles: stage0, then stage1
 
 
 def _record_mainloop(k, f):
-    """The copies and MMAs ``Sm120Gemm.mainloop`` issues for one K tile, in order.
+    """The copies and MMAs ``Sm120Gemm.mainloop`` issues for ``K_TILES`` K tiles, in order.
 
     Runs the kernel's own mainloop body (undecorated) on stand-ins: ``cute.copy`` /
-    ``cute.gemm`` record which slices they get, the pipeline records wait / release.
+    ``cute.gemm`` record which slices they get, the pipeline records wait / release of
+    each stage (``stage0``, ``stage1``, ...).
     """
     import cutlass
     import cutlass.cute as cute
@@ -416,24 +418,36 @@ def _record_mainloop(k, f):
         def range(self, n, unroll=None):
             return range(n)
 
-        def range_constexpr(self, n):
-            return range(n)
+        def range_constexpr(self, *n):
+            return range(*n)
 
         def const_expr(self, x):
             return x
 
+        def select_(self, cond, a, b):
+            return a if cond else b
+
     class State:
-        index = STAGE
+        def __init__(self, n=0):
+            self.n = n
+
+        @property
+        def index(self):
+            return f"{STAGE}{self.n}"
 
         def advance(self):
-            calls.append(("advance",))
+            calls.append(("advance", self.index))
+            self.n += 1
+
+        def clone(self):
+            return State(self.n)
 
     class Pipe:
         def consumer_wait(self, state):
-            calls.append(("wait",))
+            calls.append(("wait", state.index))
 
         def consumer_release(self, state):
-            calls.append(("release",))
+            calls.append(("release", state.index))
 
     toks = type(f)(**{key: _Tok(key, v) for key, v in f._asdict().items()})
     sf_names = ("tCsSFA", "tCrSFA_v", "tCsSFB", "tCrSFB_v")
@@ -441,36 +455,55 @@ def _record_mainloop(k, f):
     saved = mod.cute, mod.cutlass
     mod.cute, mod.cutlass = Cute(), Cutlass()
     try:
-        type(k).mainloop.__wrapped__(k, Pipe(), State(), toks, 1, 0, 0)
+        type(k).mainloop.__wrapped__(k, Pipe(), State(), toks, K_TILES, 0, 0)
     finally:
         mod.cute, mod.cutlass = saved
         del k._sf_sources
     return calls
 
 
-def _schedule_of(calls, errors):
-    """(copies {dst name: [(src k block, dst k block)]}, MMAs [{operand: k block}])."""
-    copies, mmas, released = {}, [], False
-    loaded = set()
+def _schedule_of(calls, errors, n_kb, early):
+    """(copies {dst name: [(src k block, dst k block)]} of the first stage, MMAs
+    [{operand: k block}] of the first K tile), checking the pipeline protocol on the way:
+
+    * a stage is copied from only between its wait and its release, each stage is waited
+      for and released once, in order;
+    * every MMA of K tile t reads, for each operand, fragments whose latest load came from
+      stage t (a later load into the same registers before the MMA is caught);
+    * ``early`` (cooperative, two or more K blocks): the next stage is waited for before the
+      current stage's last MMAs, which use fragments loaded before that wait.
+    """
+    copies, mmas, latest = {}, [], {}
+    waits, releases = [], []
     expect = {"tCrA_v": "tCsA", "tCrB_v": "tCsB", "tCrSFA_v": "tCsSFA",
               "tCrSFB_v": "tCsSFB"}
     frag_of = {"tCrA": "tCrA_v", "tCrB": "tCrB_v", "tCrSFA": "tCrSFA_v",
                "tCrSFB": "tCrSFB_v"}
-    if calls[0] != ("wait",) or calls[-1] != ("advance",):
-        errors.append(f"mainloop does not wait first / advance last: {calls}")
-    for c in calls:
-        if c[0] == "copy":
+    first = f"{STAGE}0"
+    gemm_at, wait_at = [], {}
+    for pos, c in enumerate(calls):
+        if c[0] == "wait":
+            waits.append(c[1])
+            wait_at[c[1]] = pos
+        elif c[0] == "release":
+            if c[1] not in waits:
+                errors.append(f"{c[1]} released before its wait")
+            releases.append(c[1])
+        elif c[0] == "copy":
             _, _, src, si, dst, di = c
-            if released:
-                errors.append(f"copy {c} after the stage was released")
-            if expect.get(dst) != src or si[:2] != (None, None) or si[3] != STAGE \
-                    or di[:2] != (None, None) or len(si) != 4 or len(di) != 3:
+            if expect.get(dst) != src or si[:2] != (None, None) or di[:2] != (None, None) \
+                    or len(si) != 4 or len(di) != 3:
                 errors.append(f"unexpected copy {c}")
                 continue
-            copies.setdefault(dst, []).append((si[2], di[2]))
-            loaded.add((dst, di[2]))
+            if si[3] not in waits or si[3] in releases:
+                errors.append(f"copy {c} outside its stage's wait .. release")
+            latest[(dst, di[2])] = (si[3], si[2])
+            if si[3] == first:
+                copies.setdefault(dst, []).append((si[2], di[2]))
         elif c[0] == "gemm":
             _, a, b, d, cc = c
+            tile = len(gemm_at) // n_kb
+            gemm_at.append(pos)
             if (d, cc) != ("acc", "acc"):
                 errors.append(f"gemm does not accumulate in place: {c}")
             mma = {}
@@ -478,15 +511,21 @@ def _schedule_of(calls, errors):
                 if idx[:2] != (None, None) or len(idx) != 3:
                     errors.append(f"unexpected gemm operand {name}{idx}")
                 mma[name] = idx[2]
-                if (frag_of[name], idx[2]) not in loaded:
-                    errors.append(f"gemm reads {name}[{idx[2]}] before it is loaded")
+                got = latest.get((frag_of[name], idx[2]))
+                if got is None or got[0] != f"{STAGE}{tile}":
+                    errors.append(f"K tile {tile}: gemm reads {name}[{idx[2]}] loaded from "
+                                  f"{got}")
             if sorted(mma) != ["tCrA", "tCrB", "tCrSFA", "tCrSFB"]:
                 errors.append(f"gemm operands {sorted(mma)}")
-            mmas.append(mma)
-        elif c[0] == "release":
-            released = True
-    if not released:
-        errors.append("stage never released")
+            if tile == 0:
+                mmas.append(mma)
+    want = [f"{STAGE}{t}" for t in range(K_TILES)]
+    if waits != want or releases != want:
+        errors.append(f"waits {waits} / releases {releases}, expected each of {want} once")
+    if len(gemm_at) != K_TILES * n_kb:
+        errors.append(f"{len(gemm_at)} gemms for {K_TILES} K tiles of {n_kb} K blocks")
+    if early and f"{STAGE}1" in wait_at and wait_at[f"{STAGE}1"] > gemm_at[n_kb - 1]:
+        errors.append("the next stage is waited for after the current stage's last MMAs")
     return copies, mmas
 
 
@@ -505,7 +544,9 @@ def _trace(schedule, corrupt=None):
         nt = k.group_threads
         stage = k.stages - 1  # the stage index must be honoured: use the last one
         f = [k._mma_fragments(_Storage(), t) for t in range(nt)]
-        copies, mmas = _schedule_of(_record_mainloop(k, f[0]), errors)
+        n_kb = cute.size(f[0].tCrA, mode=[2])
+        copies, mmas = _schedule_of(_record_mainloop(k, f[0]), errors, n_kb,
+                                    n_kb > 1 and not k.pingpong)
         if corrupt:
             corrupt(copies, mmas)
         mma = k.tiled_mma
@@ -674,3 +715,46 @@ def _skip_a_k_block(copies, mmas):
 def test_mainloop_check_catches_mistakes(corrupt):
     res = _trace(CASES["pingpong_w2x2"], corrupt)
     assert res["errors"]
+
+
+def test_schedule_check_catches_protocol_slips():
+    """The pipeline-protocol checks fail on a recorded schedule with a slip."""
+    def cp(frag, stage, kb):
+        src = {"tCrA_v": "tCsA", "tCrB_v": "tCsB", "tCrSFA_v": "tCsSFA",
+               "tCrSFB_v": "tCsSFB"}[frag]
+        return ("copy", "atom", src, (None, None, kb, f"{STAGE}{stage}"), frag,
+                (None, None, kb))
+
+    def loads(stage, kb):
+        return [cp(x, stage, kb) for x in ("tCrA_v", "tCrB_v", "tCrSFA_v", "tCrSFB_v")]
+
+    def gemm(kb):
+        return ("gemm", (("tCrA", (None, None, kb)), ("tCrSFA", (None, None, kb))),
+                (("tCrB", (None, None, kb)), ("tCrSFB", (None, None, kb))), "acc", "acc")
+
+    good = ([("wait", "stage0")] + loads(0, 0) + loads(0, 1) + [gemm(0)]
+            + [("wait", "stage1")] + loads(1, 0) + [("release", "stage0"), gemm(1)]
+            + loads(1, 1) + [gemm(0), ("release", "stage1"), gemm(1)])
+    errors = []
+    _schedule_of(good, errors, 2, True)
+    assert errors == []
+    # the next stage's first block lands in registers the current MMA still reads
+    clobber = good[:11] + loads(1, 1) + good[11:]
+    errors = []
+    _schedule_of(clobber, errors, 2, True)
+    assert any("loaded from ('stage1'" in e for e in errors), errors
+    # a copy after its stage was released
+    late = good[:-1] + loads(0, 0) + good[-1:]
+    errors = []
+    _schedule_of(late, errors, 2, True)
+    assert any("outside its stage's wait" in e for e in errors), errors
+    # the next stage waited for only after the current stage's last MMAs
+    by_stage = ([("wait", "stage0")] + loads(0, 0) + loads(0, 1)
+                + [gemm(0), ("release", "stage0"), gemm(1), ("wait", "stage1")]
+                + loads(1, 0) + loads(1, 1) + [gemm(0), ("release", "stage1"), gemm(1)])
+    errors = []
+    _schedule_of(by_stage, errors, 2, True)
+    assert errors == ["the next stage is waited for after the current stage's last MMAs"]
+    errors = []
+    _schedule_of(by_stage, errors, 2, False)  # pingpong's order is fine there
+    assert errors == []

@@ -500,20 +500,64 @@ class Sm120Gemm(GemmLaunch):
 
     @cute.jit
     def mainloop(self, mainloop, state, f: MmaFragments, k_count, cm, cn):
-        """K tiles of one work unit: wait stage, ldmatrix + OMMA.SF per 64-wide K block."""
+        """K tiles of one work unit: ldmatrix + OMMA.SF per 64-wide K block, software
+        pipelined across stages.
+
+        K block ``kb + 1`` is loaded while the MMAs of ``kb`` run. Cooperative tiles also
+        wait for the next stage and load its first K block before the current stage's last
+        K block's MMAs, whose fragments are in registers already, so those MMAs hide the
+        next stage's latency (with one K block per tile, tile K 64, the next stage's
+        fragments would overwrite the ones being consumed, so it comes after the MMAs).
+        With more than two K blocks that load is unconditional, from the current, still
+        held stage when no tile follows, into registers nobody reads then: a conditional
+        load keeps the first K block's registers live across the whole loop, which spilled
+        the 128x128x256 tile (34 words); with two K blocks the conditional form is the
+        shorter loop (97 against 104 instructions). Pingpong keeps the stage-at-a-time
+        order: the other group's MMAs hide its waits, and the extra live fragments spill
+        there (26-54 words). All figures sm_120a, DSL 4.8.1, 2026-12-01.
+        """
         sf = self._sf_sources(f, cm, cn)
         n_kb = cute.size(f.tCrA, mode=[2])
-        for _ in cutlass.range(k_count, unroll=1):
-            mainloop.consumer_wait(state)
-            s = state.index
-            self._load_k_block(f, sf, s, 0)
-            for kb in cutlass.range_constexpr(n_kb):
-                if cutlass.const_expr(kb + 1 < n_kb):
-                    self._load_k_block(f, sf, s, kb + 1)
-                else:
-                    mainloop.consumer_release(state)
-                self.mma_k_block(f, kb)
-            state.advance()
+        if cutlass.const_expr(self.pingpong):
+            for _ in cutlass.range(k_count, unroll=1):
+                mainloop.consumer_wait(state)
+                s = state.index
+                self._load_k_block(f, sf, s, 0)
+                for kb in cutlass.range_constexpr(n_kb):
+                    if cutlass.const_expr(kb + 1 < n_kb):
+                        self._load_k_block(f, sf, s, kb + 1)
+                    else:
+                        mainloop.consumer_release(state)
+                    self.mma_k_block(f, kb)
+                state.advance()
+        else:
+            if k_count > 0:
+                mainloop.consumer_wait(state)
+                self._load_k_block(f, sf, state.index, 0)
+            for t in cutlass.range(k_count, unroll=1):
+                s = state.index
+                more = t + 1 < k_count
+                for kb in cutlass.range_constexpr(n_kb):
+                    if cutlass.const_expr(kb + 1 < n_kb):
+                        self._load_k_block(f, sf, s, kb + 1)
+                    else:
+                        if cutlass.const_expr(n_kb == 1):
+                            self.mma_k_block(f, kb)
+                        nxt = state.clone()
+                        nxt.advance()
+                        if cutlass.const_expr(n_kb > 2):
+                            if more:
+                                mainloop.consumer_wait(nxt)
+                            self._load_k_block(f, sf, cutlass.select_(more, nxt.index, s), 0)
+                            mainloop.consumer_release(state)
+                        else:
+                            mainloop.consumer_release(state)
+                            if more:
+                                mainloop.consumer_wait(nxt)
+                                self._load_k_block(f, sf, nxt.index, 0)
+                        state = nxt
+                    if cutlass.const_expr(kb + 1 < n_kb or n_kb > 1):
+                        self.mma_k_block(f, kb)
         return state
 
 
