@@ -508,8 +508,10 @@ class Sm120Gemm(GemmLaunch):
         K block's MMAs, whose fragments are in registers already, so those MMAs hide the
         next stage's latency (with one K block per tile, tile K 64, the next stage's
         fragments would overwrite the ones being consumed, so it comes after the MMAs).
-        With more than two K blocks that load is unconditional, from the current, still
-        held stage when no tile follows, into registers nobody reads then: a conditional
+        With more than two K blocks (and two or more stages: with one, waiting for the next
+        stage before releasing the current one deadlocks, as the emulated H200 run showed)
+        that load is unconditional, from the current, still held stage when no tile
+        follows, into registers nobody reads then: a conditional
         load keeps the first K block's registers live across the whole loop, which spilled
         the 128x128x256 tile (34 words); with two K blocks the conditional form is the
         shorter loop (97 against 104 instructions). Pingpong keeps the stage-at-a-time
@@ -545,7 +547,7 @@ class Sm120Gemm(GemmLaunch):
                             self.mma_k_block(f, kb)
                         nxt = state.clone()
                         nxt.advance()
-                        if cutlass.const_expr(n_kb > 2):
+                        if cutlass.const_expr(n_kb > 2 and self.stages > 1):
                             if more:
                                 mainloop.consumer_wait(nxt)
                             self._load_k_block(f, sf, cutlass.select_(more, nxt.index, s), 0)
