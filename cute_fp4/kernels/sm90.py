@@ -361,31 +361,22 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             return region.get_tensor(layout.outer, swizzle=layout.inner)
 
         sSFA = storage.sSFA.get_tensor(self.sSFA_layout) if not self.w4a16 else None
-        if self.rs_packed:
-            if self.w4a16:
-                sA = swizzled(storage.sA, self.sA_layout)
-                sA16 = sA
-            else:
-                sA = storage.sA.get_tensor(self.sA_layout)
-                sA16 = swizzled(storage.sA16, self.sA16_layout)
-            return SmemTensors(sA, sA16, storage.sB.get_tensor(self.sB_layout), None, sSFA,
-                               storage.sSFB.get_tensor(self.sSFB_layout), None, None)
-        if self.swap_ab:
-            sA = storage.sA.get_tensor(self.sA_layout)
-            sA16 = swizzled(storage.sA16, self.sA16_layout)
-            red = cute.recast_ptr(storage.sA16.data_ptr(), dtype=cutlass.Float32)
-            return SmemTensors(sA, sA16, storage.sB.get_tensor(self.sB_layout), None, sSFA,
-                               storage.sSFB.get_tensor(self.sSFB_layout), None, red)
-        if self.w4a16:
+        if self.w4a16 and not self.swap_ab:  # TMA puts A straight into WGMMA's layout
             sA = swizzled(storage.sA, self.sA_layout)
             sA16 = sA
         else:
             sA = storage.sA.get_tensor(self.sA_layout)
             sA16 = swizzled(storage.sA16, self.sA16_layout)
+        sB = storage.sB.get_tensor(self.sB_layout)
+        sSFB = storage.sSFB.get_tensor(self.sSFB_layout)
+        if self.rs_packed:
+            return SmemTensors(sA, sA16, sB, None, sSFA, sSFB, None, None)
+        if self.swap_ab:
+            red = cute.recast_ptr(storage.sA16.data_ptr(), dtype=cutlass.Float32)
+            return SmemTensors(sA, sA16, sB, None, sSFA, sSFB, None, red)
         sC = None if self.direct_store else swizzled(storage.sC, self.sC_layout)
-        return SmemTensors(sA, sA16, storage.sB.get_tensor(self.sB_layout),
-                           swizzled(storage.sB16, self.sB16_layout), sSFA,
-                           storage.sSFB.get_tensor(self.sSFB_layout), sC, None)
+        return SmemTensors(sA, sA16, sB, swizzled(storage.sB16, self.sB16_layout), sSFA, sSFB,
+                           sC, None)
 
     def _scale(self, p: Sm90Params):
         """What the epilogue multiplies the accumulator by (alpha unless split-K)."""
