@@ -488,11 +488,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                               tCrB[(None, None, kb, buf)], acc)
                 warpgroup.commit_group()
                 read.advance()
-            warpgroup.wait_group(0)
-            if cutlass.const_expr(self.w4a16):
-                if w.k_count > 0:
-                    mainloop.consumer_release(release)
-                    release.advance()
+            release = self._finish_unit(mainloop, release, w.k_count)
             gD_tile = gD_t[(None, None, w.m, w.n, w.split)]
             if cutlass.const_expr(self.direct_store):
                 store_direct(tiled_mma.get_slice(ctid), acc, scale, gD_tile, (tm, tn),
@@ -501,6 +497,17 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 store_smem_tma(epi, p.tma_c, gD_tile, s.sC, scale, self.epi_tile,
                                self.epi_stages, sync, mma_warp == 0, self.epi_dtype)
             unit += nctas
+
+    @cute.jit
+    def _finish_unit(self, mainloop, release, k_count):
+        """After a unit's last K tile: wait for its WGMMAs; W4A16, whose WGMMAs read A from
+        the stage itself, releases the unit's last stage then."""
+        warpgroup.wait_group(0)
+        if cutlass.const_expr(self.w4a16):
+            if k_count > 0:
+                mainloop.consumer_release(release)
+                release.advance()
+        return release
 
     def _r2s_copy(self):
         """Register -> shared copy of the accumulator in the WGMMA's C layout."""

@@ -176,11 +176,7 @@ class PackedRegisterMainloop:
                 if cutlass.const_expr(self.w4a16):
                     release.advance()
                 read.advance()
-            warpgroup.wait_group(0)
-            if cutlass.const_expr(self.w4a16):
-                if w.k_count > 0:
-                    mainloop.consumer_release(release)
-                    release.advance()
+            release = self._finish_unit(mainloop, release, w.k_count)
             for b in cutlass.range_constexpr(mb_n):
                 rb = nt * (tn // UNIT_ROWS) + wg * mb_n + b  # 64-row block of D^T
                 store_direct(thr_mma, accs[b], scale, gD_t[(None, None, rb, mt, w.split)],
