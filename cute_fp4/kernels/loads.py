@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from cute_fp4.nvfp4 import SF_ATOM_BYTES
@@ -39,6 +40,28 @@ def sf_tma_atom(mSF_view: cute.Tensor, s_layout):
     stage = cute.slice_(s_layout, (None, None, None, None, 0))
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mSF_view, stage,
                                        cute.shape(stage))
+
+
+@cute.jit
+def producer_loop(mainloop, stages: cutlass.Constexpr, units, per_unit: cutlass.Constexpr,
+                  issue: cutlass.Constexpr):
+    """The producer warp of every kernel: each K tile of each of this CTA's work units into
+    the next stage of ``mainloop``. ``per_unit(work_tile)`` computes what the copies of a
+    unit need (once per unit), ``issue(that, k_tile, stage, barrier)`` issues one stage's
+    copies, arriving on ``barrier``."""
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    unit, nctas = units.first_unit()
+    while unit < units.total:
+        w = units.coords(unit)
+        u = per_unit(w)
+        for kk in cutlass.range(w.k_count, unroll=1):
+            mainloop.producer_acquire(state)
+            bar = mainloop.producer_get_barrier(state)
+            issue(u, w.k_begin + kk, state.index, bar)
+            mainloop.producer_commit(state)
+            state.advance()
+        unit += nctas
+    mainloop.producer_tail(state)
 
 
 @cute.jit
@@ -79,4 +102,5 @@ def load_sf_cp_async(sf_bytes, sSF, stage, row_atom, k_tile, k_blocks, tile_k, l
         cute.copy(atom, src, dst)
 
 
-__all__ = ["load_sf_cp_async", "sf_global_view", "sf_stage_layout", "sf_tma_atom", "tma_views"]
+__all__ = ["load_sf_cp_async", "producer_loop", "sf_global_view", "sf_stage_layout",
+           "sf_tma_atom", "tma_views"]

@@ -319,31 +319,24 @@ class Sm120Gemm(GemmLaunch):
         ratio_a = self.sf_rows[0] // tm
         ratio_b = self.sf_rows[1] // tn
         lane = cute.arch.lane_idx()
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        unit, nctas = units.first_unit()
-        while unit < units.total:
-            w = units.coords(unit)
-            ra, rb = w.m // ratio_a, w.n // ratio_b  # 128-row scale atoms of the tile
-            for kk in cutlass.range(w.k_count, unroll=1):
-                mainloop.producer_acquire(state)
-                bar = mainloop.producer_get_barrier(state)
-                kt = w.k_begin + kk
-                s = state.index
-                cute.copy(tma_a, tAgA[(None, w.m, kt, 0)], tAsA[(None, s)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, w.n, kt, 0)], tBsB[(None, s)], tma_bar_ptr=bar)
-                if cutlass.const_expr(self.sf_cp_async):
-                    loads.load_sf_cp_async(sfa_bytes, sSFA, s, ra, kt, k_blocks, tk, lane)
-                    loads.load_sf_cp_async(sfb_bytes, sSFB, s, rb, kt, k_blocks, tk, lane)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
-                else:
-                    cute.copy(tma_sfa, tAgSFA[(None, 0, 0, kt, ra)], tAsSFA[(None, s)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_sfb, tBgSFB[(None, 0, 0, kt, rb)], tBsSFB[(None, s)],
-                              tma_bar_ptr=bar)
-                mainloop.producer_commit(state)
-                state.advance()
-            unit += nctas
-        mainloop.producer_tail(state)
+        def per_unit(w):
+            return w.m, w.n, w.m // ratio_a, w.n // ratio_b  # 128-row scale atoms too
+
+        def issue(u, kt, s, bar):
+            cm, cn, ra, rb = u
+            cute.copy(tma_a, tAgA[(None, cm, kt, 0)], tAsA[(None, s)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, cn, kt, 0)], tBsB[(None, s)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.sf_cp_async):
+                loads.load_sf_cp_async(sfa_bytes, sSFA, s, ra, kt, k_blocks, tk, lane)
+                loads.load_sf_cp_async(sfb_bytes, sSFB, s, rb, kt, k_blocks, tk, lane)
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            else:
+                cute.copy(tma_sfa, tAgSFA[(None, 0, 0, kt, ra)], tAsSFA[(None, s)],
+                          tma_bar_ptr=bar)
+                cute.copy(tma_sfb, tBgSFB[(None, 0, 0, kt, rb)], tBsSFB[(None, s)],
+                          tma_bar_ptr=bar)
+
+        loads.producer_loop(mainloop, self.stages, units, per_unit, issue)
 
     # ------------------------------------------------------------------ MMA warps
 

@@ -401,36 +401,28 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         if cutlass.const_expr(not self.w4a16):
             box_a = cute.shape(cute.slice_(self.sSFA_layout, (None,) * 4 + (0,)))
             tSFAs, tSFAg = loads.tma_views(p.tma_sfa, s.sSFA, p.gSFA, box_a)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        unit, nctas = p.units.first_unit()
-        while unit < p.units.total:
-            w = p.units.coords(unit)
+        def per_unit(w):
             mt, nt = w.m, w.n
             if cutlass.const_expr(self.transposed):  # the scheduler's M tiles are B's rows
                 mt, nt = w.n, w.m
-            rb_a = (mt * tm) // SF_ATOM_ROWS // self.sfa_row_blocks
-            rb_b = (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks
-            for kt in cutlass.range(w.k_count, unroll=1):
-                kk = w.k_begin + kt
-                mainloop.producer_acquire(state)
-                bar = mainloop.producer_get_barrier(state)
-                st = state.index
-                cute.copy(p.tma_a, tAgA[(None, mt, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
-                if cutlass.const_expr(self.rs_packed):
-                    cute.copy(p.tma_b, tBgB[(None, 0, 0, kk, nt)], tBsB[(None, st)],
-                              tma_bar_ptr=bar)
-                else:
-                    cute.copy(p.tma_b, tBgB[(None, nt, kk)], tBsB[(None, st)],
-                              tma_bar_ptr=bar)
-                cute.copy(p.tma_sfb, tSFBg[(None, 0, 0, kk, rb_b)], tSFBs[(None, st)],
+            return (mt, nt, (mt * tm) // SF_ATOM_ROWS // self.sfa_row_blocks,
+                    (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks)
+
+        def issue(u, kk, st, bar):
+            mt, nt, rb_a, rb_b = u
+            cute.copy(p.tma_a, tAgA[(None, mt, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.rs_packed):
+                cute.copy(p.tma_b, tBgB[(None, 0, 0, kk, nt)], tBsB[(None, st)],
                           tma_bar_ptr=bar)
-                if cutlass.const_expr(not self.w4a16):
-                    cute.copy(p.tma_sfa, tSFAg[(None, 0, 0, kk, rb_a)], tSFAs[(None, st)],
-                              tma_bar_ptr=bar)
-                mainloop.producer_commit(state)
-                state.advance()
-            unit += nctas
-        mainloop.producer_tail(state)
+            else:
+                cute.copy(p.tma_b, tBgB[(None, nt, kk)], tBsB[(None, st)], tma_bar_ptr=bar)
+            cute.copy(p.tma_sfb, tSFBg[(None, 0, 0, kk, rb_b)], tSFBs[(None, st)],
+                      tma_bar_ptr=bar)
+            if cutlass.const_expr(not self.w4a16):
+                cute.copy(p.tma_sfa, tSFAg[(None, 0, 0, kk, rb_a)], tSFAs[(None, st)],
+                          tma_bar_ptr=bar)
+
+        loads.producer_loop(mainloop, self.stages, p.units, per_unit, issue)
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
