@@ -26,30 +26,30 @@ import cutlass.cute as cute
 
 # Byte selectors: word j takes the low nibbles of byte j (from qe) into byte 0 and the
 # high nibbles of byte j (from qo) into byte 2; bytes 1 and 3 are don't-care copies.
-_SELECT = (0x4400, 0x5511, 0x6622, 0x7733)
+SELECT = (0x4400, 0x5511, 0x6622, 0x7733)
 
-_FP4_MASK = 0x8E008E00  # sign bit 15 and magnitude bits 11..9 of each FP16 half
+FP4_MASK = 0x8E008E00  # sign bit 15 and magnitude bits 11..9 of each FP16 half
+
+
+def scaled_out(out: str, scale: str, bf16: bool) -> list[str]:
+    """PTX lines: the FP16x2 word ``t`` (E2M1 bits in place) times the scale word ``scale``
+    into ``out``, as FP16x2, or widened to FP32 and rounded to BF16x2 (both exact); uses
+    the registers ``hl``, ``hh`` (b16) and ``fl``, ``fh`` (f32) for BF16."""
+    if not bf16:
+        return [f"mul.rn.f16x2 {out}, t, {scale};"]
+    return [f"mul.rn.f16x2 t, t, {scale};", "mov.b32 {hl, hh}, t;", "cvt.f32.f16 fl, hl;",
+            "cvt.f32.f16 fh, hh;", f"cvt.rn.bf16x2.f32 {out}, fh, fl;"]
 
 
 def _word_ptx(j: int, out: str, bf16: bool) -> str:
     lines = [
-        f"prmt.b32 w, qe, qo, {_SELECT[j]:#x};",
+        f"prmt.b32 w, qe, qo, {SELECT[j]:#x};",
         "shl.b32 t, w, 9;",
         "shl.b32 u, w, 12;",
         "or.b32 t, t, u;",
-        f"and.b32 t, t, {_FP4_MASK:#x};",
+        f"and.b32 t, t, {FP4_MASK:#x};",
     ]
-    if bf16:
-        lines += [
-            "mul.rn.f16x2 t, t, {$r1};",
-            "mov.b32 {hl, hh}, t;",
-            "cvt.f32.f16 fl, hl;",
-            "cvt.f32.f16 fh, hh;",
-            f"cvt.rn.bf16x2.f32 {out}, fh, fl;",
-        ]
-    else:
-        lines.append(f"mul.rn.f16x2 {out}, t, {{$r1}};")
-    return "\n".join(lines)
+    return "\n".join(lines + scaled_out(out, "{$r1}", bf16))
 
 
 def _convert_ptx(bf16: bool) -> str:
@@ -110,12 +110,7 @@ def _pair_ptx(bf16: bool) -> str:
         body += ["and.b32 t, x, 0x80008000;", "shr.u32 y, x, 3;",
                  "and.b32 y, y, 0x0E000E00;", "or.b32 t, t, y;"]
         out = "{$w" + str(i) + "}"
-        if bf16:
-            body += ["mul.rn.f16x2 t, t, {$r1};", "mov.b32 {hl, hh}, t;",
-                     "cvt.f32.f16 fl, hl;", "cvt.f32.f16 fh, hh;",
-                     f"cvt.rn.bf16x2.f32 {out}, fh, fl;"]
-        else:
-            body.append(f"mul.rn.f16x2 {out}, t, {{$r1}};")
+        body += scaled_out(out, "{$r1}", bf16)
     body.append("}")
     return "\n".join(body)
 

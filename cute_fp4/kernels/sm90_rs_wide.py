@@ -47,16 +47,12 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cute_fp4.kernels.epilogue import store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
-from cute_fp4.kernels.sm90_convert import scale_word
+from cute_fp4.kernels.sm90_convert import FP4_MASK, SELECT, scale_word, scaled_out
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 
 GROUP_K_BLOCKS = 2  # K blocks (16 elements) decoded and issued per WGMMA commit group
 
-# prmt selectors: word j takes the low nibbles of byte j (from qe) into byte 0 and its high
-# nibbles (from qo) into byte 2 (bytes 1 and 3 are don't-care copies)
-_SELECT = (0x4400, 0x5511, 0x6622, 0x7733)
-_FP4_MASK = 0x8E008E00  # sign bit 15 and magnitude bits 11..9 of each FP16 half
 
 
 def fragment_ptx(bf16: bool) -> str:
@@ -69,14 +65,9 @@ def fragment_ptx(bf16: bool) -> str:
     for j in range(4):
         out = "{$w" + str(j) + "}"
         scale = "{$r" + str(1 + j % 2) + "}"
-        body += [f"prmt.b32 w, qe, qo, {_SELECT[j]:#x};", "shl.b32 t, w, 9;",
-                 "shl.b32 u, w, 12;", "or.b32 t, t, u;", f"and.b32 t, t, {_FP4_MASK:#x};"]
-        if bf16:
-            body += [f"mul.rn.f16x2 t, t, {scale};", "mov.b32 {hl, hh}, t;",
-                     "cvt.f32.f16 fl, hl;", "cvt.f32.f16 fh, hh;",
-                     f"cvt.rn.bf16x2.f32 {out}, fh, fl;"]
-        else:
-            body.append(f"mul.rn.f16x2 {out}, t, {scale};")
+        body += [f"prmt.b32 w, qe, qo, {SELECT[j]:#x};", "shl.b32 t, w, 9;",
+                 "shl.b32 u, w, 12;", "or.b32 t, t, u;", f"and.b32 t, t, {FP4_MASK:#x};"]
+        body += scaled_out(out, scale, bf16)
     body.append("}")
     return "\n".join(body)
 
