@@ -20,89 +20,18 @@ the CPU, bit for bit.
 from __future__ import annotations
 
 import random
-import re
-import struct
 
 import pytest
 import torch
+from ptx_model import bf16 as _bf16
+from ptx_model import run_ptx
 
 from cute_fp4.kernels import mma_emulation as emu
 from cute_fp4.kernels import sf_layout
 from cute_fp4.nvfp4 import E2M1_VALUES
 
-M32 = 0xFFFFFFFF
-
-
-# ----------------------------------------------------------------------------- interpreter
-
-def _f16(bits: int) -> float:
-    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
-
-
-def _to_f16(x: float) -> int:
-    return struct.unpack("<H", struct.pack("<e", x))[0]  # round to nearest even
-
-
-def _to_bf16(x: float) -> int:
-    b = struct.unpack("<I", struct.pack("<f", x))[0]  # x is exact in FP32 here
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _bf16(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def _f16x2_mul(a: int, b: int) -> int:
-    lo = _to_f16(_f16(a) * _f16(b))  # the product of two FP16 is exact in a double
-    hi = _to_f16(_f16(a >> 16) * _f16(b >> 16))
-    return lo | hi << 16
-
-
-def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
-    """Interpret straight-line PTX (``CONVERT_PTX``) on 32-bit inputs."""
-    regs: dict[str, object] = {}
-    for i, v in enumerate(reads):
-        regs[f"{{$r{i}}}"] = v & M32
-
-    def val(x: str):
-        x = x.strip()
-        if x in regs:
-            return regs[x]
-        return int(x, 0) & M32
-
-    for raw in ptx.splitlines():
-        line = raw.strip().rstrip(";")
-        if line in ("{", "}") or line.startswith(".reg"):
-            continue
-        op, _, rest = line.partition(" ")
-        args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
-        d = args[0]
-        if op == "mov.b32" and d.startswith("{") and not d.startswith("{$"):
-            h0, h1 = (x.strip() for x in d.strip("{}").split(","))
-            w = val(args[1])
-            regs[h0], regs[h1] = w & 0xFFFF, w >> 16
-        elif op == "mov.b32":
-            regs[d] = val(args[1])
-        elif op == "shl.b32":
-            regs[d] = (val(args[1]) << val(args[2])) & M32
-        elif op == "shr.b32":
-            regs[d] = val(args[1]) >> val(args[2])
-        elif op == "and.b32":
-            regs[d] = val(args[1]) & val(args[2])
-        elif op == "or.b32":
-            regs[d] = val(args[1]) | val(args[2])
-        elif op == "mul.lo.u32":
-            regs[d] = (val(args[1]) * val(args[2])) & M32
-        elif op == "mul.rn.f16x2":
-            regs[d] = _f16x2_mul(val(args[1]), val(args[2]))
-        elif op == "cvt.f32.f16":
-            regs[d] = _f16(val(args[1]))
-        elif op == "cvt.rn.bf16x2.f32":
-            regs[d] = _to_bf16(regs[args[1]]) << 16 | _to_bf16(regs[args[2]])
-        else:
-            raise AssertionError(f"instruction not modelled: {raw.strip()}")
-    return [regs[f"{{$w{i}}}"] for i in range(n_writes)]
-
+# ----------------------------------------------------------------------------- conversion
+# (the PTX runs through tests/ptx_model.py)
 
 def convert(q: int, scale_word: int, byte: int, ptx: str = emu.CONVERT_PTX) -> list[int]:
     """What the kernel computes for one FP4 register: sub-MMA s's BF16x2 register, s = 0..3."""

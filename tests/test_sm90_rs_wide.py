@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import random
 import re
-import struct
 
 import pytest
 import torch
+from ptx_model import bf16 as _bf16
+from ptx_model import f16 as _f16
+from ptx_model import run_ptx
 
 import cute_fp4 as cf
 from cute_fp4 import catalogue, packed
@@ -30,7 +32,6 @@ from cute_fp4.kernels.sm90_rs_wide import GROUP_K_BLOCKS, fragment_ptx, sf_word_
 from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize, sf_atom_offset
 from cute_fp4.schedule import Mainloop, Problem, Schedule, Tile, Warps
 
-M32 = 0xFFFFFFFF
 RS = [s for s in catalogue.all_schedules("sm90") if s.mainloop is Mainloop.RS_PACKED]
 
 
@@ -178,79 +179,6 @@ def test_groups_alternate_buffers_across_tiles():
 
 # ----------------------------------------------------------------------------- decode PTX
 
-def _f16(bits: int) -> float:
-    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
-
-
-def _to_f16(x: float) -> int:
-    return struct.unpack("<H", struct.pack("<e", x))[0]
-
-
-def _to_bf16(x: float) -> int:
-    b = struct.unpack("<I", struct.pack("<f", x))[0]
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _bf16(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for i in range(4):
-        s = (sel >> (4 * i)) & 0xF
-        byte = pool[s & 7]
-        if s & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
-    """Interpret the straight-line decode PTX on 32-bit inputs."""
-    regs: dict[str, object] = {f"{{$r{i}}}": v & M32 for i, v in enumerate(reads)}
-
-    def val(x: str):
-        x = x.strip()
-        return regs[x] if x in regs else int(x, 0) & M32
-
-    for raw in ptx.splitlines():
-        line = raw.strip().rstrip(";")
-        if line in ("{", "}") or line.startswith(".reg"):
-            continue
-        op, _, rest = line.partition(" ")
-        args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
-        d = args[0]
-        if op == "mov.b32" and d.startswith("{") and not d.startswith("{$"):
-            h0, h1 = (x.strip() for x in d.strip("{}").split(","))
-            w = val(args[1])
-            regs[h0], regs[h1] = w & 0xFFFF, w >> 16
-        elif op == "mov.b32":
-            regs[d] = val(args[1])
-        elif op == "shl.b32":
-            regs[d] = (val(args[1]) << val(args[2])) & M32
-        elif op == "shr.u32":
-            regs[d] = val(args[1]) >> val(args[2])
-        elif op == "and.b32":
-            regs[d] = val(args[1]) & val(args[2])
-        elif op == "or.b32":
-            regs[d] = val(args[1]) | val(args[2])
-        elif op == "prmt.b32":
-            regs[d] = _prmt(val(args[1]), val(args[2]), val(args[3]))
-        elif op == "mul.lo.u32":
-            regs[d] = (val(args[1]) * val(args[2])) & M32
-        elif op == "mul.rn.f16x2":
-            a, b = val(args[1]), val(args[2])
-            regs[d] = (_to_f16(_f16(a) * _f16(b))
-                       | _to_f16(_f16(a >> 16) * _f16(b >> 16)) << 16)
-        elif op == "cvt.f32.f16":
-            regs[d] = _f16(val(args[1]))
-        elif op == "cvt.rn.bf16x2.f32":
-            regs[d] = _to_bf16(regs[args[1]]) << 16 | _to_bf16(regs[args[2]])
-        else:
-            raise AssertionError(f"instruction not modelled: {raw.strip()}")
-    return [regs[f"{{$w{i}}}"] for i in range(n_writes)]
 
 
 def _scale_word(byte_word: int) -> int:

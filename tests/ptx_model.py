@@ -1,0 +1,91 @@
+"""A small interpreter of the straight-line conversion PTX the kernels inline (sm90_convert,
+mma_emulation, sm90_rs_wide), so CPU tests can run the very strings the GPU runs on every
+input code and scale. Registers are Python ints (32-bit words, 16-bit halves) or floats
+(``.f32``); FP16/BF16 arithmetic rounds to nearest even exactly like the hardware for the
+operations modelled, and any other instruction fails loudly."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+M32 = 0xFFFFFFFF
+
+
+def f16(bits: int) -> float:
+    return struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0]
+
+
+def to_f16(x: float) -> int:
+    return struct.unpack("<H", struct.pack("<e", x))[0]  # round to nearest even
+
+
+def to_bf16(x: float) -> int:
+    b = struct.unpack("<I", struct.pack("<f", x))[0]  # x is exact in FP32 here
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def f16x2_mul(a: int, b: int) -> int:
+    lo = to_f16(f16(a) * f16(b))  # the product of two FP16 is exact in a double
+    hi = to_f16(f16(a >> 16) * f16(b >> 16))
+    return lo | hi << 16
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 0xF
+        byte = pool[s & 7]
+        if s & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
+    """Run ``ptx`` with ``{$r0}..`` = ``reads``; returns ``{$w0}..{$w<n_writes - 1>}``."""
+    regs: dict[str, object] = {f"{{$r{i}}}": v & M32 for i, v in enumerate(reads)}
+
+    def val(x: str):
+        x = x.strip()
+        return regs[x] if x in regs else int(x, 0) & M32
+
+    for raw in ptx.splitlines():
+        line = raw.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, _, rest = line.partition(" ")
+        args = [a.strip() for a in re.split(r",(?![^{]*\})", rest)]
+        d = args[0]
+        if op == "mov.b32" and d.startswith("{") and not d.startswith("{$"):
+            h0, h1 = (x.strip() for x in d.strip("{}").split(","))
+            w = val(args[1])
+            regs[h0], regs[h1] = w & 0xFFFF, w >> 16
+        elif op == "mov.b32":
+            regs[d] = val(args[1])
+        elif op == "shl.b32":
+            regs[d] = (val(args[1]) << val(args[2])) & M32
+        elif op in ("shr.b32", "shr.u32"):
+            regs[d] = val(args[1]) >> val(args[2])
+        elif op == "and.b32":
+            regs[d] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[d] = val(args[1]) | val(args[2])
+        elif op == "prmt.b32":
+            regs[d] = prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "mul.lo.u32":
+            regs[d] = (val(args[1]) * val(args[2])) & M32
+        elif op == "mul.rn.f16x2":
+            regs[d] = f16x2_mul(val(args[1]), val(args[2]))
+        elif op == "cvt.f32.f16":
+            regs[d] = f16(val(args[1]))
+        elif op == "cvt.rn.bf16x2.f32":
+            regs[d] = to_bf16(regs[args[1]]) << 16 | to_bf16(regs[args[2]])
+        else:
+            raise AssertionError(f"instruction not modelled: {raw.strip()}")
+    return [regs[f"{{$w{i}}}"] for i in range(n_writes)]
