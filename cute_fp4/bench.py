@@ -119,6 +119,22 @@ FORMULAS = {
 }
 
 
+def capture_graph(fn, warmups: int = 1):
+    """``fn`` captured in a CUDA graph after ``warmups`` calls on a side stream (so that
+    allocations and lazy compiles happen outside the capture). Returns (the graph, what
+    ``fn`` returned while captured)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        result = fn()
+    return g, result
+
+
 class Timer:
     """Median device time of a callable, L2 flushed before each repetition.
 
@@ -143,14 +159,7 @@ class Timer:
     @staticmethod
     def _graphed(fn):
         """(replay, what fn returned while captured) of ``fn`` captured in a CUDA graph."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm up allocations outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            result = fn()
+        g, result = capture_graph(fn)
         return g.replay, result
 
     def __call__(self, fn) -> float:

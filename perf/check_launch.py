@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cute_fp4 import catalogue, reference
 from cute_fp4.api import _alpha_tensor, check_operands, make_operands, out_dtype_of, run_compiled
+from cute_fp4.bench import capture_graph
 from cute_fp4.compile import Signature, compile
 from cute_fp4.errors import InputError
 from cute_fp4.kernels.launch import sm_count
@@ -110,14 +111,7 @@ def check_graph(kern, label: str, fmt: str) -> None:
         run_compiled(kern, a, b, out=out)  # warm
         torch.cuda.synchronize()
         out.fill_(float("nan"))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run_compiled(kern, a, b, out=out)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run_compiled(kern, a, b, out=out)
+        g, _ = capture_graph(lambda: run_compiled(kern, a, b, out=out))
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cute_fp4 as cf  # noqa: E402
 from cute_fp4 import api, operands  # noqa: E402
+from cute_fp4.bench import capture_graph  # noqa: E402
 
 host = importlib.import_module("cute_fp4.compile")  # the module (cute_fp4.compile is a function)
 
@@ -133,15 +134,7 @@ def graph_check(fn_eager, fn_capture, out_of) -> dict:
     """Capture ``fn_capture`` (warm-up on a side stream), replay into a poisoned output and
     compare bit for bit with ``fn_eager``'s result."""
     ref = fn_eager().clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn_capture()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = fn_capture()
+    g, got = capture_graph(fn_capture, warmups=3)
     out = out_of(got)
     out.fill_(float("nan"))
     g.replay()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cute_fp4 import quant  # noqa: E402
-from cute_fp4.bench import Timer  # noqa: E402
+from cute_fp4.bench import Timer, capture_graph  # noqa: E402
 from cute_fp4.kernels.quantize import PARTIALS_MAX, QuantSpec  # noqa: E402
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape  # noqa: E402
 from cute_fp4.quant import default_spec  # noqa: E402
@@ -103,16 +103,11 @@ def _check(kern, buf: Buffers, dynamic: bool, two_pass: bool) -> bool:
 
 def _graph_n(fns) -> float:
     """Median over replays of (one graph of all ``fns``) / len(fns), in microseconds."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def all_fns():
         for f in fns:
             f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
+
+    g, _ = capture_graph(all_fns)
     g.replay()
     times = []
     for _ in range(10):

@@ -15,6 +15,7 @@ import torch
 import cute_fp4 as cf
 from cute_fp4 import api, catalogue, reference
 from cute_fp4.api import make_operands
+from cute_fp4.bench import capture_graph
 
 host = importlib.import_module("cute_fp4.compile")
 pytestmark = pytest.mark.gpu("sm90", "sm120")
@@ -108,15 +109,7 @@ def test_cuda_graph_replays_equal_eager(fmt, alpha, split, given_out):
             return cf.gemm(a, b, out=out, alpha=alpha, schedule=sched)
         return cf.gemm(a, b, alpha=alpha, schedule=sched)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = call()
+    g, got = capture_graph(call, warmups=3)
     for _ in range(2):
         got.fill_(float("nan"))
         g.replay()
