@@ -21,6 +21,8 @@ of 32) can be added without changing the container or the layouts.
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 
 import torch
 
@@ -171,11 +173,51 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- container
 
+def _scale_size_message(lead, rows: int, k: int, rp: int, cp: int, scale) -> str:
+    if lead:
+        e = lead[0]
+        need = f"{e} experts of [{rows}, {k}] need {e} x {rp} x {cp} = {e * rp * cp}"
+    else:
+        need = f"[{rows}, {k}] need {rp} x {cp} = {rp * cp}"
+    return (f"blocked scales for {need} bytes, got {scale.numel()} (shape "
+            f"{tuple(scale.shape)}); linear [R, K/16] scales go through swizzle_scales()")
+
+
+def _global_scales(global_scale, lead) -> torch.Tensor:
+    """The global scale(s) as float32: 0-d for a 2-D tensor, [E] for an expert stack (a
+    single value is repeated for every expert); finite and > 0 (reads the values)."""
+    gs = torch.as_tensor(global_scale, dtype=torch.float32)
+    if not lead:
+        if gs.numel() != 1:
+            raise FormatError(f"global_scale must be a scalar, got {gs.numel()} elements")
+        if not torch.isfinite(gs).all() or (gs <= 0).any():
+            raise FormatError(f"global_scale must be finite and > 0, got {float(gs):g}")
+        return gs.reshape(())
+    e = lead[0]
+    if gs.numel() not in (1, e):
+        raise FormatError(f"global_scale of {e} experts must have {e} elements (one per "
+                          f"expert) or 1, got {gs.numel()}")
+    gs = gs.reshape(-1).expand(e).contiguous()
+    bad = ~torch.isfinite(gs) | (gs <= 0)
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise FormatError(f"global_scale must be finite and > 0, got {float(gs[i]):g} "
+                          f"for expert {i}")
+    return gs
+
+
+
 class NVFP4Tensor:
-    """A 2-D NVFP4 tensor ``[R, K]``: packed elements, blocked scales, global scale.
+    """An NVFP4 tensor ``[R, K]``: packed elements, blocked scales, global scale; or, with a
+    leading expert mode, a stack of ``E`` such tensors ``[E, R, K]`` (the experts' weights of
+    a mixture-of-experts layer, for ``grouped_gemm``).
 
     Attributes: ``data`` uint8 [R, K/2]; ``scale`` float8_e4m3fn, blocked layout (see the
     module docstring); ``global_scale`` float32 scalar tensor (decode form); ``shape``.
+    With the expert mode: ``data`` [E, R, K/2], ``scale`` [E, round_up(R, 128),
+    round_up(K/16, 4)] (each expert's blocked scales, contiguous, expert-major),
+    ``global_scale`` float32 [E] (one per expert), ``shape`` (E, R, K), ``experts`` E
+    (None for a 2-D tensor); :meth:`expert` is one expert as a 2-D tensor (views).
     """
 
     fmt: BlockFormat = NVFP4
@@ -184,45 +226,79 @@ class NVFP4Tensor:
         if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor):
             raise InputTypeError("NVFP4Tensor(data, scale, ...) takes torch tensors, got "
                                  f"{type(data).__name__} and {type(scale).__name__}")
-        if data.dtype != torch.uint8 or data.dim() != 2:
+        if data.dtype != torch.uint8 or data.dim() not in (2, 3):
             raise FormatError(f"data must be uint8 [R, K/2], got {data.dtype} with shape "
-                              f"{tuple(data.shape)}")
-        rows, k = (data.shape[0], data.shape[1] * 2) if shape is None else tuple(shape)
-        if (rows, k) != (data.shape[0], data.shape[1] * 2):
-            raise FormatError(f"shape {(rows, k)} does not match data {tuple(data.shape)} "
-                              "(expected [R, K/2])")
+                              f"{tuple(data.shape)} (an expert stack is [E, R, K/2])")
+        natural = (*data.shape[:-1], data.shape[-1] * 2)
+        dims = natural if shape is None else tuple(shape)
+        if dims != natural:
+            want = "[R, K/2]" if data.dim() == 2 else "[E, R, K/2]"
+            raise FormatError(f"shape {dims} does not match data {tuple(data.shape)} "
+                              f"(expected {want})")
+        *lead, rows, k = dims
         if k % self.fmt.block:
             raise FormatError(f"K = {k} is not a multiple of the block size {self.fmt.block}")
         if scale.dtype not in (self.fmt.scale_dtype, torch.uint8):
             raise FormatError(f"scale must be {self.fmt.scale_dtype}, got {scale.dtype}")
         rp, cp = scale_shape(rows, k, self.fmt.block)
-        if scale.numel() != rp * cp:
-            raise FormatError(f"blocked scales for [{rows}, {k}] need {rp} x {cp} = {rp * cp} "
-                              f"bytes, got {scale.numel()} (shape {tuple(scale.shape)}); "
-                              "linear [R, K/16] scales go through swizzle_scales()")
+        if scale.numel() != math.prod(lead) * rp * cp:
+            raise FormatError(_scale_size_message(lead, rows, k, rp, cp, scale))
         if not scale.is_contiguous():
             raise FormatError("scale must be contiguous (the blocked layout is a flat order)")
         if scale.device != data.device:
             raise FormatError(f"data is on {data.device} but scale is on {scale.device}")
-        gs = torch.as_tensor(global_scale, dtype=torch.float32)
-        if gs.numel() != 1:
-            raise FormatError(f"global_scale must be a scalar, got {gs.numel()} elements")
-        if not torch.isfinite(gs).all() or (gs <= 0).any():
-            raise FormatError(f"global_scale must be finite and > 0, got {float(gs):g}")
+        gs = _global_scales(global_scale, lead)
         self.data = data
-        self.scale = scale.view(self.fmt.scale_dtype).reshape(rp, cp)
-        self.global_scale = gs.reshape(()).to(data.device)
-        self.shape = (rows, k)
+        self.scale = scale.view(self.fmt.scale_dtype).reshape(*lead, rp, cp)
+        self.global_scale = gs.to(data.device)
+        self.shape = dims
 
     @classmethod
     def _unchecked(cls, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                   shape: tuple[int, int]) -> NVFP4Tensor:
+                   shape: tuple[int, ...]) -> NVFP4Tensor:
         """Wrap buffers a kernel has just written, skipping ``__init__``'s checks (whose
         global-scale check synchronises with the GPU). ``scale`` float8_e4m3fn of the
-        blocked shape, ``global_scale`` a 0-d float32 tensor: the caller guarantees it."""
+        blocked shape, ``global_scale`` a 0-d float32 tensor ([E] for an expert stack):
+        the caller guarantees it."""
         t = cls.__new__(cls)
         t.data, t.scale, t.global_scale, t.shape = data, scale, global_scale, tuple(shape)
         return t
+
+    @classmethod
+    def stack(cls, tensors) -> NVFP4Tensor:
+        """One tensor with a leading expert mode from ``E`` 2-D tensors of one shape and
+        device (copies; e.g. experts loaded one by one with :meth:`from_modelopt`)."""
+        tensors = list(tensors)
+        if not tensors or not all(isinstance(t, NVFP4Tensor) for t in tensors):
+            raise InputTypeError("NVFP4Tensor.stack() takes a non-empty sequence of "
+                                 "NVFP4Tensors")
+        first = tensors[0]
+        for e, t in enumerate(tensors):
+            if t.experts is not None or t.shape != first.shape or t.device != first.device:
+                raise FormatError(f"NVFP4Tensor.stack(): expert {e} is {t.shape} on "
+                                  f"{t.device}; expert 0 is {first.shape} on {first.device} "
+                                  "(all must be 2-D, of one shape and device)")
+        gs = torch.stack([t.global_scale.to(torch.float32).reshape(()) for t in tensors])
+        return cls._unchecked(torch.stack([t.data for t in tensors]),
+                              torch.stack([t.scale for t in tensors]), gs,
+                              (len(tensors), *first.shape))
+
+    @property
+    def experts(self) -> int | None:
+        """E for a tensor with a leading expert mode, None for a 2-D tensor."""
+        return self.shape[0] if len(self.shape) == 3 else None
+
+    def expert(self, e: int) -> NVFP4Tensor:
+        """Expert ``e`` of an expert stack as a 2-D tensor ``[R, K]`` (views, no copies)."""
+        n = self.experts
+        if n is None:
+            raise FormatError(f"expert({e!r}) needs a tensor with a leading expert mode "
+                              f"[E, R, K]; this one is 2-D {self.shape}")
+        i = operator.index(e)
+        if not -n <= i < n:
+            raise InputError(f"expert {i} is out of range for {n} experts")
+        return NVFP4Tensor._unchecked(self.data[i], self.scale[i], self.global_scale[i],
+                                      self.shape[1:])
 
     @property
     def device(self) -> torch.device:
@@ -236,18 +312,26 @@ class NVFP4Tensor:
         return self.to("cuda")
 
     def scale_linear(self) -> torch.Tensor:
-        """Block scales as [R, K/16] float8_e4m3fn in row-major order."""
-        return unswizzle_scales(self.scale, self.shape[0], self.shape[1], self.fmt.block)
+        """Block scales as [R, K/16] float8_e4m3fn in row-major order ([E, R, K/16] for an
+        expert stack)."""
+        rows, k = self.shape[-2:]
+        if self.experts is None:
+            return unswizzle_scales(self.scale, rows, k, self.fmt.block)
+        return torch.stack([unswizzle_scales(s, rows, k, self.fmt.block) for s in self.scale])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``e2m1 * block_scale * global_scale``, computed in float64 (one rounding, to
-        ``dtype``)."""
-        return (self.block_values(torch.float64) * self.global_scale.double()).to(dtype)
+        ``dtype``); an expert stack uses each expert's global scale."""
+        gs = self.global_scale.double()
+        if self.experts is not None:
+            gs = gs.view(-1, 1, 1)
+        return (self.block_values(torch.float64) * gs).to(dtype)
 
     def block_values(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """``e2m1 * block_scale`` without the global scale: what the tensor cores see."""
-        vals = e2m1_decode(unpack_e2m1(self.data), dtype)
-        return vals * self.scale_linear().to(dtype).repeat_interleave(self.fmt.block, dim=1)
+        codes = unpack_e2m1(self.data.reshape(-1, self.data.shape[-1]))
+        vals = e2m1_decode(codes, dtype).reshape(self.shape)
+        return vals * self.scale_linear().to(dtype).repeat_interleave(self.fmt.block, dim=-1)
 
     @classmethod
     def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -273,6 +357,8 @@ class NVFP4Tensor:
         return cls(weight, swizzle_scales(weight_scale.contiguous()), weight_scale_2, (n, k))
 
     def __repr__(self) -> str:
+        if self.experts is not None:
+            return f"NVFP4Tensor(shape={self.shape}, experts={self.experts}, device={self.device})"
         return (f"NVFP4Tensor(shape={self.shape}, device={self.device}, "
                 f"global_scale={float(self.global_scale):.6g})")
 
@@ -280,9 +366,13 @@ class NVFP4Tensor:
 # ----------------------------------------------------------------------------- quantize
 
 def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
-    """Quantize a 2-D float tensor ``[R, K]`` (CPU or CUDA) to NVFP4.
+    """Quantize a 2-D float tensor ``[R, K]`` (CPU or CUDA) to NVFP4, or a 3-D expert stack
+    ``[E, R, K]`` to an NVFP4Tensor with a leading expert mode.
 
-    ``global_scale`` is the decode form (``amax / 2688``), computed from ``x`` when None.
+    ``global_scale`` is the decode form (``amax / 2688``), computed from ``x`` when None
+    (for a stack, from each expert's own amax). For a stack it may be a scalar or hold
+    ``E`` values; expert ``e`` of the result is bit-identical to
+    ``quantize(x[e], global_scale[e])``.
     Raises ValueError subclasses for K not a multiple of 16, NaN/Inf, or a bad scale.
     """
     if not isinstance(x, torch.Tensor):
@@ -290,23 +380,50 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
     if not x.is_floating_point() or x.element_size() == 1:
         raise InputError(f"quantize() needs a float32/float16/bfloat16/float64 tensor, "
                          f"got {x.dtype}")
+    if x.dim() == 3:
+        return _quantize_experts(x, global_scale)
     if x.dim() != 2:
-        raise InputError(f"quantize() needs a 2-D tensor [R, K], got shape {tuple(x.shape)}")
+        raise InputError(f"quantize() needs a 2-D tensor [R, K], got shape {tuple(x.shape)} "
+                         "(or a 3-D expert stack [E, R, K])")
     rows, k = x.shape
-    if k % 16:
-        raise InputError(f"K = {k} is not a multiple of 16 (the NVFP4 block size)")
-    if rows == 0 or k == 0:
-        raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
+    _check_quantizable(x)
     xf = x.float()
-    if not torch.isfinite(xf).all():
-        bad = int((~torch.isfinite(xf)).sum())
-        raise InputError(f"x has {bad} NaN/Inf values; NVFP4 has no encoding for them")
+    _check_finite(xf)
     if global_scale is None:
-        amax = float(xf.abs().max())
-        global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else 1.0
+        global_scale = _amax_scale(xf)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
     if not torch.isfinite(gs) or gs <= 0:
         raise InputError(f"global_scale must be finite and > 0, got {float(gs):g}")
+    data, sf = _encode(xf, gs)
+    return NVFP4Tensor(data, sf, gs, (rows, k))
+
+
+def _check_quantizable(x: torch.Tensor) -> None:
+    k = x.shape[-1]
+    if k % 16:
+        raise InputError(f"K = {k} is not a multiple of 16 (the NVFP4 block size)")
+    if x.numel() == 0:
+        raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
+
+
+def _check_finite(xf: torch.Tensor, bad: int | None = None) -> None:
+    if bad is None and torch.isfinite(xf).all():
+        return
+    bad = int((~torch.isfinite(xf)).sum()) if bad is None else bad
+    if bad:
+        raise InputError(f"x has {bad} NaN/Inf values; NVFP4 has no encoding for them")
+
+
+def _amax_scale(xf: torch.Tensor) -> float:
+    """The default global scale of ``xf``: its amax / (448 * 6), 1.0 for all zeros."""
+    amax = float(xf.abs().max())
+    return amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else 1.0
+
+
+def _encode(xf: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [R, K] and a 0-d float32 global scale -> (packed codes [R, K/2], blocked
+    scales). The one quantization rule (module docstring)."""
+    rows, k = xf.shape
     blocks = xf.view(rows, k // 16, 16)
     bamax = blocks.abs().amax(dim=-1)
     sf = (bamax / E2M1_MAX / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
@@ -315,4 +432,31 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
     denom = (sf.float() * gs).unsqueeze(-1)
     q = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, 1.0), 0.0)
     codes = e2m1_encode(q).view(rows, k)
-    return NVFP4Tensor(pack_e2m1(codes), swizzle_scales(sf), gs, (rows, k))
+    return pack_e2m1(codes), swizzle_scales(sf)
+
+
+def _quantize_experts(x: torch.Tensor, global_scale) -> NVFP4Tensor:
+    """:func:`quantize` of a stack ``[E, R, K]``: each expert by the 2-D rule with its own
+    global scale, one expert at a time (one float32 copy of an expert in memory)."""
+    n_exp, rows, k = x.shape
+    _check_quantizable(x)
+    bad = sum(int((~torch.isfinite(x[e].float())).sum()) for e in range(n_exp))
+    _check_finite(x, bad)
+    if global_scale is None:
+        global_scale = [_amax_scale(x[e].float()) for e in range(n_exp)]
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    if gs.numel() not in (1, n_exp):
+        raise InputError(f"global_scale for {n_exp} experts must be a scalar or hold "
+                         f"{n_exp} values, got {gs.numel()}")
+    gs = gs.reshape(-1).expand(n_exp).contiguous()
+    wrong = ~torch.isfinite(gs) | (gs <= 0)
+    if wrong.any():
+        e = int(wrong.nonzero()[0, 0])
+        raise InputError(f"global_scale must be finite and > 0, got {float(gs[e]):g} for "
+                         f"expert {e}")
+    rp, cp = scale_shape(rows, k)
+    data = torch.empty((n_exp, rows, k // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((n_exp, rp, cp), dtype=torch.float8_e4m3fn, device=x.device)
+    for e in range(n_exp):
+        data[e], scale[e] = _encode(x[e].float().contiguous(), gs[e])
+    return NVFP4Tensor._unchecked(data, scale, gs, (n_exp, rows, k))

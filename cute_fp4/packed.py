@@ -29,9 +29,11 @@ inverses (a permutation of bytes plus zero padding).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from cute_fp4.errors import FormatError, InputTypeError
+from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor
 
 UNIT_ROWS = 64  # weight rows per packed unit (one WGMMA M)
@@ -55,34 +57,44 @@ def _check_k(k: int) -> None:
                           "NVFP4Tensor for this weight")
 
 
+def _lead_perm(lead: int, perm: tuple[int, ...]) -> tuple[int, ...]:
+    """``perm`` of the unit modes behind ``lead`` leading (expert) modes kept in place."""
+    return (*range(lead), *(lead + i for i in perm))
+
+
 def pack(data: torch.Tensor) -> torch.Tensor:
-    """Plain packed E2M1 bytes ``[N, K/2]`` -> fragment order ``[packed_rows(N), K/2]``."""
-    if data.dtype != torch.uint8 or data.dim() != 2:
+    """Plain packed E2M1 bytes ``[N, K/2]`` -> fragment order ``[packed_rows(N), K/2]``
+    (an expert stack ``[E, N, K/2]`` -> ``[E, packed_rows(N), K/2]``, each expert packed
+    alone)."""
+    if data.dtype != torch.uint8 or data.dim() not in (2, 3):
         raise FormatError(f"data must be uint8 [N, K/2], got {data.dtype} with shape "
-                          f"{tuple(data.shape)}")
-    n, half_k = data.shape
+                          f"{tuple(data.shape)} (an expert stack is [E, N, K/2])")
+    *lead, n, half_k = data.shape
     _check_k(2 * half_k)
     rows = packed_rows(n)
     padded = data
     if rows != n:
-        padded = torch.zeros((rows, half_k), dtype=torch.uint8, device=data.device)
-        padded[:n] = data
-    units = padded.reshape(rows // 64, 4, 2, 8, half_k // 32, 4, 2, 4)
-    return units.permute(_TO_PACKED).contiguous().reshape(rows, half_k)
+        padded = torch.zeros((*lead, rows, half_k), dtype=torch.uint8, device=data.device)
+        padded[..., :n, :] = data
+    units = padded.reshape(*lead, rows // 64, 4, 2, 8, half_k // 32, 4, 2, 4)
+    perm = _lead_perm(len(lead), _TO_PACKED)
+    return units.permute(perm).contiguous().reshape(*lead, rows, half_k)
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: fragment order -> plain ``[n, K/2]`` bytes."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
+    """Inverse of :func:`pack`: fragment order -> plain ``[n, K/2]`` bytes (``[E, n, K/2]``
+    for an expert stack)."""
+    if packed.dtype != torch.uint8 or packed.dim() not in (2, 3):
         raise FormatError(f"packed data must be uint8 [rows, K/2], got {packed.dtype} with "
-                          f"shape {tuple(packed.shape)}")
-    rows, half_k = packed.shape
+                          f"shape {tuple(packed.shape)} (an expert stack is [E, rows, K/2])")
+    *lead, rows, half_k = packed.shape
     _check_k(2 * half_k)
     if rows != packed_rows(n):
         raise FormatError(f"packed data of {n} rows must have {packed_rows(n)} rows, "
                           f"got {rows}")
-    units = packed.reshape(rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
-    return units.permute(_TO_PLAIN).contiguous().reshape(rows, half_k)[:n].contiguous()
+    units = packed.reshape(*lead, rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
+    plain = units.permute(_lead_perm(len(lead), _TO_PLAIN)).contiguous()
+    return plain.reshape(*lead, rows, half_k)[..., :n, :].contiguous()
 
 
 def source_of(t: int, kb: int, j: int) -> tuple[int, int]:
@@ -99,19 +111,26 @@ class PackedNVFP4Weight:
     Attributes: ``data`` uint8 ``[packed_rows(N), K/2]`` (see the module docstring),
     ``scale`` (the blocked UE4M3 scales, as in NVFP4Tensor), ``global_scale``, ``shape``
     ``(N, K)``. Made once from an NVFP4Tensor (:meth:`from_tensor`, or
-    ``NVFP4Tensor.repack()``); :meth:`unpack` gives the plain tensor back, bit for bit.
+    :func:`repack`); :meth:`unpack` gives the plain tensor back, bit for bit.
+    With a leading expert mode (from an NVFP4Tensor expert stack, for ``grouped_gemm``):
+    ``data`` ``[E, packed_rows(N), K/2]``, ``scale`` ``[E, ...]``, ``global_scale`` [E],
+    ``shape`` ``(E, N, K)``; :meth:`expert` is one expert's packed weight (views).
     """
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                 shape: tuple[int, int]):
-        n, k = shape
+                 shape: tuple[int, ...]):
+        if len(shape) not in (2, 3):
+            raise FormatError(f"shape must be (N, K) or (E, N, K), got {tuple(shape)}")
+        *lead, n, k = shape
         _check_k(k)
-        if data.dtype != torch.uint8 or tuple(data.shape) != (packed_rows(n), k // 2):
-            raise FormatError(f"packed data for [{n}, {k}] must be uint8 "
-                              f"[{packed_rows(n)}, {k // 2}], got {data.dtype} "
+        want = (*lead, packed_rows(n), k // 2)
+        if data.dtype != torch.uint8 or tuple(data.shape) != want:
+            dims = ", ".join(map(str, shape))
+            raise FormatError(f"packed data for [{dims}] must be uint8 "
+                              f"[{', '.join(map(str, want))}], got {data.dtype} "
                               f"{tuple(data.shape)}")
         self.data, self.scale, self.global_scale = data, scale, global_scale
-        self.shape = (n, k)
+        self.shape = tuple(shape)
 
     @classmethod
     def from_tensor(cls, w: NVFP4Tensor) -> PackedNVFP4Weight:
@@ -122,8 +141,25 @@ class PackedNVFP4Weight:
 
     def unpack(self) -> NVFP4Tensor:
         """The plain cuBLAS-layout NVFP4Tensor this weight was packed from."""
-        n, k = self.shape
-        return NVFP4Tensor(unpack(self.data, n), self.scale, self.global_scale, (n, k))
+        n = self.shape[-2]
+        return NVFP4Tensor(unpack(self.data, n), self.scale, self.global_scale, self.shape)
+
+    @property
+    def experts(self) -> int | None:
+        """E for a weight with a leading expert mode, None for a 2-D one."""
+        return self.shape[0] if len(self.shape) == 3 else None
+
+    def expert(self, e: int) -> PackedNVFP4Weight:
+        """Expert ``e`` of a packed expert stack as a 2-D packed weight (views, no copies)."""
+        n = self.experts
+        if n is None:
+            raise FormatError(f"expert({e!r}) needs a weight with a leading expert mode "
+                              f"[E, N, K]; this one is 2-D {self.shape}")
+        i = operator.index(e)
+        if not -n <= i < n:
+            raise InputError(f"expert {i} is out of range for {n} experts")
+        return PackedNVFP4Weight(self.data[i], self.scale[i], self.global_scale[i],
+                                 self.shape[1:])
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +175,8 @@ class PackedNVFP4Weight:
 
 def repack(w: NVFP4Tensor) -> PackedNVFP4Weight:
     """The function ``cute_fp4.nn`` (or any caller) uses once per weight: ``w`` in fragment
-    order for the ``rs_packed`` kernels. Raises FormatError when K is not a multiple of 64."""
+    order for the ``rs_packed`` kernels (an expert stack: every expert, for the grouped
+    ones). Raises FormatError when K is not a multiple of 64."""
     return PackedNVFP4Weight.from_tensor(w)
 
 

@@ -33,7 +33,8 @@ QUANTIZE = [
     ("fp8 dtype", ValueError, "float8_e4m3fn", lambda: cf.quantize(torch.ones(2, 16).to(E4))),
     ("1-D", ValueError, r"2-D tensor \[R, K\], got shape \(16,\)",
      lambda: cf.quantize(torch.ones(16))),
-    ("3-D", ValueError, r"got shape \(2, 2, 16\)", lambda: cf.quantize(torch.ones(2, 2, 16))),
+    ("4-D", ValueError, r"got shape \(2, 2, 2, 16\)",
+     lambda: cf.quantize(torch.ones(2, 2, 2, 16))),  # 3-D is an expert stack
     ("K=24", ValueError, "K = 24 is not a multiple of 16", lambda: cf.quantize(torch.ones(2, 24))),
     ("empty", ValueError, r"empty tensor of shape \(0, 16\)",
      lambda: cf.quantize(torch.ones(0, 16))),

@@ -182,8 +182,8 @@ def test_wrong_blocked_scale_size():
                        torch.zeros(4, 4, dtype=torch.float8_e4m3fn), 1.0)
 
 
-def test_quantize_rejects_int_and_3d():
+def test_quantize_rejects_int_and_4d():
     with pytest.raises(InputError, match="int64"):
         cf.quantize(torch.ones(2, 16, dtype=torch.int64))
     with pytest.raises(InputError, match="2-D"):
-        cf.quantize(torch.ones(2, 2, 16))
+        cf.quantize(torch.ones(2, 2, 2, 16))  # 3-D is an expert stack
