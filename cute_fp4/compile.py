@@ -24,13 +24,14 @@ from cute_fp4.targets import Target, get_target
 
 def kernel_class(schedule: Schedule) -> type:
     """The kernel class that implements ``schedule``'s target family."""
+    grouped = schedule.scheduler.grouped
     if schedule.arch.family == "sm120":
-        from cute_fp4.kernels.sm120 import Sm120Gemm
+        from cute_fp4.kernels.sm120 import Sm120Gemm, Sm120GroupedGemm
 
-        return Sm120Gemm
-    from cute_fp4.kernels.sm90 import Sm90Gemm
+        return Sm120GroupedGemm if grouped else Sm120Gemm
+    from cute_fp4.kernels.sm90 import Sm90Gemm, Sm90GroupedGemm
 
-    return Sm90Gemm
+    return Sm90GroupedGemm if grouped else Sm90Gemm
 
 
 def retarget(schedule: Schedule, target: str | Target | None) -> Schedule:
@@ -99,6 +100,7 @@ def compile_report(schedule: Schedule | str, target: str | None = None,
 
     s = retarget(schedule, target)
     pl: Plan = plan(s, problem)
+    problem = pl.problem
     row = {"name": s.name, "target": s.target, "tile": list(s.tile), "roles":
            s.warps.roles.value, "stages": pl.stages, "smem_bytes": pl.smem_bytes,
            "smem_limit": pl.smem_limit, "ok": pl.ok}
@@ -280,14 +282,15 @@ class CompiledGemm:
         if len(made) >= 4096:  # many distinct addresses: don't grow forever
             made.clear()
         args = []
+        last = len(raw) - 1  # the stream; pointers first, Int32 sizes between
         for i, v in enumerate(raw):
             obj = made.get((i, v))
             if obj is None:
-                obj = made[(i, v)] = self._dsl_object(i, v)
+                obj = made[(i, v)] = self._dsl_object(i, v, last)
             args.append(obj)
         return tuple(args)
 
-    def _dsl_object(self, slot: int, value: int):
+    def _dsl_object(self, slot: int, value: int, last: int):
         import cutlass
 
         if slot < 7:
@@ -295,7 +298,7 @@ class CompiledGemm:
 
             dtype, align = self._kernel.pointer_slots()[slot]
             return make_ptr(dtype, value, cutlass.AddressSpace.gmem, assumed_align=align)
-        if slot < 11:
+        if slot < last:
             return cutlass.Int32(value)
         from cuda.bindings import driver
 
@@ -475,9 +478,7 @@ def emulated_kernel(schedule: Schedule, problem: Problem | None = None):
     if problem.a_format != "nvfp4":
         raise InputError(f"the SM120 kernel takes NVFP4 A only, got {problem.a_format}")
     plan(schedule, problem).raise_if_invalid()
-    from cute_fp4.kernels.sm120 import Sm120Gemm
-
-    return Sm120Gemm(schedule, problem, emulate=True)
+    return kernel_class(schedule)(schedule, problem, emulate=True)
 
 
 def cross_compile_emulated(schedule: Schedule, problem: Problem | None = None,

@@ -192,13 +192,22 @@ def plan(schedule: Schedule | str, problem: Problem | tuple | None = None) -> Pl
 
     ``schedule`` may be a catalogue name and ``problem`` an ``(m, n, k)`` tuple.
     The shared-memory check runs even when another check fails, so a refusal always
-    carries the byte counts when memory is also a problem.
+    carries the byte counts when memory is also a problem. Without a problem, a schedule
+    that takes only 16-bit activations (grouped sm_90a) is planned for BF16 A.
     """
     from cute_fp4.catalogue import resolve
 
     schedule, problem = resolve(schedule, problem)
-    p = problem or Problem()
-    s = schedule
+    if problem is None:  # any problem: NVFP4 A, or 16-bit A for a W4A16-only schedule
+        first = _plan(schedule, Problem())
+        if first.ok:
+            return first
+        w4a16 = _plan(schedule, Problem(a_format="bf16"))
+        return w4a16 if w4a16.ok else first
+    return _plan(schedule, problem)
+
+
+def _plan(s: Schedule, p: Problem) -> Plan:
     rules = family_rules(s.arch)
     if rules is None:
         return _unplanned(s, p)

@@ -171,9 +171,13 @@ class Scheduler:
     persistent: bool = True
     raster: Raster = Raster.ALONG_M
     group_size: int = 8  # tiles along the raster direction before moving on (L2 reuse)
+    # grouped (MoE): the work units of one GEMM per expert, walked from a device-side table
+    # of group offsets (kernels/scheduler.py GroupedScheduler)
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         _bool("Scheduler.persistent", self.persistent)
+        _bool("Scheduler.grouped", self.grouped)
         _set(self, "raster", as_enum(Raster, self.raster, "Scheduler.raster"))
         _positive("Scheduler.group_size", self.group_size)
 
@@ -280,6 +284,8 @@ class Schedule:
             parts.append("swap_ab")
         if self.mainloop is not Mainloop.STANDARD:
             parts.append(self.mainloop.value)
+        if self.scheduler.grouped:
+            parts.append("grouped")
         if self.epilogue.tile:
             parts.append(f"epi={self.epilogue.tile[0]}x{self.epilogue.tile[1]}")
         return " ".join(parts)
@@ -293,6 +299,8 @@ class Schedule:
             d.pop("swap_ab")  # keys of existing schedules (and their caches) are unchanged
         if d["mainloop"] is Mainloop.STANDARD:
             d.pop("mainloop")  # likewise
+        if not d["scheduler"]["grouped"]:
+            d["scheduler"].pop("grouped")  # likewise
         return repr(_plain(d))
 
 
@@ -300,7 +308,7 @@ class Schedule:
 _NESTED = {
     "roles": ("warps", "roles"), "mma": ("warps", "mma"),
     "raster": ("scheduler", "raster"), "persistent": ("scheduler", "persistent"),
-    "group_size": ("scheduler", "group_size"),
+    "group_size": ("scheduler", "group_size"), "grouped": ("scheduler", "grouped"),
     "out_dtype": ("epilogue", "out_dtype"), "epi_tile": ("epilogue", "tile"),
 }
 
@@ -351,15 +359,18 @@ class Problem:
 
     ``a_format`` is ``"nvfp4"`` (W4A4) or ``"bf16"``/``"fp16"`` (W4A16: A is 16-bit).
     B is always NVFP4. A dimension of 0 means "any" (symbolic) for planning.
+    ``groups`` > 0: a grouped (MoE) problem of that many experts, ``m`` their total rows
+    (tokens sorted by expert), B ``[groups, N, K]``; 0: a dense GEMM.
     """
 
     m: int = 0
     n: int = 0
     k: int = 0
     a_format: str = "nvfp4"
+    groups: int = 0
 
     def __post_init__(self) -> None:
-        for f in ("m", "n", "k"):
+        for f in ("m", "n", "k", "groups"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise InputError(f"Problem.{f} must be an int >= 0, got {v!r}")
@@ -377,7 +388,7 @@ class Problem:
         ``(m, n, k, a_format)`` tuple."""
         if x is None or isinstance(x, cls):
             return x
-        if isinstance(x, (tuple, list)) and len(x) in (3, 4):
+        if isinstance(x, (tuple, list)) and len(x) in (3, 4, 5):
             return cls(*x)
         raise InputTypeError(f"a problem must be a Problem or an (m, n, k) tuple, "
                              f"got {type(x).__name__} {x!r}")

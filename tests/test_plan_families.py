@@ -69,6 +69,9 @@ def test_driver_dispatches_and_never_names_a_family():
 # ----------------------------------------------------------------------------- SM120
 
 SM120_REFUSALS = [
+    (SM120.replace(grouped=True, sf_load="cp_async"), Problem(64, 128, 256, "nvfp4", 8),
+     "grouped SM120 schedules load SFB by TMA (and SFA per row by cp.async): use "
+     "sf_load='tma'"),
     (SM120.replace(swap_ab=True), None,
      "swap_ab is implemented for sm_90a only, not sm_120a"),
     (SM120.replace(tile=(96, 128, 128)), None,
@@ -100,6 +103,12 @@ SM120_REFUSALS = [
 # ----------------------------------------------------------------------------- SM90
 
 SM90_REFUSALS = [
+    (SM90.replace(grouped=True), Problem(64, 128, 256, "bf16", 8),
+     "grouped sm_90a schedules run the rs_packed mainloop (set mainloop='rs_packed'): its "
+     "weight tiles are whole per group"),
+    (SM90.replace(grouped=True, mainloop="rs_packed"), Problem(64, 128, 256, "nvfp4", 8),
+     "grouped sm_90a kernels take 16-bit activations (W4A16) only: NVFP4 activations (W4A4) "
+     "are not built there"),
     (SM90.replace(mainloop="rs_packed", tile=(128, 128, 256)), None,
      "rs_packed tile K 256 must be 64 or 128"),
     (SWAP.replace(tile=(24, 64, 256)), None,
@@ -170,6 +179,15 @@ COMMON_REFUSALS = [
         (s.replace(split_k=8), Problem(1, 64, 512),
          "split_k 8 exceeds the 4 K tiles of K = 512 with tile K 128"),
         (s.replace(split_k=17), None, "split_k 17 exceeds 16"),
+        (s, Problem(64, 128, 256, "bf16" if s is SM90 else "nvfp4", 8),
+         "a grouped problem (8 groups) needs a grouped schedule (Scheduler(grouped=True)); "
+         "this one computes one dense GEMM"),
+        (s.replace(grouped=True), Problem(64, 128, 256, "bf16" if s is SM90 else "nvfp4",
+                                          257),
+         "257 groups exceed the grouped scheduler's 256 (it keeps 8 tile-count prefixes per "
+         "lane of a warp)"),
+        (s.replace(grouped=True, split_k=2), None,
+         "grouped schedules do not split K (split_k 2): use 1"),
     ]
 ]
 
@@ -217,6 +235,8 @@ ACCOUNTING = {
     ("sm120_default", "nvfp4"): (3, 89_088, (128, 128)),
     ("sm120_epi64x32", "nvfp4"): (4, 91_136, (64, 32)),
     ("sm120_k256_epi64x32", "nvfp4"): (2, 91_136, (64, 32)),
+    ("sm120_grouped", "nvfp4"): (5, 93_184, (128, 128)),
+    ("sm120_grouped_decode", "nvfp4"): (8, 99_328, (32, 128)),
     ("sm120_k64_deep", "nvfp4"): (7, 99_328, (128, 128)),
     ("sm120_nonpersistent", "nvfp4"): (3, 89_088, (128, 128)),
     ("sm120_pingpong", "nvfp4"): (3, 89_088, (128, 128)),
@@ -232,6 +252,8 @@ ACCOUNTING = {
     ("sm90_decode_swapab", "bf16"): (10, 218_112, (16, 64)),
     ("sm90_default", "nvfp4"): (4, 220_160, (128, 256)),
     ("sm90_default", "bf16"): (3, 208_896, (128, 256)),
+    ("sm90_grouped", "bf16"): (11, 232_448, (128, 128)),
+    ("sm90_grouped_decode", "bf16"): (17, 227_328, (16, 128)),
     ("sm90_nonpersistent_fp32", "nvfp4"): (5, 224_256, (128, 128)),
     ("sm90_nonpersistent_fp32", "bf16"): (3, 192_512, (128, 128)),
     ("sm90_rs_packed", "nvfp4"): (14, 227_328, (256, 128)),

@@ -63,7 +63,7 @@ def test_catalogue_plans(s):
     assert p.smem_bytes <= s.arch.smem_per_block
     assert p.smem_bytes == sum(_align(r.bytes) for r in p.regions)
     if s.stages is None:  # auto is maximal: one more stage would not fit
-        more = sum(_align(r.bytes) for r in smem_regions(s, Problem(), p.stages + 1))
+        more = sum(_align(r.bytes) for r in smem_regions(s, p.problem, p.stages + 1))
         assert more > s.arch.smem_per_block
     assert s.doc, f"{s.name} has no docstring saying what it changes and why"
 

@@ -196,5 +196,87 @@ class GemmLaunch:
         return pointer_slots(self.ptr_types, self.split_k)
 
 
-__all__ = ["GemmLaunch", "GemmTensors", "PointerTypes", "fake_args", "global_tensors", "out_dtype",
-           "pointer_slots", "raw_args", "runtime_args", "sm_count"]
+# ----------------------------------------------------------------------------- grouped
+
+class GroupedTensors(NamedTuple):
+    """Global tensors of one grouped launch (:func:`grouped_tensors`)."""
+
+    mA: cute.Tensor  # uint8 [M_total, K/2] or 16-bit [M_total, K]: rows sorted by group
+    mSFA: cute.Tensor  # flat uint8 blocked scales of A's M_total rows (W4A16: B's)
+    mB: cute.Tensor  # uint8 (rows, K/2, groups): each group's weight
+    mSFB: cute.Tensor  # uint8 (bytes, groups): each group's blocked scales
+    mD: cute.Tensor  # (M_total, N, 1)
+    mAlpha: cute.Tensor  # (groups,) float32
+    mOffsets: cute.Tensor  # (groups + 1,) int32: group g owns rows offsets[g] .. [g + 1]
+
+
+def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets,
+                    m, n, k, groups) -> GroupedTensors:
+    """The grouped launch's global tensors over the raw pointers (call while tracing).
+    ``b_row_align``: the weight's stored rows per group are ``n`` rounded up to it (64 for
+    the fragment-order packed weight, 1 for the plain one)."""
+    dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, m, n, k)
+    n = cute.assume(n, divby=8)
+    half_k = cute.assume(k // 2, divby=16)
+    rows = (n + b_row_align - 1) // b_row_align * b_row_align
+    mB = cute.make_tensor(pB, cute.make_layout(
+        (n, half_k, groups),
+        stride=(cute.assume(cutlass.Int64(half_k), divby=16), 1,
+                cute.assume(cutlass.Int64(rows) * half_k, divby=128))))
+    sf_bytes = cute.assume((n + 127) // 128 * ((half_k + 31) // 32) * SF_ATOM_BYTES,
+                           divby=SF_ATOM_BYTES)
+    mSFB = cute.make_tensor(pSFB, cute.make_layout((sf_bytes, groups), stride=(1, sf_bytes)))
+    return GroupedTensors(dense.mA, dense.mSFA, mB, mSFB, dense.mD,
+                          cute.make_tensor(pAlpha, cute.make_layout((groups,))),
+                          cute.make_tensor(pOffsets, cute.make_layout((groups + 1,))))
+
+
+class GroupedLaunch(GemmLaunch):
+    """Mixin of the grouped kernels: the grouped entry point and its arguments.
+
+    Compiled signature ``(pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets, m, n, k, groups,
+    max_ctas, stream)``: the dense one with ``pWork`` replaced by the int32 group offsets
+    ``[groups + 1]``, ``pAlpha`` one float32 per group, ``m`` the total rows and ``groups``
+    added. ``self.b_row_align`` as in :func:`grouped_tensors`.
+    """
+
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
+                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
+                 pOffsets: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 groups: cutlass.Int32, max_ctas: cutlass.Int32, stream: cuda.CUstream):
+        self._launch(grouped_tensors(self.w4a16, self.b_row_align, pA, pSFA, pB, pSFB, pC,
+                                     pAlpha, pOffsets, m, n, k, groups), max_ctas, stream)
+
+    def fake_args(self) -> tuple:
+        from cutlass.cute.runtime import make_fake_stream
+
+        ptrs = [_ptr(dtype, 0, align) for dtype, align in self.pointer_slots()]
+        i32 = cutlass.Int32
+        return (*ptrs, i32(0), i32(0), i32(0), i32(0), i32(self.sm_count), make_fake_stream())
+
+    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, offsets, stream) -> tuple:
+        raw = self.raw_args(a, a_scale, b, b_scale, out, alpha, offsets,
+                            sm_count(out.device.index) if out.is_cuda else 1, stream)
+        ptrs = [_ptr(dtype, v, align) for (dtype, align), v in zip(self.pointer_slots(), raw)]
+        return (*ptrs, *(cutlass.Int32(v) for v in raw[7:12]), stream)
+
+    def raw_args(self, a, a_scale, b, b_scale, out, alpha, offsets, max_ctas: int,
+                 stream: int) -> tuple[int, ...]:
+        """``(pointers..., m, n, k, groups, max_ctas, stream)`` as ints (W4A16: ``pSFA``
+        repeats ``pSFB``, never read)."""
+        sfb = b_scale.data_ptr()
+        m, n = out.shape
+        return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(),
+                sfb, out.data_ptr(), alpha.data_ptr(), offsets.data_ptr(), m, n,
+                b.shape[-1] * 2, offsets.shape[0] - 1, max_ctas, stream)
+
+    def pointer_slots(self) -> tuple[tuple[type, int], ...]:
+        u8 = cutlass.Uint8
+        return ((self.ptr_types.a, 16), (u8, 16), (u8, 16), (u8, 16), (self.ptr_types.c, 16),
+                (cutlass.Float32, 4), (cutlass.Int32, 4))
+
+
+__all__ = ["GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors", "PointerTypes",
+           "fake_args", "global_tensors", "grouped_tensors", "out_dtype", "pointer_slots",
+           "raw_args", "runtime_args", "sm_count"]

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from cute_fp4.nvfp4 import SF_ATOM_BYTES
+from cute_fp4.nvfp4 import SF_ATOM_BYTES, sf_atom_offset, sf_offset
 
 CHUNK = 16  # bytes per cp.async
 WARP = 32
@@ -28,11 +28,15 @@ def sf_stage_layout(k_blocks: int, row_atoms: int, stages: int):
 
 
 def sf_global_view(mSF: cute.Tensor, rows, half_k) -> cute.Tensor:
-    """Flat uint8 blocked scales -> ``(16, 32, col_block, row_atom)`` bytes."""
+    """Flat uint8 blocked scales -> ``(16, 32, col_block, row_atom)`` bytes; grouped scales
+    ``(bytes, groups)`` -> ``(16, 32, col_block, row_atom, group)``."""
     n_cb = (half_k + 31) // 32  # 64-element K blocks (4 scale columns)
     n_rb = (rows + 127) // 128
-    return cute.make_tensor(mSF.iterator, cute.make_layout(
-        (16, 32, n_cb, n_rb), stride=(1, 16, SF_ATOM_BYTES, n_cb * SF_ATOM_BYTES)))
+    shape = (16, 32, n_cb, n_rb)
+    stride = (1, 16, SF_ATOM_BYTES, n_cb * SF_ATOM_BYTES)
+    if cutlass.const_expr(cute.rank(mSF) == 2):
+        shape, stride = (*shape, mSF.shape[1]), (*stride, mSF.stride[1])
+    return cute.make_tensor(mSF.iterator, cute.make_layout(shape, stride=stride))
 
 
 def sf_tma_atom(mSF_view: cute.Tensor, s_layout):
@@ -102,5 +106,33 @@ def load_sf_cp_async(sf_bytes, sSF, stage, row_atom, k_tile, k_blocks, tile_k, l
         cute.copy(atom, src, dst)
 
 
-__all__ = ["load_sf_cp_async", "producer_loop", "sf_global_view", "sf_stage_layout",
-           "sf_tma_atom", "tma_views"]
+@cute.jit
+def load_sf_rows_cp_async(sf_bytes, sSF, stage, row0, m_rows, k_tile, k_blocks, tile_m,
+                          tile_k, lane):
+    """One stage of scale factors of ``tile_m`` rows starting at any row ``row0`` (grouped
+    GEMMs: a group's rows start anywhere in the 128-row atoms), by 4-byte cp.async.
+
+    A row's four scales of one 64-element K block are 4 contiguous bytes in the blocked
+    layout; each goes to where a whole-atom copy would put tile row ``r`` (local rows
+    ``0 .. tile_m``, K block ``j`` of the stage). Rows past ``m_rows`` re-read the last row
+    and K blocks past the end re-read block 0 (finite scales for zero-filled data).
+    """
+    per_row = tile_k // 64  # K blocks of 4 scales per stage
+    n_chunks = tile_m * per_row
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
+    s_base = stage * (tile_k * 8)
+    for i in cutlass.range_constexpr(n_chunks // WARP):
+        c = lane + i * WARP
+        r, j = c % tile_m, c // tile_m
+        row = cutlass.min(row0 + r, m_rows - 1)
+        kb = k_tile * per_row + j
+        kb = cutlass.select_(kb < k_blocks, kb, 0)
+        src_off = cute.assume(sf_offset(row, kb * 4, k_blocks), divby=4)
+        dst_off = cute.assume(s_base + j * SF_ATOM_BYTES + sf_atom_offset(r, 0), divby=4)
+        src = cute.make_tensor(sf_bytes.iterator + src_off, cute.make_layout(4))
+        dst = cute.make_tensor(sSF.iterator + dst_off, cute.make_layout(4))
+        cute.copy(atom, src, dst)
+
+
+__all__ = ["load_sf_cp_async", "load_sf_rows_cp_async", "producer_loop", "sf_global_view",
+           "sf_stage_layout", "sf_tma_atom", "tma_views"]

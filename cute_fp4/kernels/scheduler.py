@@ -15,10 +15,12 @@ partials land in the workspace together), and split ``s`` owns the K tiles
 Tiles go ``group_size`` at a time along the raster direction (M for ``along_m``: consecutive
 units share a column block of B), then step across; see :func:`unit_coords`.
 
-The seam for grouped (MoE) GEMMs is :class:`WorkTile` plus the two-method protocol
-``total`` / ``coords(unit)``: a grouped scheduler keeps a per-group problem table on the
-device and returns the group index in ``WorkTile.l`` and tile coordinates inside that
-group; the kernels only ever read a ``WorkTile``.
+Grouped (MoE) GEMMs use the same protocol (``prepare``, ``total``, ``coords(unit)``,
+``first_unit``) through :class:`GroupedScheduler`: group ``g`` owns rows
+``offsets[g] .. offsets[g+1]`` of A and D (a device tensor: no host sync), cut into
+``ceil(rows / tile_m)`` row tiles times ``tiles_n`` column tiles; the group index is
+``WorkTile.l`` and the tile's first row and valid row count are ``WorkTile.row0`` /
+``WorkTile.rows``. The kernels only ever read a ``WorkTile``.
 
 ``unit_coords`` is plain integer arithmetic, so the kernels (DSL integers) and the CPU
 tests (Python ints) run the very same function.
@@ -30,11 +32,15 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+from cute_fp4.planning.common import MAX_GROUPS
 
 
 class WorkTile(NamedTuple):
     """One work unit: output tile (``m``, ``n``) of problem ``l``, split ``split``, and its
-    K tiles ``[k_begin, k_begin + k_count)``."""
+    K tiles ``[k_begin, k_begin + k_count)``. Grouped GEMMs also give the tile's first row
+    in A and D (``row0``) and how many of its rows belong to group ``l`` (``rows``)."""
 
     m: object
     n: object
@@ -42,6 +48,8 @@ class WorkTile(NamedTuple):
     split: object
     k_begin: object
     k_count: object
+    row0: object = None
+    rows: object = None
 
 
 def unit_coords(unit, tiles_m, tiles_n, k_tiles, split_k, group_size, along_m,
@@ -96,6 +104,10 @@ class TileScheduler:
             return cutlass.min(self.total, max_ctas)
         return self.total
 
+    def prepare(self, offsets=None) -> TileScheduler:
+        """Device-side setup before the first ``coords`` (none for dense GEMMs)."""
+        return self
+
     def coords(self, unit) -> WorkTile:
         return unit_coords(unit, self.tiles_m, self.tiles_n, self.k_tiles, self.split_k,
                            self.group_size, self.along_m, cutlass.min)
@@ -108,4 +120,122 @@ class TileScheduler:
         return bid, nctas
 
 
-__all__ = ["TileScheduler", "WorkTile", "unit_coords"]
+GROUPS_PER_LANE = MAX_GROUPS // 32  # tile-count prefixes each lane keeps in registers
+
+
+def group_of_tile(t, prefix, lane_sum, lane_get, select, maximum=max):
+    """Group of row tile ``t`` and that group's first row tile, from the inclusive prefix
+    sums of row tiles per group, ``GROUPS_PER_LANE`` per lane (lane ``l`` holds groups
+    ``8 l .. 8 l + 7``). The group is the number of prefixes <= ``t`` over the warp (an empty
+    group repeats the prefix before it, so it is skipped); its first tile is the prefix of
+    the group before it. ``lane_sum(x)``: ``x`` summed over the warp; ``lane_get(x, lane)``:
+    lane ``lane``'s ``x``; ``select(p, a, b)``. Plain arithmetic over these, so the kernels
+    (warp reductions and shuffles) and the CPU tests (arrays of 32 lanes) run this very
+    function."""
+    count = 0
+    for v in prefix:
+        count = count + select(v <= t, 1, 0)
+    g = lane_sum(count)
+    before = maximum(g - 1, 0)
+    j = before % GROUPS_PER_LANE
+    picked = prefix[0]
+    for jj in range(1, GROUPS_PER_LANE):
+        picked = select(j == jj, prefix[jj], picked)
+    first = lane_get(picked, before // GROUPS_PER_LANE)
+    return g, select(g > 0, first, 0)
+
+
+def _select_i32(pred, a, b):
+    return cutlass.select_(pred, cutlass.Int32(a), cutlass.Int32(b))
+
+
+class GroupedScheduler:
+    """Work units of a grouped GEMM (one GEMM per group, rows from a device offset table).
+
+    Unit ``u``: row tile ``t = u // tiles_n`` of the groups' concatenated row tiles, column
+    tile ``u % tiles_n`` (consecutive units share the activation rows). :meth:`prepare`
+    (every warp, once, on the device) loads ``offsets`` and keeps each lane's eight
+    inclusive prefix sums of row tiles per group in registers; :meth:`coords` then finds a
+    unit's group with one warp reduction and one shuffle (no loop, no shared memory). At
+    most :data:`MAX_GROUPS` groups. The host cannot know the unit count without reading
+    the offsets, so the grid is sized for the worst case (every group adding a partial
+    tile) and CTAs past the real count exit at once.
+    """
+
+    def __init__(self, groups, tiles_n, k_tiles, tile_m: int, bound=None, offsets=None,
+                 prefix=None, total=None):
+        self.groups, self.tiles_n, self.k_tiles = groups, tiles_n, k_tiles
+        self.tile_m, self.bound = tile_m, bound
+        self.offsets, self.prefix, self.total = offsets, prefix, total
+        self.split_k = 1
+
+    # DSL protocol: three Int32 values into the kernel; a prepared scheduler (passed to
+    # device functions) also carries its unit count, prefixes and the offsets tensor.
+    def __extract_mlir_values__(self):
+        vals = [cutlass.Int32(v).ir_value() for v in (self.groups, self.tiles_n, self.k_tiles)]
+        if self.prefix is not None:
+            vals += [cutlass.Int32(v).ir_value() for v in (self.total, *self.prefix)]
+            vals += extract_mlir_values(self.offsets)
+        return vals
+
+    def __new_from_mlir_values__(self, values):
+        base = [cutlass.Int32(v) for v in values[:3]]
+        if self.prefix is None:
+            return GroupedScheduler(*base, self.tile_m)
+        n = 4 + GROUPS_PER_LANE
+        return GroupedScheduler(*base, self.tile_m, None,
+                                new_from_mlir_values(self.offsets, values[n:]),
+                                [cutlass.Int32(v) for v in values[4:n]],
+                                cutlass.Int32(values[3]))
+
+    @staticmethod
+    def create(groups, m_total, n, k, tile_mnk) -> GroupedScheduler:
+        """Scheduler of ``groups`` GEMMs over ``m_total`` rows, ``n x k`` each."""
+        tm, tn, tk = tile_mnk
+        tiles_n = (n + tn - 1) // tn
+        bound = tiles_n * ((m_total + tm - 1) // tm + groups)
+        return GroupedScheduler(groups, tiles_n, (k + tk - 1) // tk, tm, bound)
+
+    def grid(self, persistent: bool, max_ctas):
+        """CTAs to launch: enough for the worst case of unit counts (see the class doc)."""
+        if cutlass.const_expr(persistent):
+            return cutlass.min(self.bound, max_ctas)
+        return self.bound
+
+    def prepare(self, offsets) -> GroupedScheduler:
+        """Every lane: its groups' inclusive prefix sums of row tiles, and the unit count."""
+        lane = cute.arch.lane_idx()
+        first = lane * GROUPS_PER_LANE
+        prev = offsets[cutlass.min(first, self.groups)]
+        run = cutlass.Int32(0)
+        local = []
+        for j in range(GROUPS_PER_LANE):
+            nxt = offsets[cutlass.min(first + j + 1, self.groups)]
+            run = run + (nxt - prev + self.tile_m - 1) // self.tile_m
+            local.append(run)
+            prev = nxt
+        scan = run
+        for d in (1, 2, 4, 8, 16):
+            up = cute.arch.shuffle_sync_up(scan, d)
+            scan = scan + cutlass.select_(lane >= d, up, 0)
+        base = scan - run
+        total_tiles = cute.arch.shuffle_sync(scan, 31)
+        return GroupedScheduler(self.groups, self.tiles_n, self.k_tiles, self.tile_m,
+                                self.bound, offsets, [base + v for v in local],
+                                total_tiles * self.tiles_n)
+
+    def coords(self, unit) -> WorkTile:
+        t = unit // self.tiles_n
+        g, first = group_of_tile(
+            t, self.prefix, lambda x: cute.arch.warp_redux_sync(cutlass.Int32(x), "add"),
+            cute.arch.shuffle_sync, _select_i32, cutlass.max)
+        mt = t - first
+        row0 = self.offsets[g] + mt * self.tile_m
+        return WorkTile(mt, unit - t * self.tiles_n, g, 0, 0, self.k_tiles, row0,
+                        self.offsets[g + 1] - row0)
+
+    first_unit = staticmethod(TileScheduler.first_unit)
+
+
+__all__ = ["GROUPS_PER_LANE", "MAX_GROUPS", "GroupedScheduler", "TileScheduler", "WorkTile",
+           "group_of_tile", "unit_coords"]

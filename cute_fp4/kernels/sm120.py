@@ -69,10 +69,16 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
-from cute_fp4.kernels.epilogue import smem_epilogue, store_smem_tma
-from cute_fp4.kernels.launch import GemmLaunch, GemmTensors, PointerTypes, out_dtype
+from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma
+from cute_fp4.kernels.launch import (
+    GemmLaunch,
+    GemmTensors,
+    GroupedLaunch,
+    PointerTypes,
+    out_dtype,
+)
 from cute_fp4.kernels.roles import WARP, Barrier
-from cute_fp4.kernels.scheduler import TileScheduler
+from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Problem, Raster, Schedule, SFLoad, WarpRoles
 
@@ -132,6 +138,9 @@ class Sm120Gemm(GemmLaunch):
         self.producer_warp = self.warps.producer_warp
         self.threads = self.warps.threads
         self.sf_cp_async = schedule.sf_load is SFLoad.CP_ASYNC
+        # grouped (MoE): GroupedScheduler units, B/SFB with a group mode, SFA row by row
+        # (cp.async: a group starts at any row), alpha per group, masked register store
+        self.grouped = schedule.scheduler.grouped
         self.split_k = schedule.split_k
         self.sched = schedule.scheduler
         self.along_m = schedule.scheduler.raster is Raster.ALONG_M
@@ -174,7 +183,9 @@ class Sm120Gemm(GemmLaunch):
         self.sC_layout = self._operand_layout(*self.epi_tile, self.c_dtype, self.epi_stages)
         self.tx_bytes = (tm + tn) * tk // 2
         if not self.sf_cp_async:
-            self.tx_bytes += (self.sf_rows[0] + self.sf_rows[1]) * tk // SF_VEC
+            self.tx_bytes += self.sf_rows[1] * tk // SF_VEC
+            if not self.grouped:
+                self.tx_bytes += self.sf_rows[0] * tk // SF_VEC
         self.shared_storage = self._storage_struct()
         self.smem_bytes = self.shared_storage.size_in_bytes()
         if self.smem_bytes != self.plan_smem_bytes:
@@ -202,8 +213,9 @@ class Sm120Gemm(GemmLaunch):
                 u8, cute.cosize(self.sSFA_bytes)], ALIGN]
             sSFB: cute.struct.Align[cute.struct.MemRange[
                 u8, cute.cosize(self.sSFB_bytes)], ALIGN]
-            sC: cute.struct.Align[cute.struct.MemRange[
-                self.c_dtype, cute.cosize(self.sC_layout)], ALIGN]
+            if not self.grouped:  # grouped tiles are stored from registers
+                sC: cute.struct.Align[cute.struct.MemRange[
+                    self.c_dtype, cute.cosize(self.sC_layout)], ALIGN]
 
         return SharedStorage
 
@@ -228,15 +240,21 @@ class Sm120Gemm(GemmLaunch):
         mSFB = loads.sf_global_view(t.mSFB, n, half_k)
         tma_sfa, tma_mSFA = loads.sf_tma_atom(mSFA, self.sSFA_bytes)
         tma_sfb, tma_mSFB = loads.sf_tma_atom(mSFB, self.sSFB_bytes)
-        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), t.mD,
-            cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
-
-        units = TileScheduler.create(m, n, k, self.tile_mnk, self.split_k,
-                                     self.sched.group_size, self.along_m)
+        if cutlass.const_expr(self.grouped):
+            tma_sfa, tma_mSFA = tma_sfb, tma_mSFB  # SFA goes row by row (cp.async)
+            tma_c, tma_mC = tma_a, t.mD  # no TMA store: masked from registers
+            offsets = t.mOffsets
+            units = GroupedScheduler.create(offsets.shape[0] - 1, m, n, k, self.tile_mnk)
+        else:
+            tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), t.mD,
+                cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
+            offsets = t.mAlpha
+            units = TileScheduler.create(m, n, k, self.tile_mnk, self.split_k,
+                                         self.sched.group_size, self.along_m)
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB, tma_c, tma_mC,
-            t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32,
+            t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32, offsets, m,
         ).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                  block=[self.threads, 1, 1], cluster=[1, 1, 1],
                  smem=self.smem_bytes, stream=stream,
@@ -244,10 +262,13 @@ class Sm120Gemm(GemmLaunch):
 
     @staticmethod
     def _byte_view(t: cute.Tensor) -> cute.Tensor:
-        """uint8 [rows, K/2] -> uint8 [rows, K/2, 1]: what the A/B TMA loads, as bytes.
+        """uint8 [rows, K/2] -> uint8 [rows, K/2, 1]: what the A/B TMA loads, as bytes
+        (a grouped weight is (rows, K/2, group) already).
 
         Never ``internal_type=Uint8`` on a Float4E2M1FN tensor instead: the DSL then picks
         a TMA unpacking format that doubles the bytes."""
+        if cutlass.const_expr(cute.rank(t) == 3):
+            return t
         rows, half_k = t.shape
         return cute.make_tensor(t.iterator, cute.make_layout(
             (rows, half_k, 1), stride=(t.stride[0], 1, 0)))
@@ -259,7 +280,8 @@ class Sm120Gemm(GemmLaunch):
                mB: cute.Tensor, tma_sfa: cute.CopyAtom, mSFA: cute.Tensor,
                tma_sfb: cute.CopyAtom, mSFB: cute.Tensor, tma_c: cute.CopyAtom,
                mC: cute.Tensor, sfa_bytes: cute.Tensor, sfb_bytes: cute.Tensor,
-               alpha: cute.Tensor, units: TileScheduler, k_blocks: cutlass.Int32):
+               alpha: cute.Tensor, units, k_blocks: cutlass.Int32,
+               offsets: cute.Tensor, m_rows: cutlass.Int32):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp:
@@ -270,11 +292,12 @@ class Sm120Gemm(GemmLaunch):
         mainloop = self._make_mainloop_pipeline(bars)
         roles.init_turns(self.pingpong, bars + 2 * self.stages, self.group_threads, warp_idx)
         cute.arch.sync_threads()
+        units = units.prepare(offsets)
         if warp_idx < self.warps.first_mma_warp:
             roles.producer_registers(self.warps)
             if warp_idx == self.producer_warp:
                 self.load_tiles(storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa,
-                                mSFA, tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks)
+                                mSFA, tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks, m_rows)
         else:
             roles.consumer_registers(self.warps)
             self.mma_and_store(storage, mainloop, units, bars + 2 * self.stages, tma_c, mC,
@@ -282,7 +305,7 @@ class Sm120Gemm(GemmLaunch):
 
     def _make_mainloop_pipeline(self, bars):
         # cp.async scale loads add one no-increment arrival per producer lane.
-        producers = 1 + (WARP if self.sf_cp_async else 0)
+        producers = 1 + (WARP if self.sf_cp_async or self.grouped else 0)
         return pipeline.PipelineTmaAsync.create(
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
@@ -304,7 +327,7 @@ class Sm120Gemm(GemmLaunch):
 
     @cute.jit
     def load_tiles(self, storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa, mSFA,
-                   tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks):
+                   tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks, m_rows):
         """Producer warp: for each work unit, its K tiles of A, B, SFA, SFB into the ring."""
         tm, tn, tk = self.tile_mnk
         tAsA, tAgA = loads.tma_views(tma_a, self._tma_smem(storage.sA, self.sA_tma_layout),
@@ -320,9 +343,24 @@ class Sm120Gemm(GemmLaunch):
         ratio_b = self.sf_rows[1] // tn
         lane = cute.arch.lane_idx()
         def per_unit(w):
+            if cutlass.const_expr(self.grouped):  # A's rows from the group's offset
+                _, tAgA_u = loads.tma_views(
+                    tma_a, self._tma_smem(storage.sA, self.sA_tma_layout),
+                    cute.domain_offset((w.row0, 0, 0), mA), (tm, tk // 2))
+                return tAgA_u, w.n, w.row0, w.n // ratio_b, w.l
             return w.m, w.n, w.m // ratio_a, w.n // ratio_b  # 128-row scale atoms too
 
         def issue(u, kt, s, bar):
+            if cutlass.const_expr(self.grouped):
+                tAgA_u, cn, row0, rb, g = u
+                cute.copy(tma_a, tAgA_u[(None, 0, kt, 0)], tAsA[(None, s)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, cn, kt, g)], tBsB[(None, s)], tma_bar_ptr=bar)
+                cute.copy(tma_sfb, tBgSFB[(None, 0, 0, kt, rb, g)], tBsSFB[(None, s)],
+                          tma_bar_ptr=bar)
+                loads.load_sf_rows_cp_async(sfa_bytes, sSFA, s, row0, m_rows, kt, k_blocks,
+                                            tm, tk, lane)
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                return
             cm, cn, ra, rb = u
             cute.copy(tma_a, tAgA[(None, cm, kt, 0)], tAsA[(None, s)], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[(None, cn, kt, 0)], tBsB[(None, s)], tma_bar_ptr=bar)
@@ -348,14 +386,15 @@ class Sm120Gemm(GemmLaunch):
         group = mma_warp // self.group_warps
         gtid = (tidx - self.warps.first_mma_thread) % self.group_threads
         frags = self._mma_fragments(storage, gtid)
-        sC = storage.sC.get_tensor(self.sC_layout.outer, swizzle=self.sC_layout.inner)
-        gC = cute.local_tile(mC, self.tile_mnk[:2], (None, None, None))
-        epi = smem_epilogue(self._r2s_copy(), self.tiled_mma, gtid, sC, frags.acc,
-                            self.c_dtype, self.tile_mnk[:2], self.epi_tile)
+        if cutlass.const_expr(not self.grouped):
+            sC = storage.sC.get_tensor(self.sC_layout.outer, swizzle=self.sC_layout.inner)
+            gC = cute.local_tile(mC, self.tile_mnk[:2], (None, None, None))
+            epi = smem_epilogue(self._r2s_copy(), self.tiled_mma, gtid, sC, frags.acc,
+                                self.c_dtype, self.tile_mnk[:2], self.epi_tile)
         bar = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_GROUP) + group,
                                     num_threads=self.group_threads)
         scale = cutlass.Float32(1.0)
-        if cutlass.const_expr(self.split_k == 1):
+        if cutlass.const_expr(self.split_k == 1 and not self.grouped):
             scale = alpha[0]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit, nctas = units.first_unit()
@@ -366,18 +405,34 @@ class Sm120Gemm(GemmLaunch):
             if step % self.groups == group:
                 roles.turn_wait(self.pingpong, turn_bars, group, turn, 0)
                 frags.acc.fill(0.0)
-                state = self.mainloop(mainloop, state, frags, w.k_count, w.m, w.n)
+                # grouped tiles keep their scale rows at the start of the stage's atom
+                cm = 0 if cutlass.const_expr(self.grouped) else w.m
+                state = self.mainloop(mainloop, state, frags, w.k_count, cm, w.n)
                 roles.turn_arrive(self.pingpong, turn_bars, group, 0)
                 roles.turn_wait(self.pingpong, turn_bars, group, turn, 2)
-                store_smem_tma(epi, tma_c, gC[(None, None, w.m, w.n, w.split)], sC, scale,
-                               self.epi_tile, self.epi_stages, bar,
-                               mma_warp % self.group_warps == 0, self.c_dtype)
+                if cutlass.const_expr(self.grouped):
+                    self._store_grouped(frags.acc, alpha, mC, w, gtid)
+                else:
+                    store_smem_tma(epi, tma_c, gC[(None, None, w.m, w.n, w.split)], sC,
+                                   scale, self.epi_tile, self.epi_stages, bar,
+                                   mma_warp % self.group_warps == 0, self.c_dtype)
                 roles.turn_arrive(self.pingpong, turn_bars, group, 2)
                 turn += 1
             else:
                 state = roles.skip_stages(state, w.k_count)
             step += 1
             unit += nctas
+
+    @cute.jit
+    def _store_grouped(self, acc, alpha, mD, w, gtid):
+        """A grouped tile from registers: rows ``w.row0 ..`` of D, masked at the group's
+        last row (the rows after it belong to the next group) and at N."""
+        tm, tn, _ = self.tile_mnk
+        gD = cute.local_tile(cute.domain_offset((w.row0, 0, 0), mD), (tm, tn),
+                             (None, None, None))
+        store_direct(self.tiled_mma.get_slice(gtid), acc, alpha[w.l],
+                     gD[(None, None, 0, w.n, 0)], (tm, tn), w.rows, mD.shape[1] - w.n * tn,
+                     self.c_dtype)
 
     def _r2s_copy(self):
         """Register -> shared copy of the accumulator, matching the tiled MMA's C layout.
@@ -556,4 +611,12 @@ class Sm120Gemm(GemmLaunch):
         return state
 
 
-__all__ = ["MmaFragments", "Sm120Gemm"]
+class Sm120GroupedGemm(GroupedLaunch, Sm120Gemm):
+    """Grouped (MoE) NVFP4 GEMM for SM120: :class:`Sm120Gemm` with a
+    :class:`~cute_fp4.kernels.scheduler.GroupedScheduler` (``Scheduler.grouped``), launched
+    through the grouped signature (kernels/launch.py ``GroupedLaunch``)."""
+
+    b_row_align = 1  # plain [N, K/2] weights per group
+
+
+__all__ = ["MmaFragments", "Sm120Gemm", "Sm120GroupedGemm"]

@@ -55,9 +55,15 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_fp4.kernels import loads, roles, sf_layout
 from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma
-from cute_fp4.kernels.launch import GemmLaunch, GemmTensors, PointerTypes, out_dtype
+from cute_fp4.kernels.launch import (
+    GemmLaunch,
+    GemmTensors,
+    GroupedLaunch,
+    PointerTypes,
+    out_dtype,
+)
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
-from cute_fp4.kernels.scheduler import TileScheduler
+from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler
 from cute_fp4.kernels.sm90_convert import convert_word, scale_word
 from cute_fp4.kernels.sm90_rs import RegisterSourcedMainloop
 from cute_fp4.kernels.sm90_rs_wide import (
@@ -86,9 +92,10 @@ class Sm90Params(NamedTuple):
     tma_c: cute.CopyAtom  # the D store atom (unused when D is stored from registers)
     gD: cute.Tensor  # (M, N, L), or (N, M, L) = D^T for swap-AB
     mAlpha: cute.Tensor
-    units: TileScheduler
+    units: TileScheduler  # or a GroupedScheduler (grouped schedules)
     m: cutlass.Int32
     n: cutlass.Int32
+    mOffsets: cute.Tensor  # grouped: int32 [groups + 1] row offsets (dense: mAlpha, unused)
 
 
 class SmemTensors(NamedTuple):
@@ -136,6 +143,9 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         self.threads = self.warps.threads
         sch = schedule.scheduler
         self.persistent = sch.persistent
+        # grouped (MoE, rs_packed): units from GroupedScheduler, B/SFB with a group mode,
+        # alpha per group, D^T stored through a per-unit row offset
+        self.grouped = sch.grouped
         self.raster_m = sch.raster is Raster.ALONG_M
         self.group_size = sch.group_size
         self.sm_count = schedule.arch.sm_count
@@ -253,7 +263,13 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB = self._make_load_atoms(t, m, n)
         gD = t.mD
         tma_c = tma_b  # unused: D is stored from registers
-        if cutlass.const_expr(self.transposed):
+        offsets = t.mAlpha
+        if cutlass.const_expr(self.grouped):
+            offsets = t.mOffsets
+            gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
+                (n, m, 1), stride=(1, t.mD.stride[0], 0)))
+            units = GroupedScheduler.create(t.mOffsets.shape[0] - 1, m, n, k, (tm, tn, tk))
+        elif cutlass.const_expr(self.transposed):
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
                 (n, m, t.mD.shape[2]), stride=(1, t.mD.stride[0], t.mD.stride[2])))
             if cutlass.const_expr(self.rs_packed):
@@ -269,7 +285,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                     cpasync.CopyBulkTensorTileS2GOp(), t.mD,
                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
         params = Sm90Params(tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB, tma_c, gD,
-                            t.mAlpha, units, m, n)
+                            t.mAlpha, units, m, n, offsets)
         self.kernel(params).launch(grid=[units.grid(self.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
                                    stream=stream)
@@ -284,6 +300,11 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         if cutlass.const_expr(self.rs_packed):  # whole 2,048-byte packed units
             tma_b, gB = loads.sf_tma_atom(weight_global_view(t.mB, n, t.mB.shape[1] * 2),
                                           self.sB_layout)
+            if cutlass.const_expr(self.grouped):
+                tma_sfb, gSFB = loads.sf_tma_atom(
+                    loads.sf_global_view(t.mSFB, n, t.mB.shape[1]),
+                    self.sSFB_layout)
+                return tma_a, gA, tma_b, gB, tma_sfb, gSFB, tma_sfb, gSFB
         else:
             tma_b, gB = cpasync.make_tiled_tma_atom(
                 g2s, t.mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
@@ -303,6 +324,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         storage, mainloop = self._prologue(warp_idx, p)
+        p = p._replace(units=p.units.prepare(p.mOffsets))
         s = self._smem_tensors(storage)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         first = self.warps.first_mma_warp
@@ -381,8 +403,8 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
     def _scale(self, p: Sm90Params):
         """What the epilogue multiplies the accumulator by (alpha unless split-K)."""
         scale = cutlass.Float32(self.acc_scale)
-        if cutlass.const_expr(self.split_k == 1):
-            scale = scale * p.mAlpha[0]
+        if cutlass.const_expr(self.split_k == 1 and not self.grouped):
+            scale = scale * p.mAlpha[0]  # grouped: alpha[group], per unit
         return scale
 
     # ------------------------------------------------------------------ producer warp
@@ -403,12 +425,19 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             tSFAs, tSFAg = loads.tma_views(p.tma_sfa, s.sSFA, p.gSFA, box_a)
         def per_unit(w):
             mt, nt = w.m, w.n
+            if cutlass.const_expr(self.grouped):  # A's rows from the group's offset
+                _, tAgA_u = loads.tma_views(p.tma_a, s.sA, cute.domain_offset((w.row0, 0), p.gA),
+                                            (tm, a_cols))
+                return (tAgA_u, nt, (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks, w.l)
             if cutlass.const_expr(self.transposed):  # the scheduler's M tiles are B's rows
                 mt, nt = w.n, w.m
             return (mt, nt, (mt * tm) // SF_ATOM_ROWS // self.sfa_row_blocks,
                     (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks)
 
         def issue(u, kk, st, bar):
+            if cutlass.const_expr(self.grouped):
+                self._issue_grouped(p, u, kk, st, bar, tAsA, tBsB, tBgB, tSFBs, tSFBg)
+                return
             mt, nt, rb_a, rb_b = u
             cute.copy(p.tma_a, tAgA[(None, mt, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
             if cutlass.const_expr(self.rs_packed):
@@ -423,6 +452,15 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                           tma_bar_ptr=bar)
 
         loads.producer_loop(mainloop, self.stages, p.units, per_unit, issue)
+
+    @staticmethod
+    def _issue_grouped(p: Sm90Params, u, kk, st, bar, tAsA, tBsB, tBgB, tSFBs, tSFBg):
+        """One stage of a grouped unit: its activation rows, its group's weight and scales."""
+        tAgA_u, nt, rb_b, g = u
+        cute.copy(p.tma_a, tAgA_u[(None, 0, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
+        cute.copy(p.tma_b, tBgB[(None, 0, 0, kk, nt, g)], tBsB[(None, st)], tma_bar_ptr=bar)
+        cute.copy(p.tma_sfb, tSFBg[(None, 0, 0, kk, rb_b, g)], tSFBs[(None, st)],
+                  tma_bar_ptr=bar)
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
@@ -561,4 +599,12 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         cute.autovec_copy(rH, cute.local_tile(h_buf, (1, 16), (r, c)))
 
 
-__all__ = ["Sm90Gemm", "Sm90Params"]
+class Sm90GroupedGemm(GroupedLaunch, Sm90Gemm):
+    """Grouped (MoE) W4A16 GEMM for sm_90a: the ``rs_packed`` kernel of :class:`Sm90Gemm`
+    with a :class:`~cute_fp4.kernels.scheduler.GroupedScheduler` (``Scheduler.grouped``),
+    launched through the grouped signature (kernels/launch.py ``GroupedLaunch``)."""
+
+    b_row_align = 64  # each group's packed weight has packed_rows(N) rows
+
+
+__all__ = ["Sm90Gemm", "Sm90GroupedGemm", "Sm90Params"]

@@ -99,12 +99,15 @@ def weight_stage_layout(tile_n: int, tile_k: int, stages: int):
 
 
 def weight_global_view(mB: cute.Tensor, n, k) -> cute.Tensor:
-    """The packed weight's bytes as ``(256, 8, K unit, row block)``."""
+    """The packed weight's bytes as ``(256, 8, K unit, row block)`` (and the group mode of a
+    grouped weight ``(rows, K/2, group)``)."""
     k_units = (k + UNIT_K - 1) // UNIT_K
     row_blocks = (n + UNIT_ROWS - 1) // UNIT_ROWS
-    return cute.make_tensor(mB.iterator, cute.make_layout(
-        (256, UNIT_BYTES // 256, k_units, row_blocks),
-        stride=(1, 256, UNIT_BYTES, cute.assume(k_units * UNIT_BYTES, divby=UNIT_BYTES))))
+    shape = (256, UNIT_BYTES // 256, k_units, row_blocks)
+    stride = (1, 256, UNIT_BYTES, cute.assume(k_units * UNIT_BYTES, divby=UNIT_BYTES))
+    if cutlass.const_expr(cute.rank(mB) == 3):  # grouped: (rows, K/2, group)
+        shape, stride = (*shape, mB.shape[2]), (*stride, mB.stride[2])
+    return cute.make_tensor(mB.iterator, cute.make_layout(shape, stride=stride))
 
 
 class PackedRegisterMainloop:
@@ -150,6 +153,12 @@ class PackedRegisterMainloop:
         while unit < p.units.total:
             w = p.units.coords(unit)
             nt, mt = w.m, w.n  # the scheduler's M tiles are the weight's rows
+            gD_u, cols, scale_u = gD_t, p.m - mt * tm, scale
+            if cutlass.const_expr(self.grouped):  # activation row tiles inside a group
+                nt, mt = w.n, 0
+                gD_u = cute.local_tile(cute.domain_offset((0, w.row0, 0), p.gD),
+                                       (UNIT_ROWS, tm), (None, None, None))
+                cols, scale_u = w.rows, scale * p.mAlpha[w.l]
             for b in cutlass.range_constexpr(mb_n):
                 accs[b].fill(0.0)
             # the first K tile of a unit releases no earlier stage: peeled, so that no
@@ -170,9 +179,8 @@ class PackedRegisterMainloop:
             release = self._finish_unit(mainloop, release, w.k_count)
             for b in cutlass.range_constexpr(mb_n):
                 rb = nt * (tn // UNIT_ROWS) + wg * mb_n + b  # 64-row block of D^T
-                store_direct(thr_mma, accs[b], scale, gD_t[(None, None, rb, mt, w.split)],
-                             (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, p.m - mt * tm,
-                             self.epi_dtype)
+                store_direct(thr_mma, accs[b], scale_u, gD_u[(None, None, rb, mt, w.split)],
+                             (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype)
             unit += nctas
 
     @cute.jit

@@ -24,6 +24,7 @@ WARP = 32  # threads per warp
 WARPGROUP = 128  # threads per warpgroup (setmaxnreg acts on whole warpgroups)
 REG_FILE = 65536  # 32-bit registers per SM (one CTA per SM)
 MAX_THREAD_REGS = 255  # registers a thread can address
+MAX_GROUPS = 256  # groups of a grouped GEMM: 8 tile-count prefixes per lane of a warp
 
 Check = Callable[[Schedule, Problem], list[str]]  # returns reasons with numbers, [] if fine
 
@@ -173,9 +174,25 @@ def check_problem_n(s: Schedule, p: Problem) -> list[str]:
     return []
 
 
+def check_grouped(s: Schedule, p: Problem) -> list[str]:
+    """Grouped schedules take grouped problems (and the reverse), up to MAX_GROUPS groups,
+    without split-K (each unit stores its rows of one group)."""
+    grouped = s.scheduler.grouped
+    if p.groups and not grouped:
+        return [f"a grouped problem ({p.groups} groups) needs a grouped schedule "
+                "(Scheduler(grouped=True)); this one computes one dense GEMM"]
+    out = []
+    if grouped and p.groups > MAX_GROUPS:
+        out.append(f"{p.groups} groups exceed the grouped scheduler's {MAX_GROUPS} (it keeps "
+                   f"{MAX_GROUPS // WARP} tile-count prefixes per lane of a warp)")
+    if grouped and s.split_k > 1:
+        out.append(f"grouped schedules do not split K (split_k {s.split_k}): use 1")
+    return out
+
+
 # run after the family's own checks, for every family
 COMMON_CHECKS: tuple[Check, ...] = (check_split_k_limit, check_problem_k, check_split_k_tiles,
-                                    check_problem_n)
+                                    check_problem_n, check_grouped)
 
 
 class FamilyRules(NamedTuple):
@@ -188,6 +205,6 @@ class FamilyRules(NamedTuple):
     checks: tuple[Check, ...]  # the family's checks, in the order reasons are reported
 
 
-__all__ = ["ALIGN", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region", "RegisterSplit",
-           "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
+__all__ = ["ALIGN", "MAX_GROUPS", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
+           "RegisterSplit", "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
            "epilogue_tile", "epi_stages", "c_elem_bytes"]

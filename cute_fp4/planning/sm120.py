@@ -27,7 +27,7 @@ from cute_fp4.planning.common import (
     sf_stage_bytes,
     staged_c_region,
 )
-from cute_fp4.schedule import Problem, Schedule, WarpRoles
+from cute_fp4.schedule import Problem, Schedule, SFLoad, WarpRoles
 
 PRODUCER_REGS = 40  # setmaxnreg budget of the producer warpgroup
 MMA_REGS_MAX = 232  # and the most the MMA warps take
@@ -44,9 +44,13 @@ def stage_bytes(s: Schedule, p: Problem) -> dict[str, int]:
 
 
 def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
-    """``barriers | A | B | SFA | SFB | C`` for ``stages`` mainloop stages."""
+    """``barriers | A | B | SFA | SFB | C`` for ``stages`` mainloop stages (grouped: no C,
+    the tiles are stored from registers, masked at the group's last row)."""
     n_barriers = 2 * stages + 2 * s.warps.groups
-    return (*mainloop_regions(stage_bytes(s, p), stages, n_barriers), staged_c_region(s))
+    c = staged_c_region(s)
+    if s.scheduler.grouped:
+        c = Region("C", 0, "none: grouped tiles stored from registers")
+    return (*mainloop_regions(stage_bytes(s, p), stages, n_barriers), c)
 
 
 def mma_warps(s: Schedule) -> int:
@@ -153,8 +157,18 @@ def check_w4a16(s: Schedule, p: Problem) -> list[str]:
     return []
 
 
-CHECKS = (check_swap_ab, check_tile_mma, check_tile_k, check_tile_sf_atoms, check_warps_n,
-          check_tile_registers, check_threads, check_epilogue, check_w4a16)
+def check_grouped_sm120(s: Schedule, p: Problem) -> list[str]:
+    """Grouped SM120 schedules load SFA row by row (cp.async, any group offset) and SFB by
+    TMA; the sf_load=cp_async variant is not built for them."""
+    if s.scheduler.grouped and s.sf_load is SFLoad.CP_ASYNC:
+        return ["grouped SM120 schedules load SFB by TMA (and SFA per row by cp.async): "
+                "use sf_load='tma'"]
+    return []
+
+
+CHECKS = (check_grouped_sm120, check_swap_ab, check_tile_mma, check_tile_k,
+          check_tile_sf_atoms, check_warps_n, check_tile_registers, check_threads,
+          check_epilogue, check_w4a16)
 
 RULES = FamilyRules(stage_bytes=stage_bytes, regions=regions, threads=threads,
                     registers=registers, checks=CHECKS)

@@ -287,7 +287,22 @@ def check_swap_ab_scheduler(s: Schedule, p: Problem) -> list[str]:
     return out
 
 
-CHECKS = (check_rs_packed, check_swap_ab_tile, check_swap_ab_warps, check_tile,
+def check_grouped_sm90(s: Schedule, p: Problem) -> list[str]:
+    """Grouped sm_90a schedules: the rs_packed mainloop, W4A16 (the W4A4 activation scales
+    would need per-row loads: not built)."""
+    if not s.scheduler.grouped:
+        return []
+    out = []
+    if not rs_packed(s):
+        out.append("grouped sm_90a schedules run the rs_packed mainloop (set "
+                   "mainloop='rs_packed'): its weight tiles are whole per group")
+    if p.a_format == "nvfp4":
+        out.append("grouped sm_90a kernels take 16-bit activations (W4A16) only: NVFP4 "
+                   "activations (W4A4) are not built there")
+    return out
+
+
+CHECKS = (check_grouped_sm90, check_rs_packed, check_swap_ab_tile, check_swap_ab_warps, check_tile,
           check_conversion_split, check_threads, check_epilogue, check_roles, check_sf_load,
           check_epilogue_tile_used, check_swap_ab_scheduler)
 
