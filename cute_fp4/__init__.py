@@ -28,7 +28,7 @@ _EXPORTS = {
     "Target": "targets", "TARGETS": "targets", "get_target": "targets",
     "detect_device": "targets",
     "CompiledGemm": "compile", "compile_report": "compile",
-    "gemm": "api", "validate": "api",
+    "gemm": "api", "validate": "api", "grouped_gemm": "grouped",
     "NVFP4Linear": "nn", "convert": "nn",
 }
 _SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn")

@@ -91,7 +91,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
     """[R, K/2] bytes -> [R, K] codes."""
     lo, hi = data & 0xF, data >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(data.shape[0], -1)
+    return torch.stack((lo, hi), dim=-1).reshape(data.shape[0], 2 * data.shape[1])
 
 
 # ----------------------------------------------------------------------------- layout

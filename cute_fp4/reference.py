@@ -20,6 +20,9 @@ accumulator: one rounding of at most ``2 u = 2**-23`` (truncation allowed) per a
 smallest subnormal step. The rule is a worst-case bound, not a statistical one, so it holds
 for any summation order; a single dropped 16-element block still fails it at moderate K,
 which is why kernel tests use short and odd K as well as long K.
+
+Grouped (MoE) GEMMs: :func:`grouped_gemm` and :func:`check_grouped` apply the same
+arithmetic and the same rule expert by expert, on the rows ``offsets[e]:offsets[e+1]``.
 """
 
 from __future__ import annotations
@@ -82,9 +85,15 @@ def error_bound(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.fl
                 ref: torch.Tensor | None = None) -> torch.Tensor:
     """Per-element tolerance of the error rule (float64, on ``b``'s device)."""
     av, bv, alpha64 = _prepare(a, b, alpha)
-    k = av.shape[1]
     if ref is None:
         ref = (av @ bv.T) * alpha64
+    return _bound(av, bv, alpha64, out_dtype, ref)
+
+
+def _bound(av: torch.Tensor, bv: torch.Tensor, alpha64: torch.Tensor, out_dtype: torch.dtype,
+           ref: torch.Tensor) -> torch.Tensor:
+    """The error rule on float64 values: ``av`` [M, K], ``bv`` [N, K], a scalar alpha."""
+    k = av.shape[1]
     absdot = (av.abs() @ bv.abs().T) * alpha64.abs()
     p = _PRECISION[out_dtype]
     acc = absdot * ((-(-k // 16) + 16) * 2.0**-23)
@@ -128,18 +137,25 @@ def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
     got = out.detach().double().to(ref.device)
     if got.shape != ref.shape:
         raise InputError(f"output shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
-    bound = error_bound(a, b, alpha, out.dtype, ref)
-    finite = torch.isfinite(got)
-    overflow_ok = (torch.isinf(got) & (torch.sign(got) == torch.sign(ref))
-                   & (ref.abs() + bound >= _overflow_threshold(out.dtype)))
-    err = (got - ref).abs()
-    err = torch.where(finite, err, torch.full_like(err, float("inf")))
-    err = torch.where(overflow_ok, torch.zeros_like(err), err)
+    bound = _bound(av, bv, alpha64, out.dtype, ref)
+    err, nonfinite = _errors(got, ref, bound, out.dtype)
     ratio = float((err / bound).max()) if err.numel() else 0.0
-    nonfinite = int((~finite & ~overflow_ok).sum())
     return CheckResult((av.shape[0], bv.shape[0], av.shape[1]),
                        float(err.max()) if err.numel() else 0.0, ratio, nonfinite,
                        nonfinite == 0 and ratio <= 1.0)
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor,
+            out_dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(|got - ref| with inf where ``got`` is non-finite and not an allowed overflow,
+    the count of those non-finite elements)."""
+    finite = torch.isfinite(got)
+    overflow_ok = (torch.isinf(got) & (torch.sign(got) == torch.sign(ref))
+                   & (ref.abs() + bound >= _overflow_threshold(out_dtype)))
+    err = (got - ref).abs()
+    err = torch.where(finite, err, torch.full_like(err, float("inf")))
+    err = torch.where(overflow_ok, torch.zeros_like(err), err)
+    return err, int((~finite & ~overflow_ok).sum())
 
 
 def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
@@ -147,4 +163,143 @@ def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResul
     res = check(out, a, b, alpha)
     if not res.passed:
         raise ValidationError(f"output disagrees with the exact reference: {res}")
+    return res
+
+
+# ----------------------------------------------------------------------------- grouped
+
+def group_bounds(offsets, experts: int, total_m: int) -> list[int]:
+    """The ``E + 1`` group offsets as Python ints (reads them: CPU or CUDA tensor, or a
+    sequence), checked: ``offsets[0] = 0``, non-decreasing, ``offsets[E] = total_m``."""
+    if isinstance(offsets, torch.Tensor):
+        if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
+            raise InputError(f"offsets must be an integer tensor, got {offsets.dtype}")
+        offs = [int(v) for v in offsets.reshape(-1).tolist()]
+    elif isinstance(offsets, (list, tuple)):
+        offs = [int(v) for v in offsets]
+    else:
+        raise InputTypeError(f"offsets must be a tensor or a sequence of ints, got "
+                             f"{type(offsets).__name__}")
+    if len(offs) != experts + 1:
+        raise InputError(f"offsets must have E + 1 = {experts + 1} elements for {experts} "
+                         f"experts, got {len(offs)}")
+    if offs[0] != 0 or offs[-1] != total_m:
+        raise InputError(f"offsets must start at 0 and end at total_M = {total_m}, got "
+                         f"{offs[0]} .. {offs[-1]}")
+    drop = next((e for e in range(experts) if offs[e + 1] < offs[e]), None)
+    if drop is not None:
+        raise InputError(f"offsets must be non-decreasing: offsets[{drop}] = {offs[drop]} > "
+                         f"offsets[{drop + 1}] = {offs[drop + 1]}")
+    return offs
+
+
+def _experts_of(b) -> NVFP4Tensor:
+    """``b`` as a plain NVFP4Tensor expert stack (a packed stack is unpacked)."""
+    from cute_fp4.packed import PackedNVFP4Weight
+
+    if isinstance(b, PackedNVFP4Weight):
+        b = b.unpack()
+    if not isinstance(b, NVFP4Tensor):
+        raise InputTypeError(f"b must be an NVFP4Tensor [E, N, K], got {type(b).__name__}")
+    if b.experts is None:
+        raise InputError(f"b must have a leading expert mode [E, N, K], got shape {b.shape}")
+    return b
+
+
+def _grouped_prepare(a, b, offsets, alpha):
+    """(A values [M, K], B stack, group offsets, alpha [E]) in float64 on ``b``'s device."""
+    b = _experts_of(b)
+    n_exp, n, k = b.shape
+    av, ag = _operand(a, "a")
+    if av.shape[1] != k:
+        raise InputError(f"K mismatch: a is {tuple(av.shape)} and b is {b.shape} "
+                         "([total_M, K] and [E, N, K])")
+    offs = group_bounds(offsets, n_exp, av.shape[0])
+    dev = b.device
+    if alpha is None:
+        alpha64 = ag.to(dev) * b.global_scale.double()
+    else:
+        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().reshape(-1).to(dev)
+        if alpha64.numel() not in (1, n_exp):
+            raise InputError(f"alpha must be a scalar or hold one value per expert "
+                             f"({n_exp}), got {alpha64.numel()}")
+        alpha64 = alpha64.expand(n_exp)
+    return av.to(dev), b, offs, alpha64
+
+
+def _grouped_ref(a, b, offsets, alpha, out_dtype: torch.dtype | None):
+    """(exact result [M, N] float64, bound or None, offsets, (M, N, K)): expert by expert,
+    each block of rows by :func:`gemm`'s arithmetic and :func:`error_bound`'s rule."""
+    av, b, offs, alpha64 = _grouped_prepare(a, b, offsets, alpha)
+    n_exp, n, k = b.shape
+    m = av.shape[0]
+    ref = torch.zeros((m, n), dtype=torch.float64, device=b.device)
+    bound = None if out_dtype is None else torch.zeros_like(ref)
+    for e in range(n_exp):
+        lo, hi = offs[e], offs[e + 1]
+        if hi == lo:
+            continue
+        bv = b.expert(e).block_values(torch.float64)
+        ref[lo:hi] = (av[lo:hi] @ bv.T) * alpha64[e]
+        if bound is not None:
+            bound[lo:hi] = _bound(av[lo:hi], bv, alpha64[e], out_dtype, ref[lo:hi])
+    return ref, bound, offs, (m, n, k)
+
+
+def grouped_gemm(a, b, offsets, alpha=None, out_dtype: torch.dtype = torch.float32
+                 ) -> torch.Tensor:
+    """Exact reference of the grouped (MoE) GEMM, in float64 on ``b``'s device:
+    ``out[offsets[e]:offsets[e+1]] = alpha[e] * A[offsets[e]:offsets[e+1]] @ B[e]^T``.
+
+    ``a``: NVFP4Tensor [total_M, K] (W4A4, one global scale) or bf16/fp16 [total_M, K]
+    (W4A16); ``b``: NVFP4Tensor expert stack [E, N, K] (or its PackedNVFP4Weight);
+    ``offsets``: E + 1 cumulative row offsets (CPU or CUDA tensor, or ints; read here);
+    ``alpha``: one value or E values, default ``a.global_scale * b.global_scale[e]``
+    (W4A16: ``b.global_scale[e]``)."""
+    ref, _, _, _ = _grouped_ref(a, b, offsets, alpha, None)
+    return ref.to(out_dtype)
+
+
+@dataclasses.dataclass
+class GroupedCheckResult(CheckResult):
+    """:class:`CheckResult` of a grouped GEMM (``shape`` is (total_M, N, K)), with the
+    expert whose rows hold the largest error relative to the bound."""
+
+    experts: int = 0
+    worst_expert: int | None = None  # None when no expert has rows
+
+    def __str__(self) -> str:
+        return (f"E={self.experts} {super().__str__()}"
+                + ("" if self.worst_expert is None else f" (worst: expert {self.worst_expert})"))
+
+
+def check_grouped(out: torch.Tensor, a, b, offsets, alpha=None) -> GroupedCheckResult:
+    """:func:`check` for a grouped GEMM: every expert's rows under the same error rule
+    (its own alpha and K), aggregated; empty experts have no rows to check. A row no
+    expert wrote (NaN-poisoned) fails."""
+    if out.dtype not in _PRECISION:
+        raise InputError(f"out must be bfloat16, float16 or float32, got {out.dtype}")
+    ref, bound, offs, shape = _grouped_ref(a, b, offsets, alpha, out.dtype)
+    got = out.detach().double().to(ref.device)
+    if got.shape != ref.shape:
+        raise InputError(f"output shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
+    err, nonfinite = _errors(got, ref, bound, out.dtype)
+    row_ratio = (err / bound).amax(dim=1) if err.numel() else err.new_zeros(shape[0])
+    worst, worst_ratio = None, -1.0
+    for e in range(len(offs) - 1):
+        if offs[e + 1] > offs[e]:
+            r = float(row_ratio[offs[e]:offs[e + 1]].max())
+            if r > worst_ratio:
+                worst, worst_ratio = e, r
+    ratio = max(worst_ratio, 0.0)
+    return GroupedCheckResult(shape, float(err.max()) if err.numel() else 0.0, ratio,
+                              nonfinite, nonfinite == 0 and ratio <= 1.0, len(offs) - 1,
+                              worst)
+
+
+def assert_close_grouped(out: torch.Tensor, a, b, offsets, alpha=None) -> GroupedCheckResult:
+    """:func:`check_grouped`, raising :class:`ValidationError` when it fails."""
+    res = check_grouped(out, a, b, offsets, alpha)
+    if not res.passed:
+        raise ValidationError(f"grouped output disagrees with the exact reference: {res}")
     return res

@@ -1,0 +1,502 @@
+"""The grouped (mixture-of-experts) GEMM: :func:`grouped_gemm` and the ``cute_fp4::grouped_mm``
+custom op (its plain-tensor form :func:`grouped_mm`).
+
+``out[offsets[e]:offsets[e+1]] = alpha[e] * a[offsets[e]:offsets[e+1]] @ b[e]^T`` (TN, like
+``gemm``), with ``a`` the tokens sorted by expert, ``[total_M, K]`` NVFP4 (W4A4, one global
+scale) or bf16/fp16 (W4A16); ``b`` the experts' weights, an NVFP4Tensor with a leading expert
+mode ``[E, N, K]`` (a PackedNVFP4Weight stack for the sm_90a ``rs_packed`` schedules);
+``offsets`` int32 ``[E + 1]`` on the GPU (``offsets[0] = 0``, non-decreasing,
+``offsets[E] = total_M``; empty experts allowed); ``alpha`` float32 ``[E]``, default
+``a.global_scale * b.global_scale`` (W4A16: ``b.global_scale``).
+
+The values of ``offsets`` are never read on the host: a call checks metadata only (shapes,
+dtypes, devices, strides, pointers), so it needs no GPU sync and can be captured in a CUDA
+graph with the offsets changing between replays. Every check runs before anything is
+launched or written; a bad input raises a typed error with the numbers and leaves ``out``
+untouched. Shape and dtype checks come before the device check, so they are the same on
+the CPU. ``check=True`` (which does sync) validates the first call of each kernel against
+``reference.check_grouped``.
+
+Layering: the API layer, next to ``api`` (it builds on ``compile``, ``catalogue`` and the
+operand checks); nothing below imports it. The op is registered on first use, as
+``cute_fp4::mm`` is (see ``cute_fp4.api``): by the first eager call, while torch.compile
+traces a call, or by :func:`register_op`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+from cute_fp4 import reference
+from cute_fp4.compile import CompiledGemm, Signature
+from cute_fp4.compile import compile as compile_schedule
+from cute_fp4.errors import DeviceError, InputError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
+from cute_fp4.operands import _check_tensor
+from cute_fp4.packed import PackedNVFP4Weight, packed_rows
+from cute_fp4.schedule import Mainloop, OutDtype, Schedule
+
+__all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
+           "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op", "resolve_grouped",
+           "run_grouped"]
+
+# the catalogue schedule "auto" runs, per kernel family of the present GPU
+AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
+N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
+_TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
+              OutDtype.FP32: torch.float32}
+_A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class GroupedDims(NamedTuple):
+    """What the checks found: sizes, A's format, whether B is the packed layout."""
+
+    total_m: int
+    n: int
+    k: int
+    experts: int
+    a_format: str  # "nvfp4" (W4A4), "bf16" / "fp16" (W4A16)
+    packed: bool  # b is a PackedNVFP4Weight (fragment order, rs_packed schedules)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _b_stack(b) -> tuple[int, int, int, bool]:
+    """(E, N, K, packed) of the weight stack; typed errors for anything else."""
+    if not isinstance(b, (NVFP4Tensor, PackedNVFP4Weight)):
+        raise InputTypeError(f"b (the experts' weights) must be an NVFP4Tensor [E, N, K] or "
+                             f"a PackedNVFP4Weight stack, got {type(b).__name__}; "
+                             "cute_fp4.quantize() takes a 3-D [E, N, K] tensor")
+    if b.experts is None:
+        raise InputError(f"b must have a leading expert mode [E, N, K], got shape {b.shape}; "
+                         "a single weight goes through gemm()")
+    e, n, k = b.shape
+    return e, n, k, isinstance(b, PackedNVFP4Weight)
+
+
+def _a_operand(a) -> tuple[int, int, str]:
+    """(total_M, K, format) of the activations."""
+    if isinstance(a, NVFP4Tensor):
+        if a.experts is not None:
+            raise InputError(f"a must be 2-D [total_M, K] (tokens sorted by expert), got an "
+                             f"expert stack of shape {a.shape}")
+        return *a.shape, "nvfp4"
+    if not isinstance(a, torch.Tensor):
+        raise InputTypeError(f"a must be an NVFP4Tensor or a torch.Tensor, "
+                             f"got {type(a).__name__}")
+    if a.dim() != 2:
+        raise InputError(f"a must be 2-D [total_M, K], got shape {tuple(a.shape)}")
+    fmt = _A_FORMATS.get(a.dtype)
+    if fmt is None:
+        raise InputError(f"a must be an NVFP4Tensor (W4A4) or bfloat16/float16 (W4A16), "
+                         f"got {a.dtype}")
+    return *a.shape, fmt
+
+
+def _torch_out(out_dtype) -> torch.dtype:
+    return _TORCH_OUT[OutDtype.of(out_dtype)]
+
+
+def check_grouped_operands(a, b, offsets, out, alpha, out_dtype=torch.bfloat16,
+                           require_cuda: bool = True) -> GroupedDims:
+    """Validate the operands of :func:`grouped_gemm` (metadata only: no GPU sync, the
+    offsets' values are not read). Shapes, dtypes, layouts and alignment first, then
+    whether everything is on one device, then (``require_cuda``) whether that is a GPU."""
+    n_exp, n, k, packed = _b_stack(b)
+    m, ka, a_format = _a_operand(a)
+    if ka != k:
+        raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n_exp}, {n}, {k}]")
+    if n_exp == 0 or n == 0 or k == 0:
+        raise InputError(f"empty grouped GEMM: E = {n_exp}, N = {n}, K = {k}; all must be > 0 "
+                         "(total_M = 0 is fine)")
+    k_unit = 64 if packed else 32
+    if k % k_unit:
+        raise InputError(f"K = {k} is not a multiple of {k_unit}: "
+                         + ("the packed layout cuts K into 64-element units" if packed
+                            else "packed FP4 rows must be a multiple of 16 bytes"))
+    if n % N_MULTIPLE:
+        raise InputError(f"N = {n} is not a multiple of {N_MULTIPLE} (each expert's output "
+                         "rows must be whole 16-byte units)")
+    dt = _torch_out(out_dtype)
+    dev = b.data.device
+    rows = packed_rows(n) if packed else n
+    _check_tensor(b.data, "b.data", (torch.uint8,), (n_exp, rows, k // 2), dev)
+    _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), (n_exp, *scale_shape(n, k)), dev)
+    if a_format == "nvfp4":
+        _check_tensor(a.data, "a.data", (torch.uint8,), (m, k // 2), dev)
+        _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
+    else:
+        _check_tensor(a, "a", (a.dtype,), (m, k), dev)
+    _check_offsets(offsets, n_exp, dev)
+    _check_alpha(a, b, alpha, n_exp, dev)
+    if out is not None:
+        _check_tensor(out, "out", (dt,), (m, n), dev)
+    if require_cuda:
+        _require_cuda(b)
+    return GroupedDims(m, n, k, n_exp, a_format, packed)
+
+
+def _check_offsets(offsets, n_exp: int, dev: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise InputTypeError(f"offsets must be an int32 tensor [E + 1] on the operands' device, "
+                             f"got {type(offsets).__name__}")
+    if offsets.dim() != 1 or offsets.numel() != n_exp + 1:
+        raise InputError(f"offsets must be [E + 1] = [{n_exp + 1}] for the {n_exp} experts of "
+                         f"b, got shape {tuple(offsets.shape)}")
+    _check_small(offsets, "offsets", torch.int32, n_exp + 1, dev)
+
+
+def _check_alpha(a, b, alpha, n_exp: int, dev: torch.device) -> None:
+    if alpha is None:
+        _check_small(b.global_scale, "b.global_scale", torch.float32, n_exp, dev)
+        if isinstance(a, NVFP4Tensor):
+            _check_small(a.global_scale, "a.global_scale", torch.float32, 1, dev)
+        return
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, torch.Tensor)):
+        raise InputTypeError(f"alpha must be a float32 tensor of E = {n_exp} values or a "
+                             f"number, got {type(alpha).__name__}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.numel() != n_exp:
+            raise InputError(f"alpha must hold one value per expert: E = {n_exp} (b has "
+                             f"{n_exp} experts), got {alpha.numel()} elements")
+        _check_small(alpha, "alpha", torch.float32, n_exp, dev)
+
+
+def _check_small(t, name: str, dtype: torch.dtype, count: int, dev: torch.device) -> None:
+    """A contiguous ``dtype`` tensor of ``count`` elements on ``dev`` (the kernels read it
+    element by element: its natural alignment suffices)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.numel() != count:
+        raise InputError(f"{name} must hold {count} value(s), got {t.numel()}")
+    if t.dtype != dtype:
+        raise InputError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != dev:
+        raise InputError(f"{name} is on {t.device} but the operands are on {dev}"
+                         + ("; group offsets are read on the GPU, never on the host"
+                            if name == "offsets" else ""))
+    if not t.is_contiguous():
+        raise InputError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _require_cuda(b) -> None:
+    dev = b.data.device
+    if dev.type != "cuda":
+        raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def resolve_grouped(schedule, out_dtype=torch.bfloat16) -> Schedule:
+    """A grouped Schedule from a Schedule, a catalogue name, or "auto" (the family's entry
+    of :data:`AUTO_SCHEDULES` for the present GPU), with ``out_dtype``'s epilogue."""
+    from cute_fp4 import catalogue
+
+    if isinstance(schedule, str):
+        if schedule == "auto":
+            from cute_fp4.targets import require_device
+
+            schedule = AUTO_SCHEDULES[str(require_device().target.family)]
+        schedule = catalogue.get(schedule)
+    if not isinstance(schedule, Schedule):
+        raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
+                             f"got {type(schedule).__name__}")
+    if not schedule.scheduler.grouped:
+        raise InputError(f"schedule {schedule.name or schedule.label()} is not a grouped "
+                         "schedule (Scheduler.grouped is False): grouped_gemm runs "
+                         f"{' / '.join(AUTO_SCHEDULES.values())} or a schedule made with "
+                         "replace(grouped=True)")
+    want = OutDtype.of(out_dtype)
+    return schedule if schedule.epilogue.out_dtype is want else schedule.replace(out_dtype=want)
+
+
+def check_schedule(s: Schedule, dims: GroupedDims) -> None:
+    """The operands' layout and A format against what the schedule's kernel reads."""
+    name = s.name or s.label()
+    rs_packed = s.mainloop is Mainloop.RS_PACKED
+    if rs_packed and not dims.packed:
+        raise InputError(f"schedule {name} reads the fragment-order packed weight "
+                         "(mainloop=rs_packed) but b is a plain NVFP4Tensor: repack it once "
+                         "with cute_fp4.packed.repack(b)")
+    if dims.packed and not rs_packed:
+        raise InputError(f"schedule {name} reads the plain weight layout but b is a "
+                         "PackedNVFP4Weight: use an rs_packed grouped schedule, 'auto' on "
+                         "sm_90a, or b.unpack()")
+    if s.arch.family == "sm120" and dims.a_format != "nvfp4":
+        raise InputError(f"schedule {name} ({s.target}) takes NVFP4 activations (W4A4), a is "
+                         f"{dims.a_format} (W4A16): quantize them first "
+                         "(cute_fp4.quant.quantize_activation)")
+
+
+# memos of a schedule argument (a name, or a Schedule by identity: the memo holds it, so
+# the id stays its own), keyed with the out dtype and the device index (and A's format)
+_SCHEDULES: dict[tuple, tuple[object, Schedule]] = {}
+_KERNELS: dict[tuple, tuple[object, CompiledGemm]] = {}
+_MEMO_MAX = 1024
+
+
+def _memo_put(memo: dict, key: tuple, value: tuple) -> None:
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+
+
+def _schedule_for(schedule, out_dtype: torch.dtype, device_index: int) -> Schedule:
+    """:func:`resolve_grouped`, memoised (``Schedule.replace`` and the catalogue lookup
+    cost tens of microseconds a call otherwise)."""
+    key = (schedule if isinstance(schedule, str) else id(schedule), out_dtype, device_index)
+    hit = _SCHEDULES.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    s = resolve_grouped(schedule, out_dtype)
+    _memo_put(_SCHEDULES, key, (schedule, s))
+    return s
+
+
+def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b) -> CompiledGemm:
+    """The compiled kernel for a ``schedule`` argument, memoised like :func:`_schedule_for`.
+    The schedule is resolved and checked against the operands before the device check,
+    so its errors are the same on the CPU."""
+    dev = b.data.get_device()
+    key = (schedule if isinstance(schedule, str) else id(schedule), dims.a_format, out_dtype,
+           dev)
+    hit = _KERNELS.get(key)
+    if hit is not None and hit[0] is schedule:
+        check_schedule(hit[1].schedule, dims)
+        return hit[1]
+    s = _schedule_for(schedule, out_dtype, dev)
+    check_schedule(s, dims)
+    _require_cuda(b)
+    kern = compile_schedule(s, Signature(dims.a_format))
+    _memo_put(_KERNELS, key, (schedule, kern))
+    return kern
+
+
+# ----------------------------------------------------------------------------- running
+
+def grouped_alpha(a, b, alpha, experts: int) -> torch.Tensor:
+    """alpha as a float32 ``[E]`` tensor on b's device, made with device ops only (a
+    product of global scales, or a fill for a Python number; no host-to-device copy)."""
+    if alpha is None:
+        gs = b.global_scale.reshape(experts)
+        return gs * a.global_scale.reshape(()) if isinstance(a, NVFP4Tensor) else gs
+    if isinstance(alpha, torch.Tensor):
+        return alpha.reshape(experts)
+    return _filled_alpha(float(alpha), experts, b.data.device)
+
+
+_ALPHAS: dict[tuple, torch.Tensor] = {}
+_ALPHAS_MAX = 256
+
+
+def _filled_alpha(value: float, experts: int, device: torch.device) -> torch.Tensor:
+    """A Python-number alpha as ``[E]`` float32, made once per (value, E, device) (a fill,
+    not a copy; not kept when made during a CUDA-graph capture)."""
+    key = (value, experts, device)
+    t = _ALPHAS.get(key)
+    if t is None:
+        t = torch.full((experts,), value, dtype=torch.float32, device=device)
+        if (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()) and \
+                not torch.compiler.is_compiling():
+            if len(_ALPHAS) >= _ALPHAS_MAX:
+                _ALPHAS.clear()
+            _ALPHAS[key] = t
+    return t
+
+
+def _check_kernel(kern: CompiledGemm, dims: GroupedDims) -> None:
+    if not kern.schedule.scheduler.grouped:
+        raise InputError(f"kernel {kern!r} is not a grouped kernel (Scheduler.grouped is "
+                         "False)")
+    if kern.signature.a_format != dims.a_format:
+        raise InputError(f"kernel was compiled for A in {kern.signature.a_format}, "
+                         f"got {dims.a_format}")
+    check_schedule(kern.schedule, dims)
+
+
+def run_grouped(kern: CompiledGemm, a, b, offsets, out=None, alpha=None) -> torch.Tensor:
+    """Run a compiled grouped kernel (from ``compile``, or ``compile_emulated`` for an SM120
+    schedule on an SM90 GPU): check, allocate, launch. What :func:`grouped_gemm` does after
+    choosing the kernel; validation harnesses call it directly."""
+    dims = check_grouped_operands(a, b, offsets, out, alpha, kern.out_dtype)
+    _check_kernel(kern, dims)
+    return _launch(kern, a, b, offsets, out, alpha, dims)
+
+
+def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims) -> torch.Tensor:
+    """Allocate the output (when not given) and launch; total_M = 0 launches nothing. The
+    plan check is remembered per kernel and problem (``CompiledGemm.check_plan``)."""
+    m, n, k, n_exp, a_format, _ = dims
+    dev = b.data.device
+    result = out if out is not None else torch.empty((m, n), dtype=kern.out_dtype, device=dev)
+    if m == 0:
+        return result
+    kern.check_plan((m, n, k, a_format, n_exp))  # Problem(m, n, k, a_format, groups=E)
+    alpha_t = grouped_alpha(a, b, alpha, n_exp)
+    a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
+    kern.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, offsets)
+    return result
+
+
+def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
+    dt = _torch_out(out_dtype)
+    dims = check_grouped_operands(a, b, offsets, out, alpha, dt, require_cuda=False)
+    kern = _kernel_for(schedule, dims, dt, b)
+    result = _launch(kern, a, b, offsets, out, alpha, dims)
+    if check and dims.total_m and not kern.validated:
+        reference.assert_close_grouped(result, a, b, offsets, alpha)
+        kern.validated = True
+    return result
+
+
+def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 alpha=None, check: bool = False) -> torch.Tensor:
+    """The grouped (MoE) GEMM: ``out[offsets[e]:offsets[e+1]] = alpha[e] *
+    a[offsets[e]:offsets[e+1]] @ b[e].T`` (module docstring for the operands).
+
+    ``schedule``: "auto" (``sm90_grouped`` on sm_90a, ``sm120_grouped`` on sm_120a/sm_121a),
+    a catalogue name or a Schedule, grouped. ``out``: ``[total_M, N]`` of ``out_dtype``,
+    written only on the experts' rows (all of them); allocated when None. total_M = 0
+    returns the (empty) output without a launch. No GPU sync; ``check=True`` validates the
+    first call of each kernel against the exact reference (syncs; ValidationError).
+    """
+    if torch.compiler.is_compiling():
+        return _op_call(a, b, offsets, schedule, out, out_dtype, alpha)
+    if not _REGISTERED:
+        register_op()
+    return _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check)
+
+
+# ----------------------------------------------------------------------------- custom op
+
+def _op_call(a, b, offsets, schedule, out, out_dtype, alpha) -> torch.Tensor:
+    """``grouped_gemm`` while torch.compile traces it: one ``cute_fp4::grouped_mm`` node (a
+    given ``out`` is filled from its result)."""
+    n_exp, n, k, _ = _b_stack(b)
+    a_t, a_sf = (a.data, a.scale) if isinstance(a, NVFP4Tensor) else (a, None)
+    alpha_t = grouped_alpha(a, b, alpha, n_exp)
+    res = grouped_mm(a_t, a_sf, b.data, b.scale, offsets, alpha_t, k, _torch_out(out_dtype),
+                     schedule, n)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def grouped_mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+               b_scale: torch.Tensor, offsets: torch.Tensor, alpha: torch.Tensor, k: int,
+               out_dtype: torch.dtype = torch.bfloat16, schedule: str = "auto",
+               n: int = 0) -> torch.Tensor:
+    """``grouped_gemm`` on plain tensors, in the form of the ``cute_fp4::grouped_mm`` op:
+    ``a`` the packed NVFP4 bytes [total_M, K/2] with ``a_scale`` (W4A4) or bf16/fp16
+    [total_M, K] with ``a_scale=None`` (W4A16); ``b``/``b_scale`` the experts' bytes
+    [E, rows, K/2] and blocked scales [E, ...]; ``offsets`` int32 [E + 1]; ``alpha`` float32
+    [E] (not derived here); ``n`` the weight rows per expert, 0 for ``b.shape[1]`` (a packed
+    weight pads its rows to 64, so it must give ``n``). The schedule's mainloop says
+    whether ``b`` is the plain or the packed layout.
+
+    Eager, it runs the kernel without the op's dispatch; under torch.compile it is one
+    ``cute_fp4::grouped_mm`` node (registered while tracing). Values are not checked (no
+    GPU sync), which is what lets CUDA graphs capture it."""
+    if torch.compiler.is_compiling():
+        if not isinstance(schedule, str):
+            raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
+                                 "'auto'")
+        _register_while_tracing()
+        return torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k,
+                                             out_dtype, schedule, n)
+    if not _REGISTERED:
+        register_op()
+    return _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n)
+
+
+def _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule,
+                     n) -> torch.Tensor:
+    """The op's body: wrap the tensors without the containers' checks (their global-scale
+    check reads values back from the GPU) and run :func:`grouped_gemm`'s path; ``alpha`` is
+    explicit, so the global scales the wrappers carry (views of alpha) are never read."""
+    for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if b.dim() != 3:
+        raise InputError(f"b must be the experts' packed weights [E, rows, K/2], got shape "
+                         f"{tuple(b.shape)}")
+    n_exp, rows = b.shape[0], b.shape[1]
+    n = n or rows
+    s = _schedule_for(schedule, _torch_out(out_dtype), b.get_device())
+    rp, cp = scale_shape(n, k)
+    if b_scale.numel() == n_exp * rp * cp and b_scale.is_contiguous():
+        b_scale = b_scale.view(n_exp, rp, cp)
+    gs = alpha.reshape(-1)
+    if s.mainloop is Mainloop.RS_PACKED:
+        bt = PackedNVFP4Weight(b, _e4m3(b_scale), gs, (n_exp, n, k))
+    else:
+        if n != rows:
+            raise InputError(f"n = {n} but the plain weight layout has b.shape[1] = {rows} "
+                             f"rows per expert (schedule {s.name or s.label()})")
+        bt = NVFP4Tensor._unchecked(b, _e4m3(b_scale), gs, (n_exp, n, k))
+    at = a
+    if a_scale is not None:
+        at = NVFP4Tensor._unchecked(a, _e4m3(a_scale), gs[:1].reshape(()), (a.shape[0], k))
+    return _grouped_impl(at, bt, offsets, schedule, None, out_dtype, alpha, False)
+
+
+def _e4m3(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float8_e4m3fn (uint8 bytes are viewed, not copied)."""
+    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
+
+
+def _register_while_tracing() -> None:
+    """Register the op from inside a function Dynamo is tracing, through
+    ``torch._dynamo.comptime`` (see ``cute_fp4.api._register_while_tracing``)."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:
+        return
+    comptime(lambda ctx: register_op(), register_op)
+
+
+_REGISTERED = False
+_REGISTER_LOCK = threading.Lock()
+
+
+def register_op():
+    """Register ``cute_fp4::grouped_mm`` with its fake implementation, once per process
+    (idempotent, thread-safe); returns the ``torch.ops.cute_fp4`` namespace.
+
+    ``torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
+    schedule, n=0)``: arguments as :func:`grouped_mm`; returns ``[total_M, n or
+    b.shape[1]]`` of ``out_dtype``."""
+    global _REGISTERED
+    with _REGISTER_LOCK:
+        if not _REGISTERED:
+            if not _op_exists():  # a reloaded module finds it defined already
+                _define_op()
+            _REGISTERED = True
+    return torch.ops.cute_fp4
+
+
+def _op_exists() -> bool:
+    try:
+        torch.ops.cute_fp4.grouped_mm  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _define_op() -> None:
+    @torch.library.custom_op("cute_fp4::grouped_mm", mutates_args=())
+    def grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+                      b_scale: torch.Tensor, offsets: torch.Tensor, alpha: torch.Tensor,
+                      k: int, out_dtype: torch.dtype, schedule: str,
+                      n: int = 0) -> torch.Tensor:
+        return _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
+                                schedule, n)
+
+    @grouped_mm_op.register_fake
+    def _(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n=0):
+        return a.new_empty((a.shape[0], n or b.shape[1]), dtype=out_dtype)
