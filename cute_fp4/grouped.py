@@ -48,6 +48,7 @@ AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
 N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
+_OUT_DTYPES = tuple(_TORCH_OUT.values())
 _A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -97,6 +98,9 @@ def _a_operand(a) -> tuple[int, int, str]:
 
 
 def _torch_out(out_dtype) -> torch.dtype:
+    """The output dtype as a torch dtype (an OutDtype, its value or a dtype name also go)."""
+    if isinstance(out_dtype, torch.dtype) and out_dtype in _OUT_DTYPES:
+        return out_dtype  # the common case, without OutDtype.of's string handling
     return _TORCH_OUT[OutDtype.of(out_dtype)]
 
 

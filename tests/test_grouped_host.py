@@ -322,6 +322,22 @@ def test_check_grouped_catches_an_unwritten_row_and_a_wrong_expert():
         reference.check_grouped(out[:48], a, b, offs)
 
 
+def test_check_grouped_is_the_dense_rule_per_expert():
+    """check_grouped's verdict is check()'s on each expert's rows (W4A16: rows slice
+    exactly), the worst ratio over the experts."""
+    a, b, offs, out = _checked_case("fp16")
+    noisy = out.clone()
+    g = torch.Generator().manual_seed(5)
+    noisy += (torch.randn(noisy.shape, generator=g) * 1e-2 * out.abs()).to(out.dtype)
+    grouped_res = reference.check_grouped(noisy, a, b, offs)
+    per = [reference.check(noisy[lo:hi], a[lo:hi], b.expert(e))
+           for e, (lo, hi) in enumerate(zip(offs[:-1].tolist(), offs[1:].tolist())) if hi > lo]
+    worst = max(r.max_err_over_bound for r in per)
+    assert worst > 1.0 and not grouped_res.passed  # the noise is beyond the rule
+    assert grouped_res.max_err_over_bound == pytest.approx(worst, rel=1e-12)
+    assert grouped_res.max_abs_err == pytest.approx(max(r.max_abs_err for r in per), rel=1e-12)
+
+
 def test_check_grouped_of_no_tokens():
     _, a, b = operands("nvfp4", 3, 0, 16, 64)
     offs = torch.zeros(4, dtype=torch.int32)
