@@ -9,6 +9,7 @@ are tested at the end. The kernels themselves run on a GPU (perf/moe_bench.py)."
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -428,3 +429,269 @@ def bench():
     spec.loader.exec_module(mod)
     return mod
 
+
+def test_bench_shapes_are_the_issues(bench):
+    qwen, ds = bench.MODELS
+    assert (qwen.hidden, qwen.inter, qwen.experts, qwen.top_k) == (2048, 768, 128, 8)
+    assert (ds.hidden, ds.inter, ds.experts, ds.top_k) == (7168, 2048, 256, 8)
+    assert bench.DECODE_TOKENS == (16, 64) and bench.PREFILL_TOKENS == (4096, 16384)
+    args = bench.parse_args([])
+    assert args.tokens == [16, 64, 4096, 16384] and args.routings == ["uniform", "skewed"]
+    assert args.models == ["qwen3-30b-a3b", "deepseek-v3"] and args.reps == 20
+    quick = bench.parse_args(["--quick"])
+    assert quick.models == ["qwen3-30b-a3b"] and quick.tokens == [16, 4096]
+    assert quick.routings == ["uniform"] and quick.reps == 10
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "llama"])
+
+
+def test_router_is_seeded_and_valid(bench):
+    ids, w = bench.router(300, 128, 8, seed=5)
+    again, w2 = bench.router(300, 128, 8, seed=5)
+    assert torch.equal(ids, again) and torch.equal(w, w2)
+    assert not torch.equal(ids, bench.router(300, 128, 8, seed=6)[0])
+    assert ids.shape == (300, 8) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < 128
+    assert all(len(set(row)) == 8 for row in ids.tolist())  # top-k: distinct experts
+    torch.testing.assert_close(w.sum(-1), torch.ones(300))
+    assert bool((w[:, :-1] >= w[:, 1:]).all())  # sorted like topk
+    flat = bench.routing_stats(ids, 128)
+    skew = bench.routing_stats(bench.router(300, 128, 8, seed=5, skew=1.5)[0], 128)
+    assert flat["pairs"] == skew["pairs"] == 2400
+    assert skew["top10pct_share"] > 2 * flat["top10pct_share"]  # hot experts
+    assert skew["max_pairs"] > 2 * flat["max_pairs"]
+    assert skew["empty_experts"] > flat["empty_experts"]
+    seeds = {bench.routing_seed(m, t, r) for m in (0, 1) for t in (16, 64, 4096, 16384)
+             for r in bench.ROUTINGS}
+    assert len(seeds) == 16
+
+
+def test_routing_stats_and_sampled_experts(bench):
+    ids = torch.tensor([[0, 3], [3, 0], [3, 5]])
+    st = bench.routing_stats(ids, 8)
+    assert st == {"pairs": 6, "active_experts": 3, "empty_experts": 5, "max_pairs": 3,
+                  "mean_pairs_active": 2.0, "top10pct_share": 0.5}
+    offsets = [0, 2, 2, 2, 5, 5, 6, 6, 6]  # experts 0, 3 (largest), 5
+    assert bench.sample_experts(offsets, seed=1) == [0, 3, 5]  # first, largest, last
+    many = [0, *range(1, 21)]  # 20 experts of one pair each
+    got = bench.sample_experts(many, seed=4)
+    assert got[0] == 0 and got[-1] == 19 and len(got) in (2, 3) and got == sorted(got)
+    assert bench.sample_experts([0] * 9, seed=1) == []
+
+
+def test_formulas_by_hand(bench):
+    qwen = bench.MODELS[0]
+    assert bench.gemm_nk(qwen, "gate_up") == (1536, 2048)
+    assert bench.gemm_nk(qwen, "down") == (2048, 768)
+    pairs = 16 * 8
+    assert bench.flop(qwen, "gate_up", pairs) == 2 * 128 * 1536 * 2048
+    assert bench.flop(qwen, "layer", pairs) == 2 * 128 * (1536 * 2048 + 2048 * 768)
+    nk = 1536 * 2048
+    assert bench.weight_bytes(qwen, "gate_up", 100, "nvfp4") == 100 * (nk // 2 + nk // 16)
+    assert bench.weight_bytes(qwen, "gate_up", 100, "bf16") == 100 * 2 * nk
+    assert bench.nbytes(qwen, "gate_up", 16, 100, "nvfp4", "bf16") == \
+        100 * (nk // 2 + nk // 16) + 2 * pairs * 2048 + 2 * pairs * 1536
+    assert bench.nbytes(qwen, "down", 16, 100, "nvfp4", "nvfp4") == \
+        100 * (2048 * 768 * 9 // 16) + pairs * 768 // 2 + pairs * 768 // 16 + 2 * pairs * 2048
+    assert bench.nbytes(qwen, "layer", 16, 100, "bf16", "bf16") == \
+        bench.weight_bytes(qwen, "layer", 100, "bf16") + 4 * 16 * 2048
+    r = bench.rates(qwen, "gate_up", 16, 100, "nvfp4", "bf16", us=10.0)
+    assert r["weight_TB/s"] == round(100 * nk * 9 / 16 / 10.0 / 1e6, 3)
+    assert r["TFLOP/s"] == round(2 * 128 * nk / 10.0 / 1e6, 2)
+
+
+def test_power_of_two_scales_make_the_bf16_weights_exact(bench):
+    assert bench.pow2_scale(2688.0) == 1.0 and bench.pow2_scale(2689.0) == 2.0
+    assert bench.pow2_scale(0.0) == 1.0
+    tiny = bench.MoEShape("tiny", 64, 64, 4, 2)
+    wts = bench.build_weights(tiny, 0, "cpu", packed=True)
+    assert wts.q13.shape == (4, 128, 64) and wts.q2.shape == (4, 64, 64)
+    assert isinstance(wts.k13, PackedNVFP4Weight)
+    for e in range(4):
+        gs = float(wts.q13.global_scale[e])
+        assert gs == 2.0 ** round(math.log2(gs))
+        exact = wts.q13.expert(e).dequantize(torch.float64)
+        assert torch.equal(wts.b13[e].double(), exact)  # torch computes the same products
+        assert torch.equal(wts.b2[e].double(), wts.q2.expert(e).dequantize(torch.float64))
+    assert len({float(g) for g in wts.q13.global_scale}) > 1  # per-expert scales differ
+
+
+def test_passes_put_the_bars_first(bench):
+    args = bench.parse_args([])
+    plan = bench.plan_passes(args, "sm90")
+    assert [p[0] for p in plan] == sorted(p[0] for p in plan)
+    first = {(p[2], p[3]) for p in plan if p[0] == 1}
+    assert {("gate_up", "torch_bf16"), ("down", "cute_w4a16[auto]"),
+            ("gate_up", "loop_w4a16"), ("layer", "torch_bf16")} <= first
+    assert any(p[3] == "cute_w4a16[sm90_grouped_decode]" for p in plan if p[0] == 2)
+    assert {p[1] for p in plan if p[0] == 4} == {"skewed"}
+    quick = bench.plan_passes(bench.parse_args(["--quick"]), "sm90")
+    assert all(p[1] == "uniform" for p in quick)
+
+
+class OnceTimer:
+    """Stands in for cute_fp4.bench.Timer on the CPU: one call, a fixed time."""
+
+    def __init__(self, us: float = 10.0):
+        self.us = us
+
+    def timed(self, fn):
+        return self.us, fn()
+
+
+@pytest.fixture
+def cpu_bench(bench, monkeypatch):
+    """A tiny model and case on the CPU with the GPU pieces replaced by the exact
+    reference: grouped_gemm (honouring out=), the dense gemm of the loop, the schedule
+    resolution; the fused quantizer by cute_fp4.quantize."""
+    import types
+
+    import cute_fp4.api
+    import cute_fp4.grouped
+
+    def grouped(a, b, offsets, *, schedule="auto", out=None, out_dtype=torch.bfloat16,
+                alpha=None, check=False):
+        res = _exact_grouped(a, b, offsets, schedule, out_dtype, alpha)
+        return res if out is None else out.copy_(res)
+
+    def dense(a, b, *, schedule="auto", out=None, out_dtype=torch.bfloat16, alpha=None,
+              check=False):
+        res = reference.gemm(a, b, alpha, out_dtype=out_dtype)
+        return res if out is None else out.copy_(res)
+
+    sched = types.SimpleNamespace(name="fake_grouped", label=lambda: "fake_grouped")
+    monkeypatch.setattr(cute_fp4.grouped, "grouped_gemm", grouped)
+    monkeypatch.setattr(cute_fp4.api, "gemm", dense)
+    monkeypatch.setattr(bench, "_grouped_schedule", lambda *args: sched)
+    monkeypatch.setattr(moe, "_grouped_gemm", _exact_grouped)
+    monkeypatch.setattr(moe, "_quantize", lambda x, gs: quantize(x, gs))
+    tiny = bench.MoEShape("tiny", 64, 64, 6, 2)
+    wts = bench.build_weights(tiny, 3, "cpu", packed=False)
+    case = bench.make_case(tiny, 0, 10, "uniform", wts, "cpu")
+    return types.SimpleNamespace(shape=tiny, wts=wts, case=case)
+
+
+def test_bench_providers_on_the_cpu(bench, cpu_bench):
+    case, wts = cpu_bench.case, cpu_bench.wts
+    assert case.decode and case.xs.shape == (20, 64) and case.h.shape == (20, 64)
+    assert case.experts_checked and len(case.tokens_checked) == bench.CHECK_TOKENS == 8
+    budget = bench.Budget(60)
+    preps = {
+        ("gate_up", "cute_w4a16"): lambda: bench.prep_cute_gemm(case, wts, "gate_up", "bf16",
+                                                                 "auto"),
+        ("down", "cute_w4a4"): lambda: bench.prep_cute_gemm(case, wts, "down", "nvfp4", "auto"),
+        ("down", "torch_bf16"): lambda: bench.prep_torch_gemm(case, wts, "down"),
+        ("gate_up", "loop_w4a16"): lambda: bench.prep_loop_gemm(case, wts, "gate_up", "sm90"),
+        ("layer", "cute_w4a16"): lambda: bench.prep_cute_layer(case, wts, "w4a16", "auto"),
+        ("layer", "cute_w4a4"): lambda: bench.prep_cute_layer(case, wts, "w4a4", "auto"),
+        ("layer", "torch_bf16"): lambda: bench.prep_torch_layer(case, wts),
+        ("layer", "loop_w4a16"): lambda: bench.prep_loop_layer(case, wts, "sm90"),
+    }
+    res = {"model": "tiny", "tokens": 10, "routing": "uniform", "rows": []}
+    for (op, name), prep in preps.items():
+        row = bench.measure(prep, OnceTimer(), budget)
+        assert row["status"] == "ok", (op, name, row)
+        assert row["check"] == "ok", (op, name, row)
+        bench.record(res, op, name, row, case, "nvfp4", "bf16")
+    layer_rows = [r for r in res["rows"] if r["op"] == "layer" and "cute" in r["provider"]]
+    assert all(r["stages"] == "ok" and r["graph_equals_eager"] for r in layer_rows)
+    assert res["rows"][0]["weight_TB/s"] > 0 and res["rows"][0]["schedule"] == "fake_grouped"
+    s = {x["op"]: x for x in bench.summary(res)}
+    assert s["gate_up"]["w4a16_x_loop"] is not None and s["down"]["w4a4_x_torch"] == 1.0
+
+
+def test_bench_checks_fail_wrong_outputs(bench, cpu_bench, monkeypatch):
+    case, wts = cpu_bench.case, cpu_bench.wts
+    prep = bench.prep_torch_gemm(case, wts, "gate_up")
+    good = prep.call()
+    assert prep.check(good)["check"] == "ok"
+    bad = good.clone()
+    e = case.experts_checked[-1]
+    bad[case.offsets[e]] *= 1.5
+    res = prep.check(bad)
+    assert res["check"] == "FAIL" and res["failed_experts"] == [e]
+    lp = bench.prep_torch_layer(case, wts)
+    out = lp.call()
+    assert lp.check(out)["check"] == "ok"
+    assert lp.check(out.roll(1, dims=0))["check"] == "FAIL"
+    cute = bench.prep_cute_layer(case, wts, "w4a16", "auto")
+    out = cute.call()
+    assert cute.check(out)["check"] == "ok"
+    tweaked = out.clone()
+    tweaked[0, 0] = tweaked[0, 0] * (1 + 2.0**-7)  # within the layer tolerance ...
+    res = cute.check(tweaked)
+    assert not res["graph_equals_eager"] and res["check"] == "FAIL"  # ... but not eager's
+
+
+def test_measure_records_errors_unavailable_and_the_budget(bench):
+    def broken():
+        raise RuntimeError("kernel exploded")
+
+    def absent():
+        raise bench.Unavailable("no such kernel here")
+
+    row = bench.measure(broken, OnceTimer(), bench.Budget(60))
+    assert row["status"] == "error: RuntimeError: kernel exploded" and row["trace"]
+    assert bench.measure(absent, OnceTimer(), bench.Budget(60))["status"] == \
+        "unavailable: no such kernel here"
+    assert bench.measure(broken, OnceTimer(), bench.Budget(-1))["status"] == \
+        "skipped: time budget"
+
+
+def _synthetic(bench, tokens, ratio_torch, ratio_loop=None, check="ok"):
+    rows = []
+    for op in bench.OPS:
+        rows.append({"op": op, "provider": "torch_bf16", "status": "ok", "us": 100.0,
+                     "check": "ok", "weight_TB/s": 1.0})
+        rows.append({"op": op, "provider": "cute_w4a16[auto]", "status": "ok",
+                     "us": 100.0 / ratio_torch, "check": check, "schedule": "sm90_grouped",
+                     "weight_TB/s": 3.0})
+        rows.append({"op": op, "provider": "cute_w4a16[sm90_grouped_decode]", "status": "ok",
+                     "us": 1.0, "check": "FAIL", "schedule": "sm90_grouped_decode"})
+        rows.append({"op": op, "provider": "cute_w4a4[auto]", "status": "error: boom"})
+        if ratio_loop:
+            rows.append({"op": op, "provider": "loop_w4a16", "status": "ok",
+                         "us": 100.0 / ratio_torch * ratio_loop, "check": "ok"})
+    return {"model": "qwen3-30b-a3b", "tokens": tokens, "routing": "uniform", "seed": 7,
+            "stats": {"active_experts": 90, "empty_experts": 38, "max_pairs": 5,
+                      "mean_pairs_active": 1.4, "top10pct_share": 0.2}, "rows": rows}
+
+
+def test_summary_bars_and_markdown(bench):
+    cases = [_synthetic(bench, 16, 2.5, 4.0), _synthetic(bench, 64, 1.5, 2.0),
+             _synthetic(bench, 4096, 0.9), _synthetic(bench, 16384, 1.0, check="FAIL")]
+    s = {x["op"]: x for x in bench.summary(cases[0])}
+    # the 1 us FAIL row never counts; the passing auto row does
+    assert s["gate_up"]["w4a16_us"] == 40.0
+    assert s["gate_up"]["w4a16_schedule"] == "sm90_grouped"
+    assert s["gate_up"]["w4a16_x_torch"] == 2.5 and s["gate_up"]["w4a16_x_loop"] == 4.0
+    assert s["gate_up"]["w4a4_us"] is None and s["gate_up"]["w4a16_weight_TB/s"] == 3.0
+    got = {(b["tokens"], b["op"], "loop" if "loop" in b["bar"] else "torch"): b["status"]
+           for b in bench.bars(cases)}
+    assert got[(16, "gate_up", "torch")] == got[(16, "down", "loop")] == "PASS"
+    assert got[(64, "gate_up", "torch")] == got[(64, "gate_up", "loop")] == "FAIL"
+    assert got[(4096, "down", "torch")] == "FAIL"  # 0.9x < 0.95x
+    assert got[(16384, "down", "torch")] == "missing"  # its output failed the check
+    assert (4096, "down", "loop") not in got  # no loop bar at prefill
+    assert not any(b["op"] == "layer" for b in bench.bars(cases))
+    skewed = dict(cases[0], routing="skewed")
+    assert len(bench.bars([skewed])) == 0
+    res = {"env": {"gpu": "NVIDIA H200", "date": "2026-12-01", "driver": "580",
+                   "torch": "2.11", "cuda": "13.0", "cute_dsl": "4.8.1", "git_commit": "x"},
+           "config": {"models": ["qwen3-30b-a3b"], "reps": 20, "budget_s": 220,
+                      "weight_seed": 0, "x_seed": 1},
+           "cases": cases, "bars": bench.bars(cases), "skipped": ["a b c"], "elapsed_s": 12}
+    md = bench.render_md(res)
+    assert "| uniform | 16 | 90 | gate_up | 100.0 | 40.0 | sm90_grouped | 2.50x |" in md
+    assert "cute_w4a16[sm90_grouped_decode]: FAIL" in md and "cute_w4a4[auto]: error" in md
+    assert "W4A16 >= 2x torch._grouped_mm (decode): qwen3-30b-a3b 16 tokens gate_up: 2.50x"\
+        " -> PASS" in md
+    assert '"flop"' in md and "2*P*N*K" in md and "Skipped (time budget): 1" in md
+    assert bench._stem({"gpu": "NVIDIA H200"}).endswith("-h200-moe")
+
+
+def test_bench_without_a_gpu_says_so(bench, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench.main(["--quick", "--out", "/nonexistent/never-written"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
