@@ -568,7 +568,7 @@ def check_stages(layer: NVFP4MoE, st: MoEStages, x: torch.Tensor, topk_ids: torc
                          "" if ok else "inverse is not the pairs' sorted rows")]
     token_of_row = torch.empty_like(rows)
     token_of_row[rows] = torch.arange(t * k) // k
-    same = torch.equal(st.x_sorted.cpu(), x.cpu()[token_of_row])
+    same = torch.equal(st.x_sorted, x.index_select(0, token_of_row.to(x.device)))
     checks.append(StageCheck("gather", 0.0 if same else math.inf, same))
     if experts is None:
         experts = [e for e in range(layer.num_experts) if off[e + 1] > off[e]]
