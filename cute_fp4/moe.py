@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from cute_fp4.api import quantize_op
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.grouped import grouped_gemm
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
@@ -176,8 +177,6 @@ def _grouped_gemm(a, b, offsets, schedule, out_dtype, alpha) -> torch.Tensor:
 def _quantize(x: torch.Tensor, global_scale) -> NVFP4Tensor:
     """W4A4 activations: the fused quantization kernel (one ``cute_fp4::quantize`` node
     under torch.compile); ``global_scale`` a 0-d tensor (static) or None (dynamic)."""
-    from cute_fp4.api import quantize_op
-
     data, scale, gs = quantize_op(x, global_scale)
     return NVFP4Tensor._unchecked(data, scale, gs.reshape(()), tuple(x.shape))
 
