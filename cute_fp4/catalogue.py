@@ -102,10 +102,12 @@ def load_errors() -> tuple[LoadError, ...]:
     return _loaded().errors
 
 
-def all_schedules(family: str | None = None) -> list[Schedule]:
-    """Every catalogue schedule (optionally of one family: ``"sm120"`` or ``"sm90"``)."""
+def all_schedules(family: str | None = None, grouped: bool | None = None) -> list[Schedule]:
+    """Every catalogue schedule, optionally of one family (``"sm120"`` or ``"sm90"``) and
+    only the dense (``grouped=False``) or only the grouped (MoE, ``True``) ones."""
     scheds = _loaded().table.values()
-    return [s for s in scheds if family is None or s.arch.family == family]
+    return [s for s in scheds if (family is None or s.arch.family == family)
+            and (grouped is None or s.scheduler.grouped is grouped)]
 
 
 def get(name: str) -> Schedule:

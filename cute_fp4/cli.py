@@ -32,9 +32,11 @@ EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
-def _resolve(names: list[str], all_: bool, family: str | None = None, *, cmd: str = ""):
+def _resolve(names: list[str], all_: bool, family: str | None = None, *, cmd: str = "",
+             grouped: bool | None = None):
     """The schedules a command works on: ``names`` or, with ``all_``, the catalogue (of one
-    family). Neither is a usage error (exit 2); so is an empty catalogue."""
+    family; ``grouped=False``: its dense schedules only). Neither is a usage error (exit 2);
+    so is an empty catalogue."""
     from cute_fp4 import catalogue
 
     if names and all_:
@@ -44,7 +46,7 @@ def _resolve(names: list[str], all_: bool, family: str | None = None, *, cmd: st
                          "lists them)")
     if names:
         return [catalogue.get(n) for n in names]
-    scheds = catalogue.all_schedules(family)
+    scheds = catalogue.all_schedules(family, grouped)
     if not scheds:
         where = ", ".join(map(str, catalogue.directories())) or "no schedule folder found"
         raise InputError(f"the catalogue{' of ' + family if family else ''} is empty "
@@ -152,7 +154,7 @@ def cmd_bench(args) -> int:
     family = _device_family()
     from cute_fp4.bench import run_bench
 
-    scheds = _resolve(args.names, args.all, family, cmd="bench") \
+    scheds = _resolve(args.names, args.all, family, cmd="bench", grouped=False) \
         if (args.names or args.all) else None
     rows = run_bench(scheds, _shapes(args.shapes),
                      formats=args.formats, validate=not args.no_validate)

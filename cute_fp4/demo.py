@@ -52,8 +52,8 @@ def _gpu_part(dev, quick: bool, ok: bool) -> int:
 
     _section(f"validation on {dev.name} ({dev.target.name}) against the exact reference")
     formats = ["nvfp4", "bf16"] if dev.target.family == "sm90" else ["nvfp4"]
-    jobs = [(s, fmt) for s in catalogue.all_schedules(dev.target.family) if plan(s).ok
-            for fmt in formats]
+    jobs = [(s, fmt) for s in catalogue.all_schedules(dev.target.family, grouped=False)
+            if plan(s).ok for fmt in formats]
     for i, (s, fmt) in enumerate(jobs, 1):
         tables.progress(i, len(jobs), f"validate {s.name} ({fmt})")
         rep = validate(s, a_format=fmt)

@@ -40,6 +40,9 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
     """:func:`run_compiled` after :func:`check_operands` returned ``dims``. The plan check
     is remembered per kernel and shape (``CompiledGemm.check_plan``)."""
     m, n, k, a_format = dims
+    if kernel.schedule.scheduler.grouped:
+        raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} is a "
+                         "grouped (MoE) schedule: call cute_fp4.grouped_gemm(a, b, offsets)")
     if (kernel.schedule.mainloop is Mainloop.RS_PACKED) != isinstance(b, PackedNVFP4Weight):
         raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} reads "
                          f"{'a packed' if isinstance(b, NVFP4Tensor) else 'the plain'} weight "

@@ -29,7 +29,7 @@ def candidates(family: str, problem: Problem, out_dtype: str = "bf16") -> list[S
     from cute_fp4.plan import plan
 
     out = {}
-    for s in catalogue.all_schedules(family):
+    for s in catalogue.all_schedules(family, grouped=False):
         if s.mainloop.value != "standard":
             continue
         s = s.replace(out_dtype=out_dtype, name=s.name)

@@ -175,7 +175,7 @@ def timings(kern, label: str, fmt: str) -> dict:
 
 def main() -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    scheds = catalogue.all_schedules("sm90")
+    scheds = catalogue.all_schedules("sm90", grouped=False)
     split = catalogue.get("sm90_decode_swapab").replace(split_k=2)
     kerns = []
     for s in [*scheds, split]:

@@ -44,7 +44,7 @@ VALID_K = (320, 4096, 8256)  # 64 x 5; long; 8256 = 64 x 129 (not a multiple of 
 
 def family_schedules():
     fam = require_device().target.family
-    return [s for s in catalogue.all_schedules(fam) if plan(s).ok]
+    return [s for s in catalogue.all_schedules(fam, grouped=False) if plan(s).ok]
 
 
 def formats():

@@ -31,7 +31,8 @@ from cute_fp4 import catalogue, reference  # noqa: E402
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004, E402
 from cute_fp4.nvfp4 import quantize  # noqa: E402
 from cute_fp4.packed import pack  # noqa: E402
-from cute_fp4.schedule import Mainloop, Schedule  # noqa: E402
+from cute_fp4.plan import plan  # noqa: E402
+from cute_fp4.schedule import Mainloop, Problem, Schedule  # noqa: E402
 
 
 def routings(experts: int, seed: int, quick: bool) -> dict[str, list[int]]:
@@ -130,8 +131,8 @@ def run_case(kern, c: dict, out_dtype) -> dict:
 def grouped_schedules(only: set[str] | None) -> list[Schedule]:
     major = torch.cuda.get_device_capability()[0]
     out = []
-    for s in catalogue.all_schedules():
-        if not s.scheduler.grouped or (only and s.name not in only):
+    for s in catalogue.all_schedules(grouped=True):
+        if only and s.name not in only:
             continue
         fam = s.arch.family
         if fam == "sm90" and major == 9 or fam == "sm120" and major in (9, 12):
@@ -140,7 +141,8 @@ def grouped_schedules(only: set[str] | None) -> list[Schedule]:
 
 
 def formats(s: Schedule) -> list[str]:
-    return ["bf16", "fp16"] if s.arch.family == "sm90" else ["nvfp4"]
+    """The activation formats ``plan()`` accepts for ``s`` (SM120: NVFP4 only)."""
+    return [f for f in ("nvfp4", "bf16", "fp16") if plan(s, Problem(a_format=f)).ok]
 
 
 def main() -> int:

@@ -78,7 +78,7 @@ RESTART = 86  # a child's exit code after a CUDA error: the context is lost, sta
 
 def schedules() -> list[Schedule]:
     """The SM120 schedules this harness runs (the order is the child's index)."""
-    out = [s for s in catalogue.all_schedules("sm120") if plan(s).ok]
+    out = [s for s in catalogue.all_schedules("sm120", grouped=False) if plan(s).ok]
     out.append(catalogue.get("sm120_decode_64x128").replace(roles="pingpong"))
     out.append(catalogue.get("sm120_default").replace(split_k=2))
     return [s for s in out if plan(s).ok]

@@ -35,6 +35,22 @@ def f16x2_mul(a: int, b: int) -> int:
     return lo | hi << 16
 
 
+def bf16x2_mul(a: int, b: int) -> int:
+    lo = to_bf16(bf16(a) * bf16(b))  # exact products here; to_bf16 rounds a double's
+    hi = to_bf16(bf16(a >> 16) * bf16(b >> 16))
+    return lo | hi << 16
+
+
+def lop3(a: int, b: int, c: int, lut: int) -> int:
+    """``lop3.b32``: bit ``i`` of the result is bit ``(a_i << 2 | b_i << 1 | c_i)`` of ``lut``
+    read with ``a`` = 0xF0, ``b`` = 0xCC, ``c`` = 0xAA."""
+    out = 0
+    for i in range(32):
+        idx = ((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1)
+        out |= ((lut >> idx) & 1) << i
+    return out
+
+
 def prmt(a: int, b: int, sel: int) -> int:
     pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
     out = 0
@@ -82,6 +98,10 @@ def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
             regs[d] = (val(args[1]) * val(args[2])) & M32
         elif op == "mul.rn.f16x2":
             regs[d] = f16x2_mul(val(args[1]), val(args[2]))
+        elif op == "mul.rn.bf16x2":
+            regs[d] = bf16x2_mul(val(args[1]), val(args[2]))
+        elif op == "lop3.b32":
+            regs[d] = lop3(val(args[1]), val(args[2]), val(args[3]), val(args[4]))
         elif op == "cvt.f32.f16":
             regs[d] = f16(val(args[1]))
         elif op == "cvt.rn.bf16x2.f32":

@@ -106,9 +106,6 @@ SM90_REFUSALS = [
     (SM90.replace(grouped=True), Problem(64, 128, 256, "bf16", 8),
      "grouped sm_90a schedules run the rs_packed mainloop (set mainloop='rs_packed'): its "
      "weight tiles are whole per group"),
-    (SM90.replace(grouped=True, mainloop="rs_packed"), Problem(64, 128, 256, "nvfp4", 8),
-     "grouped sm_90a kernels take 16-bit activations (W4A16) only: NVFP4 activations (W4A4) "
-     "are not built there"),
     (SM90.replace(mainloop="rs_packed", tile=(128, 128, 256)), None,
      "rs_packed tile K 256 must be 64 or 128"),
     (SWAP.replace(tile=(24, 64, 256)), None,
@@ -252,8 +249,9 @@ ACCOUNTING = {
     ("sm90_decode_swapab", "bf16"): (10, 218_112, (16, 64)),
     ("sm90_default", "nvfp4"): (4, 220_160, (128, 256)),
     ("sm90_default", "bf16"): (3, 208_896, (128, 256)),
-    ("sm90_grouped", "bf16"): (11, 232_448, (128, 128)),
-    ("sm90_grouped_decode", "bf16"): (17, 227_328, (16, 128)),
+    ("sm90_grouped", "nvfp4"): (15, 225_280, (128, 256)),
+    ("sm90_grouped", "bf16"): (9, 231_424, (128, 256)),
+    ("sm90_grouped_decode", "bf16"): (10, 226_304, (16, 256)),
     ("sm90_nonpersistent_fp32", "nvfp4"): (5, 224_256, (128, 128)),
     ("sm90_nonpersistent_fp32", "bf16"): (3, 192_512, (128, 128)),
     ("sm90_rs_packed", "nvfp4"): (14, 227_328, (256, 128)),

@@ -32,7 +32,8 @@ from cute_fp4.kernels.sm90_rs_wide import GROUP_K_BLOCKS, fragment_ptx, sf_word_
 from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize, sf_atom_offset
 from cute_fp4.schedule import Mainloop, Problem, Schedule, Tile, Warps
 
-RS = [s for s in catalogue.all_schedules("sm90") if s.mainloop is Mainloop.RS_PACKED]
+RS = [s for s in catalogue.all_schedules("sm90", grouped=False)
+      if s.mainloop is Mainloop.RS_PACKED]
 
 
 # ----------------------------------------------------------------------------- packing
@@ -181,10 +182,10 @@ def test_groups_alternate_buffers_across_tiles():
 
 
 
-def _scale_word(byte_word: int) -> int:
-    from cute_fp4.kernels.sm90_convert import _SCALE_PTX
+def _scale_word(byte_word: int, bf16: bool = True) -> int:
+    from cute_fp4.kernels.sm90_rs_wide import raw_scale_word
 
-    return run_ptx(_SCALE_PTX, [byte_word], 1)[0]
+    return raw_scale_word(byte_word & 0xFF, bf16)
 
 
 def _ue4m3(b: int) -> float:
@@ -202,18 +203,32 @@ def test_decode_is_exact_for_every_code_and_scale(bf16):
         kq = i % 4  # the kernel passes the scale word shifted right by 8 kq
         word_lo = (random.Random(i).getrandbits(32) & ~(0xFF << 8 * kq)) | sb << 8 * kq
         word_hi = (random.Random(~i).getrandbits(32) & ~(0xFF << 8 * kq)) | other << 8 * kq
-        s_lo, s_hi = _scale_word(word_lo >> 8 * kq), _scale_word(word_hi >> 8 * kq)
+        s_lo = _scale_word(word_lo >> 8 * kq, bf16)
+        s_hi = _scale_word(word_hi >> 8 * kq, bf16)
         for q in (sum(((c + r) % 16) << 4 * r for r in range(8)) for c in range(16)):
             out = run_ptx(ptx, [q, s_lo, s_hi], 4)
             for j in range(4):
                 s = _ue4m3(sb if j % 2 == 0 else other)
                 for h in range(2):
                     code = (q >> (8 * j + 4 * h)) & 0xF
-                    want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s * 2.0**-7
+                    want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s
                     got = to_float(out[j] >> 16 * h)
                     if got != want:
                         bad.append((hex(q), j, h, sb, other, got, want))
     assert bad[:5] == []
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_scale_from_word_is_the_raw_scale_of_each_byte(bf16):
+    from ptx_model import prmt
+
+    from cute_fp4.kernels.sm90_rs_wide import raw_scale_word, scale_from_word
+
+    rng = random.Random(5)
+    for word in [rng.getrandbits(32) for _ in range(300)] + [0, 0xFFFFFFFF, 0x7F7F7F7F]:
+        for kq in range(4):
+            got = scale_from_word(word, kq, bf16, prmt) & 0xFFFFFFFF
+            assert got == raw_scale_word((word >> 8 * kq) & 0xFF, bf16), (hex(word), kq)
 
 
 def test_decode_check_catches_a_swapped_scale():

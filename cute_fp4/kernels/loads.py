@@ -16,7 +16,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from cute_fp4.nvfp4 import SF_ATOM_BYTES, sf_atom_offset, sf_offset
+from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset, sf_offset
 
 CHUNK = 16  # bytes per cp.async
 WARP = 32
@@ -119,8 +119,9 @@ def load_sf_rows_cp_async(sf_bytes, sSF, stage, row0, m_rows, k_tile, k_blocks, 
     """
     per_row = tile_k // 64  # K blocks of 4 scales per stage
     n_chunks = tile_m * per_row
+    row_atoms = (tile_m + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS  # the stage's 128-row atoms
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
-    s_base = stage * (tile_k * 8)
+    s_base = stage * (per_row * row_atoms * SF_ATOM_BYTES)
     for i in cutlass.range_constexpr(n_chunks // WARP):
         c = lane + i * WARP
         r, j = c % tile_m, c // tile_m
@@ -128,7 +129,9 @@ def load_sf_rows_cp_async(sf_bytes, sSF, stage, row0, m_rows, k_tile, k_blocks, 
         kb = k_tile * per_row + j
         kb = cutlass.select_(kb < k_blocks, kb, 0)
         src_off = cute.assume(sf_offset(row, kb * 4, k_blocks), divby=4)
-        dst_off = cute.assume(s_base + j * SF_ATOM_BYTES + sf_atom_offset(r, 0), divby=4)
+        dst_off = cute.assume(
+            s_base + (j + per_row * (r // SF_ATOM_ROWS)) * SF_ATOM_BYTES
+            + sf_atom_offset(r % SF_ATOM_ROWS, 0), divby=4)
         src = cute.make_tensor(sf_bytes.iterator + src_off, cute.make_layout(4))
         dst = cute.make_tensor(sSF.iterator + dst_off, cute.make_layout(4))
         cute.copy(atom, src, dst)

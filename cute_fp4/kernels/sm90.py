@@ -86,7 +86,7 @@ class Sm90Params(NamedTuple):
     tma_b: cute.CopyAtom
     gB: cute.Tensor
     tma_sfa: cute.CopyAtom
-    gSFA: cute.Tensor
+    gSFA: cute.Tensor  # grouped W4A4: A's flat scale bytes (copied row by row, cp.async)
     tma_sfb: cute.CopyAtom
     gSFB: cute.Tensor
     tma_c: cute.CopyAtom  # the D store atom (unused when D is stored from registers)
@@ -149,8 +149,10 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         self.raster_m = sch.raster is Raster.ALONG_M
         self.group_size = sch.group_size
         self.sm_count = schedule.arch.sm_count
-        # The conversion leaves 2^-7 per converted operand in the accumulator.
-        self.acc_scale = float(2 ** (7 if self.w4a16 else 14))
+        # The shared-memory conversion leaves 2^-7 per converted operand in the accumulator;
+        # rs_packed's weight decode leaves none (its W4A4 activation conversion does).
+        converted = (0 if self.w4a16 else 1) + (0 if self.rs_packed else 1)
+        self.acc_scale = float(2 ** (7 * converted))
         self.sf_cols_blocks = t.k // 64  # 512-byte scale atoms per K tile
         self.sfa_row_blocks = max(1, t.m // SF_ATOM_ROWS)
         self.sfb_row_blocks = max(1, t.n // SF_ATOM_ROWS)
@@ -304,7 +306,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 tma_sfb, gSFB = loads.sf_tma_atom(
                     loads.sf_global_view(t.mSFB, n, t.mB.shape[1]),
                     self.sSFB_layout)
-                return tma_a, gA, tma_b, gB, tma_sfb, gSFB, tma_sfb, gSFB
+                return tma_a, gA, tma_b, gB, tma_sfb, t.mSFA, tma_sfb, gSFB
         else:
             tma_b, gB = cpasync.make_tiled_tma_atom(
                 g2s, t.mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
@@ -349,7 +351,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         and arrive on its init barrier."""
         if warp_idx == self.warps.producer_warp:
             atoms = [p.tma_a, p.tma_b, p.tma_sfb]
-            if cutlass.const_expr(not self.w4a16):
+            if cutlass.const_expr(not self.w4a16 and not self.grouped):
                 atoms.append(p.tma_sfa)
             if cutlass.const_expr(not self.direct_store):
                 atoms.append(p.tma_c)
@@ -361,15 +363,18 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             cute.size_in_bytes(self._a_type(), cute.slice_(self.sA_layout, (None, None, 0)))
             + cute.size_in_bytes(cutlass.Uint8, _stage0(self.sB_layout))
             + cute.size_in_bytes(cutlass.Uint8, cute.slice_(self.sSFB_layout, sf_stage)))
-        if cutlass.const_expr(not self.w4a16):
+        if cutlass.const_expr(not self.w4a16 and not self.grouped):
             tx_bytes += cute.size_in_bytes(cutlass.Uint8,
                                            cute.slice_(self.sSFA_layout, sf_stage))
+        # grouped W4A4: the producer warp's lanes also arrive (no-inc) after their cp.async
+        # copies of A's scales
+        producers = 1 + (WARPGROUP // 4 if self.grouped and not self.w4a16 else 0)
         # swap-AB: one consumer warpgroup takes each stage (K tiles round-robin)
         consumer_warps = 4 if self.swap_ab else self.num_wg * 4
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -420,7 +425,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         tBsB, tBgB = loads.tma_views(p.tma_b, s.sB, p.gB, b_box)
         box_b = cute.shape(cute.slice_(self.sSFB_layout, (None,) * 4 + (0,)))
         tSFBs, tSFBg = loads.tma_views(p.tma_sfb, s.sSFB, p.gSFB, box_b)
-        if cutlass.const_expr(not self.w4a16):
+        if cutlass.const_expr(not self.w4a16 and not self.grouped):
             box_a = cute.shape(cute.slice_(self.sSFA_layout, (None,) * 4 + (0,)))
             tSFAs, tSFAg = loads.tma_views(p.tma_sfa, s.sSFA, p.gSFA, box_a)
         def per_unit(w):
@@ -428,7 +433,8 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             if cutlass.const_expr(self.grouped):  # A's rows from the group's offset
                 _, tAgA_u = loads.tma_views(p.tma_a, s.sA, cute.domain_offset((w.row0, 0), p.gA),
                                             (tm, a_cols))
-                return (tAgA_u, nt, (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks, w.l)
+                return (tAgA_u, nt, (nt * tn) // SF_ATOM_ROWS // self.sfb_row_blocks, w.l,
+                        w.row0)
             if cutlass.const_expr(self.transposed):  # the scheduler's M tiles are B's rows
                 mt, nt = w.n, w.m
             return (mt, nt, (mt * tm) // SF_ATOM_ROWS // self.sfa_row_blocks,
@@ -436,7 +442,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
 
         def issue(u, kk, st, bar):
             if cutlass.const_expr(self.grouped):
-                self._issue_grouped(p, u, kk, st, bar, tAsA, tBsB, tBgB, tSFBs, tSFBg)
+                self._issue_grouped(p, s, u, kk, st, bar, tAsA, tBsB, tBgB, tSFBs, tSFBg)
                 return
             mt, nt, rb_a, rb_b = u
             cute.copy(p.tma_a, tAgA[(None, mt, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
@@ -453,14 +459,20 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
 
         loads.producer_loop(mainloop, self.stages, p.units, per_unit, issue)
 
-    @staticmethod
-    def _issue_grouped(p: Sm90Params, u, kk, st, bar, tAsA, tBsB, tBgB, tSFBs, tSFBg):
-        """One stage of a grouped unit: its activation rows, its group's weight and scales."""
-        tAgA_u, nt, rb_b, g = u
+    def _issue_grouped(self, p: Sm90Params, s: SmemTensors, u, kk, st, bar, tAsA, tBsB, tBgB,
+                       tSFBs, tSFBg):
+        """One stage of a grouped unit: its activation rows, its group's weight and scales;
+        W4A4 also the activation rows' scales, row by row (a group starts at any row)."""
+        tAgA_u, nt, rb_b, g, row0 = u
         cute.copy(p.tma_a, tAgA_u[(None, 0, kk)], tAsA[(None, st)], tma_bar_ptr=bar)
         cute.copy(p.tma_b, tBgB[(None, 0, 0, kk, nt, g)], tBsB[(None, st)], tma_bar_ptr=bar)
         cute.copy(p.tma_sfb, tSFBg[(None, 0, 0, kk, rb_b, g)], tSFBs[(None, st)],
                   tma_bar_ptr=bar)
+        if cutlass.const_expr(not self.w4a16):
+            k_blocks = (p.gA.shape[1] + 31) // 32  # 64-element K blocks (A is K/2 bytes)
+            loads.load_sf_rows_cp_async(p.gSFA, s.sSFA, st, row0, p.m, kk, k_blocks,
+                                        self.tile_m, self.tile_k, cute.arch.lane_idx())
+            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit

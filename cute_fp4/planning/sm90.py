@@ -134,7 +134,7 @@ def check_swap_ab_warps(s: Schedule, p: Problem) -> list[str]:
 
 def check_rs_packed(s: Schedule, p: Problem) -> list[str]:
     """What the rs_packed mainloop implements: tile N (weight rows) 128 or 256 over
-    ``Warps.mma = (W, 1)`` warpgroups of 64 or 128 rows each, tile M (activation rows,
+    ``Warps.mma = (W, 1)`` (W = 1, 2, 4) warpgroups of 64 or 128 rows each, tile M (activation rows,
     WGMMA's N) a multiple of 8 up to 256 whose accumulators fit (64-row blocks x tile M
     <= 256 per warpgroup: 128 FP32 registers), tile K 64 or 128, not swap_ab (it is the
     swapped form already), K a multiple of 64 (the packed weight's 64-element units)."""
@@ -145,7 +145,7 @@ def check_rs_packed(s: Schedule, p: Problem) -> list[str]:
     if s.swap_ab:
         out.append("mainloop=rs_packed already runs the weight as WGMMA's A operand and "
                    "stores D^T: leave swap_ab False")
-    if wn != 1 or wm not in (1, 2) or t.n not in (128, 256) or t.n // wm not in (64, 128):
+    if wn != 1 or wm not in (1, 2, 4) or t.n not in (128, 256) or t.n // wm not in (64, 128):
         out.append(f"rs_packed takes tile N (weight rows) 128 or 256 over Warps.mma = "
                    f"(W, 1) warpgroups of 64 or 128 rows, got tile N {t.n} and "
                    f"Warps.mma {s.warps.mma}")
@@ -288,17 +288,14 @@ def check_swap_ab_scheduler(s: Schedule, p: Problem) -> list[str]:
 
 
 def check_grouped_sm90(s: Schedule, p: Problem) -> list[str]:
-    """Grouped sm_90a schedules: the rs_packed mainloop, W4A16 (the W4A4 activation scales
-    would need per-row loads: not built)."""
+    """Grouped sm_90a schedules run the rs_packed mainloop (W4A16; W4A4 where its tile rules
+    allow, A's scales copied row by row)."""
     if not s.scheduler.grouped:
         return []
     out = []
     if not rs_packed(s):
         out.append("grouped sm_90a schedules run the rs_packed mainloop (set "
                    "mainloop='rs_packed'): its weight tiles are whole per group")
-    if p.a_format == "nvfp4":
-        out.append("grouped sm_90a kernels take 16-bit activations (W4A16) only: NVFP4 "
-                   "activations (W4A4) are not built there")
     return out
 
 

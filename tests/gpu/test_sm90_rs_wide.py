@@ -22,7 +22,8 @@ from cute_fp4.schedule import Mainloop
 SHAPES = [(1, 136, 192), (7, 8, 64), (16, 4096, 4096), (63, 264, 320), (64, 1000, 832),
           (65, 392, 4160), (200, 136, 448), (255, 256, 8256), (257, 520, 1024),
           (1027, 1000, 832), (4096, 4096, 4096), (8192, 264, 1024)]
-RS = [s for s in catalogue.all_schedules("sm90") if s.mainloop is Mainloop.RS_PACKED]
+RS = [s for s in catalogue.all_schedules("sm90", grouped=False)
+      if s.mainloop is Mainloop.RS_PACKED]
 
 
 def _cases():
