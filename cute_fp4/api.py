@@ -67,17 +67,18 @@ def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
     return schedule if schedule.epilogue.out_dtype is want else schedule.replace(out_dtype=want)
 
 
-def heuristic(family: str, m: int, n: int, k: int, packed: bool = False) -> Schedule:
+def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
+              a_format: str = "bf16") -> Schedule:
     """The catalogue schedule a shape gets when nothing was tuned for it (``packed``: the
     weight is a fragment-order PackedNVFP4Weight, which only ``mainloop=rs_packed`` reads;
-    tile choices by M not yet measured: activation tile 64 / 128 / 256 rows)."""
+    its tile depends on the activation format, ``a_format``)."""
     from cute_fp4 import catalogue
 
     if packed:
         if family != "sm90":
             raise InputError(f"a PackedNVFP4Weight runs on sm_90a only, not on {family}; "
                              "use weight.unpack()")
-        return _packed_heuristic(m, n, k)
+        return _packed_heuristic(m, n, k, a_format)
     if family == "sm90":
         if m <= SWAPAB_MAX_M:
             # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
@@ -101,14 +102,17 @@ def heuristic(family: str, m: int, n: int, k: int, packed: bool = False) -> Sche
     return catalogue.get(name)
 
 
-def _packed_heuristic(m: int, n: int, k: int) -> Schedule:
-    """rs_packed tiles by M (not measured yet; QuACK's measured rule for the same kernel
-    shape is the guide: 256 activation rows x 128 weight rows at large M, and at small M a
-    grid of ~one CTA per SM made up by split-K while each split keeps >= 16 K tiles)."""
+def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16") -> Schedule:
+    """rs_packed tiles by M: 256 activation rows x 128 weight rows at large M; at M <= 16
+    with 16-bit activations the 16 x 256 four-warpgroup decode tile (W4A4 needs 64-row
+    activation tiles); at small M a grid of ~one CTA per SM made up by split-K while each
+    split keeps >= 16 K tiles."""
     from cute_fp4 import catalogue
 
     if m > 128:
         s = catalogue.get("sm90_rs_packed")
+    elif m <= 16 and a_format != "nvfp4":
+        s = catalogue.get("sm90_rs_packed_decode")
     else:
         s = catalogue.get("sm90_rs_packed_m64")
         if m > 64:
@@ -131,7 +135,7 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
     from cute_fp4.targets import require_device
 
     if schedule == _AUTO_PACKED:
-        s = heuristic(require_device().target.family, m, n, k, packed=True)
+        s = heuristic(require_device().target.family, m, n, k, packed=True, a_format=a_format)
         want = OutDtype.of(out_dtype)
         return s if s.epilogue.out_dtype is want else s.replace(out_dtype=want)
     s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)

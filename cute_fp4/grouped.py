@@ -43,8 +43,13 @@ __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operand
            "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op", "resolve_grouped",
            "run_grouped"]
 
-# the catalogue schedule "auto" runs, per kernel family of the present GPU
+# the catalogue schedule "auto" runs, per kernel family of the present GPU ...
 AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
+# ... unless the experts average at most this many rows (decode): then this one. Measured
+# on the H200 (perf/grouped_tiles.py, 2026-12-01): at 1-4 rows per expert the 16-row
+# four-warpgroup tile runs 1.6-1.8x the 128-row one, at 256 rows 0.3x; sm_90a's decode tile
+# takes 16-bit activations only (W4A4 needs 64-row activation tiles there).
+AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_decode", 32)}
 N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
@@ -194,16 +199,29 @@ def _require_cuda(b) -> None:
 
 # ----------------------------------------------------------------------------- schedules
 
-def resolve_grouped(schedule, out_dtype=torch.bfloat16) -> Schedule:
-    """A grouped Schedule from a Schedule, a catalogue name, or "auto" (the family's entry
-    of :data:`AUTO_SCHEDULES` for the present GPU), with ``out_dtype``'s epilogue."""
+def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
+    """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the decode
+    one of :data:`AUTO_DECODE` when the experts average few rows, else
+    :data:`AUTO_SCHEDULES`'s."""
+    name, limit = AUTO_DECODE[family]
+    if (dims is not None and dims.total_m <= limit * max(dims.experts, 1)
+            and (family != "sm90" or dims.a_format != "nvfp4")):
+        return name
+    return AUTO_SCHEDULES[family]
+
+
+def resolve_grouped(schedule, out_dtype=torch.bfloat16,
+                    dims: GroupedDims | None = None) -> Schedule:
+    """A grouped Schedule from a Schedule, a catalogue name, or "auto" (for the present
+    GPU's family and ``dims``: :func:`auto_schedule_name`), with ``out_dtype``'s
+    epilogue."""
     from cute_fp4 import catalogue
 
     if isinstance(schedule, str):
         if schedule == "auto":
             from cute_fp4.targets import require_device
 
-            schedule = AUTO_SCHEDULES[str(require_device().target.family)]
+            schedule = auto_schedule_name(str(require_device().target.family), dims)
         schedule = catalogue.get(schedule)
     if not isinstance(schedule, Schedule):
         raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
@@ -248,14 +266,25 @@ def _memo_put(memo: dict, key: tuple, value: tuple) -> None:
     memo[key] = value
 
 
-def _schedule_for(schedule, out_dtype: torch.dtype, device_index: int) -> Schedule:
+def _auto_regime(schedule, dims: GroupedDims | None):
+    """What "auto" depends on besides the device: (decode-sized?, A format); None else."""
+    if schedule != "auto" or dims is None:
+        return None
+    few = tuple(dims.total_m <= limit * max(dims.experts, 1) for _, limit in
+                AUTO_DECODE.values())
+    return few, dims.a_format
+
+
+def _schedule_for(schedule, out_dtype: torch.dtype, device_index: int,
+                  dims: GroupedDims | None = None) -> Schedule:
     """:func:`resolve_grouped`, memoised (``Schedule.replace`` and the catalogue lookup
     cost tens of microseconds a call otherwise)."""
-    key = (schedule if isinstance(schedule, str) else id(schedule), out_dtype, device_index)
+    key = (schedule if isinstance(schedule, str) else id(schedule), out_dtype, device_index,
+           _auto_regime(schedule, dims))
     hit = _SCHEDULES.get(key)
     if hit is not None and hit[0] is schedule:
         return hit[1]
-    s = resolve_grouped(schedule, out_dtype)
+    s = resolve_grouped(schedule, out_dtype, dims)
     _memo_put(_SCHEDULES, key, (schedule, s))
     return s
 
@@ -266,12 +295,12 @@ def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b) -> Compi
     so its errors are the same on the CPU."""
     dev = b.data.get_device()
     key = (schedule if isinstance(schedule, str) else id(schedule), dims.a_format, out_dtype,
-           dev)
+           dev, _auto_regime(schedule, dims))
     hit = _KERNELS.get(key)
     if hit is not None and hit[0] is schedule:
         check_schedule(hit[1].schedule, dims)
         return hit[1]
-    s = _schedule_for(schedule, out_dtype, dev)
+    s = _schedule_for(schedule, out_dtype, dev, dims)
     check_schedule(s, dims)
     _require_cuda(b)
     kern = compile_schedule(s, Signature(dims.a_format))
