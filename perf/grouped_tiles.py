@@ -43,12 +43,15 @@ def routing(tokens: int, experts: int, seed: int = 0) -> list[int]:
     return torch.bincount(ids.flatten(), minlength=experts).tolist()
 
 
-def variants(quick: bool) -> list:
+def variants(quick: bool, tiles: str = "") -> list:
+    """The catalogue's grouped sm_90a schedules, plus ``tiles`` ("MxNxK:W,...": tile and
+    consumer warpgroups) derived from sm90_grouped."""
     base = catalogue.get("sm90_grouped")
     out = [catalogue.get("sm90_grouped_decode"), base]
-    if not quick:
-        out += [base.replace(tile=(32, 128, 128)), base.replace(tile=(16, 256, 128), mma=(4, 1)),
-                base.replace(tile=(128, 256, 64)), base.replace(tile=(256, 128, 64))]
+    for spec in filter(None, tiles.split(",")) if not quick else ():
+        shape, _, wgs = spec.partition(":")
+        out.append(base.replace(tile=tuple(int(x) for x in shape.split("x")),
+                                mma=(int(wgs or 2), 1)))
     return out
 
 
@@ -86,17 +89,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="perf/results")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tokens", default="16,64,4096", help="tokens per case, comma-separated")
+    ap.add_argument("--tiles", default="32x128x128:2,128x128x64:2,256x128x64:2",
+                    help="extra tiles MxNxK:warpgroups to time")
+    ap.add_argument("--layers", default=",".join(LAYERS))
     args = ap.parse_args()
     timer = Timer(reps=10 if args.quick else 20)
     rows = []
     kerns = {}
-    for s in variants(args.quick):
+    for s in variants(args.quick, args.tiles):
         try:
             kerns[s.name] = compile(s, Signature("bf16"))
         except Exception as e:  # a refusal or compile failure is a row, not a crash
             rows.append({"schedule": s.name, "error": f"{type(e).__name__}: {e}"[:500]})
-    tokens = (16, 64, 4096) if not args.quick else (16, 4096)
-    for layer, (h, inter, e) in LAYERS.items():
+    tokens = [int(t) for t in args.tokens.split(",")] if not args.quick else (16, 4096)
+    for layer in args.layers.split(","):
+        h, inter, e = LAYERS[layer]
         for t in tokens:
             counts = routing(t, e)
             for gemm, (n, k) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):

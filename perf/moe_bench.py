@@ -395,11 +395,14 @@ def _poisoned(rows: int, cols: int, device) -> torch.Tensor:
 
 def _grouped_schedule(schedule, a_fmt: str, case: Case, op: str):
     """The resolved grouped schedule, refused (Unavailable) when plan() refuses it."""
-    from cute_fp4.grouped import resolve_grouped
+    from cute_fp4.grouped import GroupedDims, resolve_grouped
     from cute_fp4.plan import plan
     from cute_fp4.schedule import Problem
 
-    s = resolve_grouped(schedule)
+    n0, k0 = gemm_nk(case.shape, "gate_up" if op == "layer" else op)
+    # what grouped_gemm's "auto" sees: it picks by the rows per expert
+    s = resolve_grouped(schedule, dims=GroupedDims(len(case.xs), n0, k0, case.shape.experts,
+                                                   a_fmt, True))
     for o in ("gate_up", "down") if op == "layer" else (op,):
         n, k = gemm_nk(case.shape, o)
         pl = plan(s, Problem(len(case.xs), n, k, a_fmt, groups=case.shape.experts))

@@ -709,3 +709,22 @@ def test_import_registers_nothing_and_exports_lazily():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:3] == ["registered False", "dsl False", "export True"]
     assert "grouped_gemm" in cf.__all__
+
+
+@pytest.mark.parametrize("family, rows, fmt, want", [
+    ("sm90", 128 * 1, "bf16", "sm90_grouped_decode"),  # decode: ~1 row per expert
+    ("sm90", 128 * 16, "bf16", "sm90_grouped_decode"),
+    ("sm90", 128 * 1, "nvfp4", "sm90_grouped"),  # its decode tile is W4A16 only
+    ("sm90", 128 * 17, "bf16", "sm90_grouped"),
+    ("sm90", 128 * 383, "fp16", "sm90_grouped"),
+    ("sm90", 128 * 384, "bf16", "sm90_grouped_large"),
+    ("sm90", 128 * 1024, "nvfp4", "sm90_grouped_large"),
+    ("sm120", 128 * 32, "nvfp4", "sm120_grouped_decode"),
+    ("sm120", 128 * 33, "nvfp4", "sm120_grouped"),
+    ("sm120", 128 * 4096, "nvfp4", "sm120_grouped"),
+])
+def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
+    dims = grouped.GroupedDims(rows, 1536, 2048, 128, fmt, family == "sm90")
+    assert grouped.auto_schedule_name(family, dims) == want
+    assert want in catalogue.names()
+    assert grouped.auto_schedule_name(family) == grouped.AUTO_SCHEDULES[family]

@@ -102,7 +102,8 @@ def test_work_units_cover_every_tile_and_k_once(tiles_m, tiles_n, k_tiles, split
                                                 along_m):
     seen = {}
     for u in range(tiles_m * tiles_n * splits):
-        cm, cn, _, s, k0, kc = unit_coords(u, tiles_m, tiles_n, k_tiles, splits, group, along_m)
+        w = unit_coords(u, tiles_m, tiles_n, k_tiles, splits, group, along_m)
+        cm, cn, s, k0, kc = w.m, w.n, w.split, w.k_begin, w.k_count
         assert 0 <= cm < tiles_m and 0 <= cn < tiles_n and kc >= 1
         seen.setdefault((cm, cn), []).append((s, k0, kc))
     assert len(seen) == tiles_m * tiles_n
