@@ -149,6 +149,9 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
 def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check):
     """gemm with a fragment-order packed weight: the plain checks on a view of its first N
     rows (same bytes count per row, same scales), then an rs_packed kernel."""
+    if len(b.shape) != 2:
+        raise InputError(f"b is a stack of {b.shape[0]} packed experts {list(b.shape)}: gemm "
+                         "takes one [N, K] weight; cute_fp4.grouped_gemm runs stacks")
     n, k = b.shape
     view = NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
     dims = check_operands(a, view, out, alpha, out_dtype)
@@ -397,7 +400,8 @@ DEFAULT_SHAPES = [(1, 264, 320), (7, 136, 4096), (16, 512, 8256), (127, 136, 320
 def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int = 0,
              dist: str = "awkward") -> ValidationReport:
     """Run a schedule (or a CompiledGemm) on many shapes against the exact reference,
-    with the output poisoned (NaN) before each run so an unwritten element fails."""
+    with the output poisoned (NaN) before each run so an unwritten element fails. A grouped
+    (MoE) schedule runs over MoE routings instead (``grouped.validate_grouped``)."""
     from cute_fp4.compile import CompiledGemm, Signature, compile
 
     kern = schedule_or_kernel
@@ -408,6 +412,12 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
 
             s = catalogue.get(s)
         kern = compile(s, Signature(a_format))
+    if kern.schedule.scheduler.grouped:  # MoE routings instead of shapes
+        from cute_fp4.grouped import validate_grouped
+
+        results, poison_ok = validate_grouped(kern, a_format, seed)
+        return ValidationReport(kern.schedule.name or kern.schedule.label(), a_format,
+                                results, poison_ok)
     out_dtype = out_dtype_of(kern.schedule)
     results = []
     poison_ok = True

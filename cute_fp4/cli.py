@@ -125,6 +125,7 @@ def cmd_validate(args) -> int:
     from cute_fp4.api import validate
     from cute_fp4.compile import EMULATION_NOTE, Signature, compile_emulated
     from cute_fp4.plan import plan
+    from cute_fp4.schedule import Problem
 
     if args.emulate and family != "sm90":
         raise InputError(f"--emulate runs SM120 schedules on an SM90 GPU; this GPU is {family}")
@@ -132,9 +133,9 @@ def cmd_validate(args) -> int:
     jobs = [(s, fmt) for s in scheds for fmt in args.formats]
     ok, noted = True, False
     for i, (s, fmt) in enumerate(jobs, 1):
-        p = plan(s)
+        p = plan(s, Problem(a_format=fmt))
         if not p.ok:
-            print(f"{s.name}: refused by plan(): {'; '.join(p.reasons)}")
+            print(f"{s.name} ({fmt}): refused by plan(): {'; '.join(p.reasons)}")
             ok &= _refused_ok(False, True, args.all)
             continue
         # an SM120 schedule on an SM90 GPU runs with its MMA emulated, and says so

@@ -34,9 +34,9 @@ from cute_fp4 import reference
 from cute_fp4.compile import CompiledGemm, Signature
 from cute_fp4.compile import compile as compile_schedule
 from cute_fp4.errors import DeviceError, InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.operands import _check_tensor
-from cute_fp4.packed import PackedNVFP4Weight, packed_rows
+from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Schedule
 
 __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
@@ -542,3 +542,47 @@ def _define_op() -> None:
     @grouped_mm_op.register_fake
     def _(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n=0):
         return a.new_empty((a.shape[0], n or b.shape[1]), dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- validation
+
+# (routing name, tokens per expert) of validate_grouped: ragged, empty first/last experts,
+# one token each, every token to one expert, a single token, tails past the tile
+VALIDATION_ROUTINGS = (("ragged", (3, 0, 17, 1, 40, 0, 9, 130)), ("empty_ends", (0, 5, 9, 0)),
+                       ("one_each", (1,) * 16), ("all_to_one", (0, 0, 300, 0)),
+                       ("single", (0, 0, 0, 1)), ("tails", (129, 64, 257)))
+
+
+def validate_grouped(kern: CompiledGemm, a_format: str, seed: int = 0
+                     ) -> tuple[list[reference.GroupedCheckResult], bool]:
+    """Run a compiled grouped kernel over :data:`VALIDATION_ROUTINGS` (N with a tail, K a
+    few K tiles) against the exact reference, outputs NaN-poisoned so an unwritten row
+    fails. Returns (one check per routing, whether the poison itself fails the rule):
+    what ``cute_fp4.api.validate`` reports for a grouped schedule."""
+    from cute_fp4.operands import make_operands
+
+    rs_packed = kern.schedule.mainloop is Mainloop.RS_PACKED
+    n, k = 136, (384 if rs_packed else 352)
+    results, poison_ok = [], True
+    for i, (_, counts) in enumerate(VALIDATION_ROUTINGS):
+        total = sum(counts)
+        a, _ = make_operands(total, 16, k, a_format, seed + i)
+        g = torch.Generator(device="cuda").manual_seed(seed + 100 + i)
+        w = quantize(torch.randn(len(counts), n, k, generator=g, device="cuda"))
+        b = repack(w) if rs_packed else w
+        offs = torch.tensor([0, *_cumsum(counts)], dtype=torch.int32, device="cuda")
+        out = torch.full((total, n), float("nan"), dtype=kern.out_dtype, device="cuda")
+        if i == 0:
+            poison_ok = not reference.check_grouped(out, a, w, offs).passed
+        run_grouped(kern, a, b, offs, out=out)
+        torch.cuda.synchronize()
+        results.append(reference.check_grouped(out, a, w, offs))
+    return results, poison_ok
+
+
+def _cumsum(counts) -> list[int]:
+    out, run = [], 0
+    for c in counts:
+        run += c
+        out.append(run)
+    return out

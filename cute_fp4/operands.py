@@ -129,6 +129,9 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
         raise InputTypeError(f"b (the weight) must be an NVFP4Tensor [N, K], got "
                              f"{type(b).__name__}; use cute_fp4.quantize() or "
                              "NVFP4Tensor.from_modelopt()")
+    if len(b.shape) != 2:
+        raise InputError(f"b is a stack of {b.shape[0]} experts {list(b.shape)}: gemm takes "
+                         "one [N, K] weight; cute_fp4.grouped_gemm(a, b, offsets) runs stacks")
     n, k = b.shape
     dev = b.device
     if require_cuda and dev.type != "cuda":

@@ -728,3 +728,11 @@ def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
     assert grouped.auto_schedule_name(family, dims) == want
     assert want in catalogue.names()
     assert grouped.auto_schedule_name(family) == grouped.AUTO_SCHEDULES[family]
+
+
+def test_gemm_refuses_an_expert_stack_with_a_pointer_to_grouped_gemm():
+    w = cf.quantize(torch.randn(3, 64, 64))
+    with pytest.raises(cf.errors.InputError, match="grouped_gemm"):
+        cf.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(cf.errors.InputError, match="grouped_gemm"):
+        cf.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed.repack(w))
