@@ -21,8 +21,8 @@ GPU mode, N = K = 8192 and M in (1, 16), W4A16 (bf16 activations, NVFP4 weight):
 
 Stub mode (no GPU): the same ``gemm`` path on CPU tensors, with the device description of
 an H200 and the compiled kernel replaced by a host-only CuTe DSL function of the same
-signature (``NoopEntry``): its TVM-FFI entry, or the DSL's own call path, decodes the
-arguments as the real one does and launches nothing. Also the pure-Python floor (a no-op
+signature (``kernels.launch.NoopLaunch``): its TVM-FFI entry, or the DSL's own call path,
+decodes the arguments as the real one does and launches nothing. Also the pure-Python floor (a no-op
 callable). Stub timings keep the fastest loop (other processes on a CPU only add time).
 
 Writes ``host_overhead.json`` under ``--out`` and prints one line per measure. Exit status
@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cute_fp4 as cf  # noqa: E402
 from cute_fp4 import api, operands  # noqa: E402
 from cute_fp4.bench import capture_graph  # noqa: E402
+from cute_fp4.kernels.launch import NoopLaunch  # noqa: E402
 
 host = importlib.import_module("cute_fp4.compile")  # the module (cute_fp4.compile is a function)
 
@@ -186,19 +187,6 @@ def gpu_main(args) -> dict:
 
 # ----------------------------------------------------------------------------- CPU stub
 
-class NoopEntry:
-    """A host-only CuTe DSL function with the launch signature of every GEMM kernel
-    (``cute_fp4/kernels/launch.py``) and an empty body: compiled, its entry decodes the
-    arguments like the real one and launches nothing (a stand-in for the launch)."""
-
-    @cute.jit
-    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
-                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32,
-                 k: cutlass.Int32, max_ctas: cutlass.Int32, stream):
-        pass
-
-
 def stub_gemm_path(entry: str):
     """Point ``gemm``'s device and compile steps at CPU stand-ins: an H200 description,
     operand checks without the device-type check, stream 0, and ``entry`` ("tvm-ffi",
@@ -218,7 +206,7 @@ def stub_gemm_path(entry: str):
         fn = None
     else:
         opts = "--enable-tvm-ffi" if entry == "tvm-ffi" else None
-        fn = cute.compile(NoopEntry(), *fake, **({"options": opts} if opts else {}))
+        fn = cute.compile(NoopLaunch(), *fake, **({"options": opts} if opts else {}))
 
     def build(schedule, sig, kernel=None, tag=""):
         kernel = kernel or host._make_kernel(schedule, host.Problem(a_format=sig.a_format))

@@ -18,6 +18,7 @@ import torch
 import cute_fp4 as cf
 from cute_fp4 import api, catalogue, operands
 from cute_fp4.errors import InputError, ScheduleError
+from cute_fp4.kernels.launch import NoopLaunch
 from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.schedule import Problem
 
@@ -184,29 +185,18 @@ def ffi_kernel(tmp_path_factory, kernel):
     return compiled, load(d / "kernel.o")
 
 
-class NoopEntry:
-    """A host-only function of the launch signature (runs on the CPU)."""
-
-    @cute.jit
-    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
-                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32,
-                 k: cutlass.Int32, max_ctas: cutlass.Int32, stream):
-        pass
-
-
 def test_ffi_function_of_a_built_and_a_plain_entry(kernel):
     tvm_ffi = pytest.importorskip("tvm_ffi")
     from cute_fp4.kernels.launch import PointerTypes, fake_args
 
     fake = fake_args(PointerTypes(cutlass.BFloat16, cutlass.BFloat16), 1, 132)
-    built = cute.compile(NoopEntry(), *fake, options="--enable-tvm-ffi")
+    built = cute.compile(NoopLaunch(), *fake, options="--enable-tvm-ffi")
     fn = host.ffi_function(built)
     assert isinstance(fn, tvm_ffi.Function)
     kern = compiled_gemm(kernel, built)
     assert kern.call_path == "tvm-ffi"
     launch(kern)  # the entry decodes the ints and returns (nothing to launch)
-    plain = cute.compile(NoopEntry(), *fake)
+    plain = cute.compile(NoopLaunch(), *fake)
     assert host.ffi_function(plain) is None
     kern = compiled_gemm(kernel, plain)
     assert kern.call_path == "dsl"

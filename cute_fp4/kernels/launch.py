@@ -196,6 +196,20 @@ class GemmLaunch:
         return pointer_slots(self.ptr_types, self.split_k)
 
 
+class NoopLaunch:
+    """A host-only CuTe DSL function with the launch signature of every GEMM kernel and an
+    empty body: compiled, its entry decodes the arguments like a kernel's and launches
+    nothing. What the host side of a launch costs is measured with it (perf/host_overhead.py,
+    tests/test_launch_path.py)."""
+
+    @cute.jit
+    def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
+                 pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
+                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 max_ctas: cutlass.Int32, stream):
+        pass
+
+
 # ----------------------------------------------------------------------------- grouped
 
 class GroupedTensors(NamedTuple):
@@ -277,6 +291,6 @@ class GroupedLaunch(GemmLaunch):
                 (cutlass.Float32, 4), (cutlass.Int32, 4))
 
 
-__all__ = ["GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors", "PointerTypes",
-           "fake_args", "global_tensors", "grouped_tensors", "out_dtype", "pointer_slots",
-           "raw_args", "runtime_args", "sm_count"]
+__all__ = ["GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors", "NoopLaunch",
+           "PointerTypes", "fake_args", "global_tensors", "grouped_tensors", "out_dtype",
+           "pointer_slots", "raw_args", "runtime_args", "sm_count"]
