@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from cute_fp4.api import quantize_op
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.grouped import grouped_gemm
+from cute_fp4.nn import keep_format_dtypes
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
 from cute_fp4.packed import PackedNVFP4Weight, repack
 
@@ -278,14 +279,7 @@ class NVFP4MoE(torch.nn.Module):
         return self._view("w2")
 
     def _apply(self, fn, recurse=True):
-        # .to(torch.bfloat16) converts floating buffers: the format buffers keep their dtypes
-        before = {n: self._buffers[n] for n in _FORMAT_BUFFERS if self._buffers[n] is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        return self
+        return keep_format_dtypes(self, super()._apply, fn, recurse, _FORMAT_BUFFERS)
 
     def extra_repr(self) -> str:
         scale = ""

@@ -80,6 +80,21 @@ def _scalar(value, name: str, device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- module
 
+def keep_format_dtypes(module: torch.nn.Module, parent_apply, fn, recurse: bool,
+                       names: tuple[str, ...]) -> torch.nn.Module:
+    """``module._apply(fn)`` (``parent_apply``: the base class's) that keeps the dtypes of
+    the buffers ``names``: ``module.to(torch.bfloat16)`` / ``.half()`` convert every
+    floating buffer, float8 scales and FP32 global scales included, but NVFP4 buffers must
+    keep their dtypes; they follow the device."""
+    before = {n: module._buffers[n] for n in names if module._buffers[n] is not None}
+    parent_apply(fn, recurse)
+    for name, old in before.items():
+        new = module._buffers[name]
+        if new.dtype != old.dtype:
+            module._buffers[name] = old.to(new.device)
+    return module
+
+
 class NVFP4Linear(torch.nn.Module):
     """``y = x @ W^T (+ bias)`` with ``W`` NVFP4 ``[out_features, in_features]``.
 
@@ -192,15 +207,7 @@ class NVFP4Linear(torch.nn.Module):
         return v
 
     def _apply(self, fn, recurse=True):
-        # module.to(torch.bfloat16) / .half() convert every floating buffer, float8 and
-        # the FP32 scales included: the NVFP4 buffers keep their dtypes and follow the device
-        before = {n: self._buffers[n] for n in _FORMAT_BUFFERS if self._buffers[n] is not None}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            new = self._buffers[name]
-            if new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        return self
+        return keep_format_dtypes(self, super()._apply, fn, recurse, _FORMAT_BUFFERS)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         def keep(t):
