@@ -4,13 +4,20 @@ Run through tests/test_sm120_mainloop.py, in a fresh process.
 
 Traces (no GPU) the kernel's own register fragments and shared-memory -> register copies
 (``Sm120Gemm._mma_fragments`` / ``_sf_sources`` over a fake shared-memory storage) and
-simulates one K tile of ``Sm120Gemm.mainloop`` (the copies and MMAs, and which K block /
-stage each reads, are recorded by running the kernel's own mainloop body on stand-ins):
+simulates ``Sm120Gemm.mainloop`` (the copies and MMAs, and which K block / stage each
+reads, are recorded by running the kernel's own mainloop body on stand-ins):
 
-* A / B: each lane's ``ldmatrix .x4`` row address is taken from the copy's source
-  partition; the 16 bytes there are checked contiguous through the byte-address swizzle,
-  and the hardware's ldmatrix rule (lane ``l``, register ``j`` <- 32-bit word ``l % 4``
-  of the row supplied by lane ``8 j + l // 4``) fills the registers the copy's retiled
+* Protocol, for 0 to 5 K tiles (``_schedule_of``): waits / releases in order, copies only
+  between a stage's wait and release, no wait on a stage before the same ring buffer's
+  previous turn was released (deadlock), every MMA reading registers last loaded from its
+  own tile's stage, cooperative tiles waiting for the next stage before the current
+  one's last MMAs.
+* A / B, per K tile that uses its own registers (the first; the second too with tile
+  K 64, whose two tiles alternate register buffers): each lane's ``ldmatrix`` row
+  address is taken from the copy's source partition; the 16 bytes there are checked
+  contiguous through the byte-address swizzle, and the hardware's ldmatrix rule (lane
+  ``l``, register ``j`` <- 32-bit word ``l % 4`` of the row supplied by lane
+  ``8 j + l // 4``; ``.x4``: j < 4, ``.x2``: j < 2) fills the registers the copy's retiled
   destination names. Each MMA then reads ``tCrA[None, mi, kb]`` / ``tCrB[None, ni, kb]``.
 * The register contents are compared with the ISA fragment layout of
   ``mma.m16n8k64 ... .e2m1`` (independent model below): every MMA row / column / K must be
@@ -30,9 +37,10 @@ Facts read off the PTX (``--keep-ptx``, 128x128x128) that the model relies on: t
 issued with ``{bidA, tidA} = {bidB, tidB} = {0, 0}``, and each lane's SFA register is one
 ``ld.shared.b32`` of its 4 contiguous scale bytes (byte j = fragment offset j).
 
-With 4 MMA warps along N (64x128, warps 2x4) each B ``ldmatrix.x4`` loads the same 8 rows
-twice and its retiled destination aliases registers 2, 3 onto 0, 1 (stride 0): correct
-(identical data, checked below) but half of B's ldmatrix traffic is redundant.
+With 4 MMA warps along N (64x128 and 32x128, warps 2x4) a warp's B columns of one MMA
+permutation step are 8 rows: each B ``ldmatrix.x4`` takes two consecutive steps
+(``Sm120Gemm._copy_b``; tiled like the MMA, an ``.x4`` loaded the same 8 rows twice, its
+retiled destination aliasing registers 2, 3 onto 0, 1).
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ from collections import Counter
 import pytest
 
 from cute_fp4.kernels import sf_layout
-from cute_fp4.schedule import Schedule, Tile, WarpRoles, Warps
+from cute_fp4.plan import plan
+from cute_fp4.schedule import Problem, Schedule, Tile, WarpRoles, Warps
 
 pytestmark = pytest.mark.compile
 
@@ -54,6 +63,12 @@ CASES = {
     "64x128_w2x4": Schedule(tile=Tile(64, 128, 128), warps=Warps(mma=(2, 4))),
     "128x64": Schedule(tile=Tile(128, 64, 128)),
     "pingpong_w2x2": Schedule(warps=Warps(roles=WarpRoles.PINGPONG, mma=(2, 2))),
+    # grouped decode's tile (B: one ldmatrix.x4 per two MMA steps, one MMA row per warp)
+    "32x128_w2x4": Schedule(tile=Tile(32, 128, 128), warps=Warps(mma=(2, 4))),
+    # a single MMA step along N for 4 warps: B by ldmatrix.x2
+    "64x32_w2x4": Schedule(tile=Tile(64, 32, 128), warps=Warps(mma=(2, 4))),
+    # two register buffers, B paired over two MMA steps, scale sub-atoms
+    "64x128x64_w2x4": Schedule(tile=Tile(64, 128, 64), warps=Warps(mma=(2, 4))),
 }
 
 
@@ -288,6 +303,7 @@ def _ldmatrix_regs(k, f, thr_copy, ident, src_key, dst_key, n_threads, stage, pa
     swz = _swizzle(inner)
     rows = {}
     regs = {}
+    calls = None
     for t in range(n_threads):
         src_i = thr_copy[t].partition_S(ident)
         src_k = getattr(f[t], src_key)
@@ -296,9 +312,10 @@ def _ldmatrix_regs(k, f, thr_copy, ident, src_key, dst_key, n_threads, stage, pa
         _, n_cm, n_ck, _ = (_size(ms) for ms, _ in _modes(sl))
         n_v = _size(_modes(sl)[0][0])
         assert n_v % 32 == 0
+        calls = n_v // 32  # ldmatrix issues per (rows, k block): one 16-byte row per lane
         for cm in range(n_cm):
             for ck in {src_ck for src_ck, _ in pairs}:
-                for q in range(n_v // 32):
+                for q in range(calls):
                     coords, nibs = [], []
                     for e in range(32):
                         c = _ident(src_i, _flat_index(sl, (32 * q + e, cm, ck, stage)))
@@ -312,16 +329,21 @@ def _ldmatrix_regs(k, f, thr_copy, ident, src_key, dst_key, n_threads, stage, pa
     for t in range(n_threads):
         w, lane = divmod(t, 32)
         rl = getattr(f[t], dst_key).layout
-        n_v = _size(_modes(rl)[0][0])
+        per_call = _size(_modes(rl)[0][0]) // calls  # 8 nibbles per register
+        n_mat = per_call // 8  # .x4 or .x2
+        if n_mat not in (2, 4) or per_call % 8:
+            errors.append(f"{dst_key}: {per_call} values per ldmatrix")
+            return regs
         _, n_cm, n_ck = (_size(ms) for ms, _ in _modes(rl))
         r = regs.setdefault(t, {})
         for cm in range(n_cm):
             for src_ck, ck in pairs:
-                for q in range(n_v // 32):
-                    for j in range(4):
+                for q in range(calls):
+                    for j in range(n_mat):
                         src = rows[32 * w + 8 * j + lane // 4, cm, src_ck, q]
                         for e in range(8):
-                            off = _offset(rl, _flat_index(rl, (32 * q + 8 * j + e, cm, ck)))
+                            off = _offset(rl, _flat_index(
+                                rl, (per_call * q + 8 * j + e, cm, ck)))
                             if off in r and r[off] != src[8 * (lane % 4) + e]:
                                 errors.append(f"{dst_key} t{t}: register {off} written twice "
                                               f"with different data")
@@ -376,15 +398,21 @@ class _Tok:
         self.name, self.real, self.idx = name, real, idx
 
     def __getitem__(self, idx):
+        """Slicing a slice fills the earlier slice's free (None) modes in order, as CuTe
+        does: ``t[None, None, kb, None][None, None, s]`` is ``t[None, None, kb, s]``."""
+        if self.idx is not None:
+            rest = iter(idx)
+            idx = tuple(next(rest) if i is None else i for i in self.idx)
         return _Tok(self.name, None, idx)
 
 
 STAGE = "stage"
-K_TILES = 2  # the recorded mainloop runs two K tiles: stage0, then stage1
+K_TILES = 2  # the ISA check records two K tiles: stage0, then stage1 (both register buffers)
+PROTOCOL_K_TILES = range(6)  # the protocol check: no tile, the peeled tail, odd, even, loops
 
 
-def _record_mainloop(k, f):
-    """The copies and MMAs ``Sm120Gemm.mainloop`` issues for ``K_TILES`` K tiles, in order.
+def _record_mainloop(k, f, k_tiles=K_TILES):
+    """The copies and MMAs ``Sm120Gemm.mainloop`` issues for ``k_tiles`` K tiles, in order.
 
     Runs the kernel's own mainloop body (undecorated) on stand-ins: ``cute.copy`` /
     ``cute.gemm`` record which slices they get, the pipeline records wait / release of
@@ -455,34 +483,43 @@ def _record_mainloop(k, f):
     saved = mod.cute, mod.cutlass
     mod.cute, mod.cutlass = Cute(), Cutlass()
     try:
-        type(k).mainloop.__wrapped__(k, Pipe(), State(), toks, K_TILES, 0, 0)
+        type(k).mainloop.__wrapped__(k, Pipe(), State(), toks, k_tiles, 0, 0)
     finally:
         mod.cute, mod.cutlass = saved
         del k._sf_sources
     return calls
 
 
-def _schedule_of(calls, errors, n_kb, early):
-    """(copies {dst name: [(src k block, dst k block)]} of the first stage, MMAs
-    [{operand: k block}] of the first K tile), checking the pipeline protocol on the way:
+def _schedule_of(calls, errors, n_kb, early, k_tiles=K_TILES, n_stages=None):
+    """Per K tile: (copies {dst name: [(src k block, dst register k block)]} from its stage,
+    MMAs [{operand: register k block}]), checking the pipeline protocol on the way:
 
     * a stage is copied from only between its wait and its release, each stage is waited
       for and released once, in order;
+    * ``n_stages``: stage t is waited for only after stage t - n_stages (the same buffer,
+      one turn of the ring earlier) was released; otherwise the producer can never refill
+      it and the kernel hangs (what the emulated H200 run found with one stage);
     * every MMA of K tile t reads, for each operand, fragments whose latest load came from
       stage t (a later load into the same registers before the MMA is caught);
-    * ``early`` (cooperative, two or more K blocks): the next stage is waited for before the
-      current stage's last MMAs, which use fragments loaded before that wait.
+    * ``early`` (cooperative tiles): the next stage is waited for before the current
+      stage's last MMAs, which use fragments loaded before that wait.
     """
-    copies, mmas, latest = {}, [], {}
+    copies = [{} for _ in range(k_tiles)]
+    mmas = [[] for _ in range(k_tiles)]
+    latest = {}
     waits, releases = [], []
     expect = {"tCrA_v": "tCsA", "tCrB_v": "tCsB", "tCrSFA_v": "tCsSFA",
               "tCrSFB_v": "tCsSFB"}
     frag_of = {"tCrA": "tCrA_v", "tCrB": "tCrB_v", "tCrSFA": "tCrSFA_v",
                "tCrSFB": "tCrSFB_v"}
-    first = f"{STAGE}0"
+    tile_of = {f"{STAGE}{t}": t for t in range(k_tiles)}
     gemm_at, wait_at = [], {}
     for pos, c in enumerate(calls):
         if c[0] == "wait":
+            t = tile_of.get(c[1], -1)
+            if n_stages and t >= n_stages and f"{STAGE}{t - n_stages}" not in releases:
+                errors.append(f"{c[1]} waited for before {STAGE}{t - n_stages} (the same "
+                              f"buffer of {n_stages} stages) was released: deadlock")
             waits.append(c[1])
             wait_at[c[1]] = pos
         elif c[0] == "release":
@@ -498,8 +535,8 @@ def _schedule_of(calls, errors, n_kb, early):
             if si[3] not in waits or si[3] in releases:
                 errors.append(f"copy {c} outside its stage's wait .. release")
             latest[(dst, di[2])] = (si[3], si[2])
-            if si[3] == first:
-                copies.setdefault(dst, []).append((si[2], di[2]))
+            if si[3] in tile_of:
+                copies[tile_of[si[3]]].setdefault(dst, []).append((si[2], di[2]))
         elif c[0] == "gemm":
             _, a, b, d, cc = c
             tile = len(gemm_at) // n_kb
@@ -517,15 +554,18 @@ def _schedule_of(calls, errors, n_kb, early):
                                   f"{got}")
             if sorted(mma) != ["tCrA", "tCrB", "tCrSFA", "tCrSFB"]:
                 errors.append(f"gemm operands {sorted(mma)}")
-            if tile == 0:
-                mmas.append(mma)
-    want = [f"{STAGE}{t}" for t in range(K_TILES)]
+            if tile < k_tiles:
+                mmas[tile].append(mma)
+    want = [f"{STAGE}{t}" for t in range(k_tiles)]
     if waits != want or releases != want:
         errors.append(f"waits {waits} / releases {releases}, expected each of {want} once")
-    if len(gemm_at) != K_TILES * n_kb:
-        errors.append(f"{len(gemm_at)} gemms for {K_TILES} K tiles of {n_kb} K blocks")
-    if early and f"{STAGE}1" in wait_at and wait_at[f"{STAGE}1"] > gemm_at[n_kb - 1]:
-        errors.append("the next stage is waited for after the current stage's last MMAs")
+    if len(gemm_at) != k_tiles * n_kb:
+        errors.append(f"{len(gemm_at)} gemms for {k_tiles} K tiles of {n_kb} K blocks")
+    for t in range(k_tiles - 1):
+        nxt = wait_at.get(f"{STAGE}{t + 1}")
+        last = (t + 1) * n_kb - 1
+        if early and nxt is not None and last < len(gemm_at) and nxt > gemm_at[last]:
+            errors.append(f"stage{t + 1} is waited for after K tile {t}'s last MMAs")
     return copies, mmas
 
 
@@ -540,15 +580,31 @@ def _trace(schedule, corrupt=None):
     def walk():
         k._setup()
         errors = res["errors"]
+        nt = k.group_threads
+        f = res["fragments"] = [k._mma_fragments(_Storage(), t) for t in range(nt)]
+        n_kb = k.tile_mnk[2] // sf_layout.MMA_K
+        early = not k.pingpong
+        for kt in PROTOCOL_K_TILES:
+            slips = []
+            _schedule_of(_record_mainloop(k, f[0], kt), slips, n_kb, early, kt, k.stages)
+            errors.extend(f"{kt} K tiles: {e}" for e in slips)
+        copies, mmas = _schedule_of(_record_mainloop(k, f[0]), errors, n_kb, early,
+                                    K_TILES, k.stages)
+        if corrupt:
+            corrupt(copies[0], mmas[0])
+        # recorded stage t is ring stage (last + t) % stages (the stage index must be
+        # honoured); a later tile is checked when it uses other registers (tile K 64:
+        # two register buffers)
+        for t in range(K_TILES):
+            if t == 0 or (copies[t], mmas[t]) != (copies[0], mmas[0]):
+                check_tile(copies[t], mmas[t], (k.stages - 1 + t) % k.stages)
+
+    def check_tile(copies, mmas, stage):
+        """The ISA check of one recorded K tile (its copies and MMAs) from ring ``stage``."""
+        errors = res["errors"]
         tm, tn, tk = k.tile_mnk
         nt = k.group_threads
-        stage = k.stages - 1  # the stage index must be honoured: use the last one
-        f = [k._mma_fragments(_Storage(), t) for t in range(nt)]
-        n_kb = cute.size(f[0].tCrA, mode=[2])
-        copies, mmas = _schedule_of(_record_mainloop(k, f[0]), errors, n_kb,
-                                    n_kb > 1 and not k.pingpong)
-        if corrupt:
-            corrupt(copies, mmas)
+        f = res["fragments"]
         mma = k.tiled_mma
         ca = [f[t].copy_a.get_slice(t) for t in range(nt)]
         cb = [f[t].copy_b.get_slice(t) for t in range(nt)]
@@ -695,6 +751,42 @@ def _trace(schedule, corrupt=None):
     return res
 
 
+def _protocol(schedule):
+    """Protocol errors of the mainloop for 0 .. 5 K tiles (no ISA check: one thread)."""
+    import cutlass.cute as cute
+
+    from cute_fp4.kernels.sm120 import Sm120Gemm
+
+    k = Sm120Gemm(schedule)
+    errors = []
+
+    @cute.jit
+    def probe():
+        k._setup()
+        f = k._mma_fragments(_Storage(), 0)
+        for kt in PROTOCOL_K_TILES:
+            slips = []
+            _schedule_of(_record_mainloop(k, f, kt), slips, k.tile_mnk[2] // sf_layout.MMA_K,
+                         not k.pingpong, kt, k.stages)
+            errors.extend(f"{kt} K tiles: {e}" for e in slips)
+
+    cute.compile(probe, options="--gpu-arch sm_120a")
+    return k.stages, errors
+
+
+STAGE_CASES = {f"{name}_stages{n}": CASES[name].replace(stages=n)
+               for name in ("default_128x128x128", "k64", "k256", "pingpong_w2x2")
+               for n in (1, 2) if plan(CASES[name].replace(stages=n), Problem()).ok}
+
+
+@pytest.mark.parametrize("name", list(STAGE_CASES))
+def test_mainloop_protocol_with_few_stages(name):
+    """One or two stages (the emulated runs force them): no wait before the same buffer's
+    release (the hang the H200 found), the rest of the protocol as above."""
+    stages, errors = _protocol(STAGE_CASES[name])
+    assert stages == STAGE_CASES[name].stages and errors == []
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_mainloop_operands_match_isa(name):
     res = _trace(CASES[name])
@@ -754,7 +846,14 @@ def test_schedule_check_catches_protocol_slips():
                 + loads(1, 0) + loads(1, 1) + [gemm(0), ("release", "stage1"), gemm(1)])
     errors = []
     _schedule_of(by_stage, errors, 2, True)
-    assert errors == ["the next stage is waited for after the current stage's last MMAs"]
+    assert errors == ["stage1 is waited for after K tile 0's last MMAs"]
     errors = []
     _schedule_of(by_stage, errors, 2, False)  # pingpong's order is fine there
+    assert errors == []
+    # with a single stage, waiting for the next tile before releasing the current one
+    errors = []
+    _schedule_of(good, errors, 2, True, n_stages=1)
+    assert len(errors) == 1 and "deadlock" in errors[0], errors
+    errors = []
+    _schedule_of(good, errors, 2, True, n_stages=2)
     assert errors == []
