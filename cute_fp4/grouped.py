@@ -37,7 +37,7 @@ from cute_fp4.errors import DeviceError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.operands import _check_tensor
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
-from cute_fp4.schedule import Mainloop, OutDtype, Schedule
+from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
 __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
            "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op", "resolve_grouped",
@@ -50,9 +50,9 @@ AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
 # four-warpgroup tile runs 1.6-1.8x the 128-row one, at 256 rows 0.3x; sm_90a's decode tile
 # takes 16-bit activations only (W4A4 needs 64-row activation tiles there).
 AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_decode", 32)}
-# ... and this one when they average at least this many (large prefill: 256-row tiles,
-# 0.88-0.95x torch grouped_mm at 1024 rows per expert against 0.84-0.89x)
-AUTO_LARGE = {"sm90": ("sm90_grouped_large", 384)}
+# ... and this one when they average at least this many (large prefill: 256-row tiles;
+# 0.93-0.97x torch grouped_mm at 256 rows per expert against 0.86-0.90x for 192 rows)
+AUTO_LARGE = {"sm90": ("sm90_grouped_large", 192)}
 N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
@@ -205,16 +205,21 @@ def _require_cuda(b) -> None:
 def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
     """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the decode
     one of :data:`AUTO_DECODE` when the experts average few rows, the large one of
-    :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s."""
+    :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s; of those,
+    the first that ``plan()`` accepts for the activation format (sm_90a's decode and
+    192-row tiles take 16-bit activations only: W4A4 needs 128-row activation tiles)."""
     if dims is None:
         return AUTO_SCHEDULES[family]
-    experts = max(dims.experts, 1)
-    name, limit = AUTO_DECODE[family]
-    if dims.total_m <= limit * experts and (family != "sm90" or dims.a_format != "nvfp4"):
-        return name
-    name, limit = AUTO_LARGE.get(family, (None, 0))
-    if name is not None and dims.total_m >= limit * experts:
-        return name
+    from cute_fp4 import catalogue
+    from cute_fp4.plan import plan
+
+    per_expert = dims.total_m / max(dims.experts, 1)
+    decode, few = AUTO_DECODE[family]
+    large, many = AUTO_LARGE.get(family, (None, float("inf")))
+    first = [decode] if per_expert <= few else [large] if per_expert >= many else []
+    for name in (*first, AUTO_SCHEDULES[family], large, decode):
+        if name is not None and plan(catalogue.get(name), Problem(a_format=dims.a_format)).ok:
+            return name
     return AUTO_SCHEDULES[family]
 
 

@@ -714,10 +714,11 @@ def test_import_registers_nothing_and_exports_lazily():
 @pytest.mark.parametrize("family, rows, fmt, want", [
     ("sm90", 128 * 1, "bf16", "sm90_grouped_decode"),  # decode: ~1 row per expert
     ("sm90", 128 * 16, "bf16", "sm90_grouped_decode"),
-    ("sm90", 128 * 1, "nvfp4", "sm90_grouped"),  # its decode tile is W4A16 only
+    ("sm90", 128 * 1, "nvfp4", "sm90_grouped_large"),  # W4A4 needs 128-row tiles there
+    ("sm90", 128 * 64, "nvfp4", "sm90_grouped_large"),
     ("sm90", 128 * 17, "bf16", "sm90_grouped"),
-    ("sm90", 128 * 383, "fp16", "sm90_grouped"),
-    ("sm90", 128 * 384, "bf16", "sm90_grouped_large"),
+    ("sm90", 128 * 191, "fp16", "sm90_grouped"),
+    ("sm90", 128 * 192, "bf16", "sm90_grouped_large"),
     ("sm90", 128 * 1024, "nvfp4", "sm90_grouped_large"),
     ("sm120", 128 * 32, "nvfp4", "sm120_grouped_decode"),
     ("sm120", 128 * 33, "nvfp4", "sm120_grouped"),

@@ -254,6 +254,9 @@ def test_catalogue_has_rs_packed_schedules_that_plan():
     for s in RS:
         for fmt in ("bf16", "fp16", "nvfp4"):
             p = cf.plan(s, Problem(4096, 8192, 8192, fmt))
+            if fmt == "nvfp4" and s.tile.m % 64:  # W4A4's activation tiles: 64 or 128k rows
+                assert not p.ok and "tile M" in "; ".join(p.reasons), (s.name, p.reasons)
+                continue
             assert p.ok, (s.name, fmt, p.reasons)
             assert p.stages >= 2
             names = [r.name for r in p.regions]
