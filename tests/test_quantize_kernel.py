@@ -21,12 +21,17 @@ import numpy as np
 import pytest
 import torch
 from quantize_model import (
+    approx_nibbles,
+    approx_unsafe,
     awkward_input,
+    block_model,
     e2m1_rne,
     fma32,
     hard_divisors,
+    near_decision_input,
     one_correction_codes,
     quantize_model,
+    sweep_ulps,
     tie_case,
 )
 
@@ -92,6 +97,77 @@ def test_one_correction_is_exact_at_every_decision_point(sig_bits):
     r = (np.float32(1) / d).astype(np.float32)
     no_correction = e2m1_rne((x * r).astype(np.float32))
     assert (no_correction != exact).sum() > 0
+
+
+def _to16(x: np.ndarray, half: str) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return t.to(torch.bfloat16 if half == "bf16" else torch.float16).view(torch.int16).numpy(
+        ).view(np.uint16)
+
+
+@pytest.mark.parametrize("half, sig_bits", [("bf16", 8), ("f16", 11)])
+def test_approximate_path_is_exact_where_its_check_says_safe(half, sig_bits):
+    """SM90's approximate path (one FMUL per element, codes from the bits of a denormal) is
+    wrong only where its per-block check sends the block to the exact code: at every E2M1
+    decision point of every significand, with the divisors nearest to it, both signs and
+    several binades. It is wrong there without the check (so the check is needed), and the
+    check passes most random blocks (so the fast path is the common one)."""
+    x, d = hard_divisors(sig_bits)
+    x = np.concatenate([x, -x * 4, x / 8])
+    d = np.concatenate([d, d * 4, d / 8]).astype(np.float32)
+    h = _to16(x, half)[:, None]
+    ours = approx_nibbles(h, d, half)[:, 0]
+    q = (x / d).astype(np.float32)
+    exact = e2m1_rne(np.abs(q)) | ((q < 0).astype(np.uint32) << 3)
+    unsafe = approx_unsafe(d, np.abs(x).astype(np.float32), half)
+    wrong = ours != exact
+    assert wrong.sum() > 0
+    assert not (wrong & ~unsafe).any(), (x[wrong & ~unsafe][:5], d[wrong & ~unsafe][:5])
+    rng = np.random.default_rng(0)
+    dr = np.exp2(rng.uniform(-60, 10, 20000)).astype(np.float32)
+    rate = approx_unsafe(dr, np.zeros_like(dr), half).mean()
+    assert rate < (0.002 if half == "bf16" else 0.015), rate
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_approximate_path_covers_the_awkward_blocks(dtype):
+    """On awkward input most blocks take the approximate path and its words equal the
+    exact path's; the saturated/subnormal-scale blocks (bamax / d >= 6.75) do not."""
+    half = "bf16" if dtype == torch.bfloat16 else "f16"
+    x = awkward_input(64, 1024, dtype, seed=3)
+    h = x.view(torch.int16).numpy().view(np.uint16).reshape(-1, 16)
+    for gs in (2.0**-7, 3e-3, 1e-4):
+        exact, _ = block_model(h, gs, half, approx=False)
+        ours, _ = block_model(h, gs, half)
+        assert np.array_equal(ours, exact), gs
+    from quantize_model import e4m3_value, to_f32
+
+    _, sfb = block_model(h, 1e-4, half)
+    d = (e4m3_value(sfb) * np.float32(1e-4)).astype(np.float32)
+    bamax = np.abs(to_f32(h, half)).max(axis=1)
+    unsafe = approx_unsafe(d, bamax, half)
+    assert 0 < unsafe.mean() < 0.5, unsafe.mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_next_to_decision_points(dtype):
+    """The GPU test's sweep (elements a few float32 ulps from every E2M1 decision point) on
+    the model: identical to quantize, with blocks on both sides of the approximate path's
+    check among them."""
+    from quantize_model import e4m3_value, to_f32
+
+    half = "bf16" if dtype == torch.bfloat16 else "f16"
+    kinds = set()
+    for m16, mu, j, gs in sweep_ulps(6):
+        x = near_decision_input(dtype, gs, m16)
+        assert _same(x, gs), (m16, mu, j)
+        h = x.view(torch.int16).numpy().view(np.uint16).reshape(-1, 16)
+        exact, sfb = block_model(h, gs, half, approx=False)
+        ours, _ = block_model(h, gs, half)
+        assert np.array_equal(ours, exact), (m16, mu, j)
+        d = (e4m3_value(sfb) * np.float32(gs)).astype(np.float32)
+        kinds.update(approx_unsafe(d, np.abs(to_f32(h, half)).max(axis=1), half).tolist())
+    assert kinds == {True, False}
 
 
 def test_fma32_is_correctly_rounded():
