@@ -5,7 +5,9 @@
 Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
 [16384, 4096]) and decode sizes (M in 1, 2, 4, 8, 16 x K in 4096, 8192), BF16 (and FP16
 for the large ones), for the static scale, the dynamic scale two-pass and fused, and the
-static scale forced through the general (div.rn) path. ``--sweep`` adds thread / item /
+static scale forced through the general (div.rn) path, and the static scale 2^-7 (a power
+of two: on SM90 every block then takes the exact fallback, the cost before the approximate
+path; the other static rows use 2 / 2688). ``--sweep`` adds thread / item /
 CTAs-per-SM splits of the static kernel on the large sizes. Every row is checked bit for bit against
 ``cute_fp4.quantize`` before it is timed.
 
@@ -54,6 +56,8 @@ DECODE = [(m, k) for k in (4096, 8192) for m in (1, 2, 4, 8, 16)]
 SWEEP = [(256, 2, 0), (256, 1, 4), (256, 1, 6), (256, 2, 3), (256, 4, 2), (128, 2, 8),
          (512, 1, 4), (512, 2, 2)]
 GRAPH_N = 10
+DEFAULT_GS = 2.0 / 2688  # an arbitrary float: SM90's approximate path on almost every block
+POW2_GS = 2.0**-7  # a power of two: every block of SM90 takes the exact fallback
 ROTATE_BYTES = 100 << 20
 
 
@@ -65,12 +69,12 @@ def nbytes(m: int, k: int) -> int:
 class Buffers:
     """Rotating inputs and poisoned outputs for one shape."""
 
-    def __init__(self, m: int, k: int, dtype, count: int):
+    def __init__(self, m: int, k: int, dtype, count: int, gs: float = DEFAULT_GS):
         self.m, self.k = m, k
         g = torch.Generator(device="cuda").manual_seed(m * 31 + k)
         self.x = [torch.randn(m, k, generator=g, device="cuda").to(dtype) for _ in range(count)]
         self.out = [self._out() for _ in range(count)]
-        self.gs = torch.full((1,), 2.0 / 2688, dtype=torch.float32, device="cuda")
+        self.gs = torch.full((1,), gs, dtype=torch.float32, device="cuda")
         self.partials = torch.empty(PARTIALS_MAX, dtype=torch.float32, device="cuda")
 
     def _out(self) -> NVFP4Tensor:
@@ -131,14 +135,15 @@ def _eager_torch(x, gs, reps: int = 5) -> float:
 
 
 def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
-              with_torch: bool) -> dict:
+              with_torch: bool, gs: float = DEFAULT_GS) -> dict:
     dynamic = spec.scale != "static"
     two_pass = spec.scale == "dynamic"
     count = max(2, min(GRAPH_N, -(-ROTATE_BYTES // nbytes(m, k))))
-    buf = Buffers(m, k, dtype, count)
+    buf = Buffers(m, k, dtype, count, gs)
     kern = quant.compile_quantize(spec)
     row = {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": spec.label(),
-           "scale": spec.scale, "general": spec.force_general, "threads": spec.threads,
+           "scale": spec.scale, "gs": None if dynamic else gs,
+           "general": spec.force_general, "threads": spec.threads,
            "items": spec.items, "ctas_per_sm": spec.ctas_per_sm,
            "compile_s": round(kern.compile_s, 2), "source": kern.source}
     row["bit_identical"] = _check(kern, buf, dynamic, two_pass)
@@ -185,8 +190,9 @@ def main(argv=None) -> int:
         keys = ("graph1_us", "graphN_us", "copy_us", "gbs", "pct_peak", "torch_us")
         vals = " ".join(f"{key}={row[key]:.1f}" for key in keys if key in row)
         ok = "" if row.get("bit_identical", True) else " NOT BIT-IDENTICAL"
-        print(f"[{row['m']:>5}, {row['k']:>5}] {row['dtype']:<8} {row['spec']:<46} {vals}{ok}",
-              flush=True)
+        gs = "" if row.get("gs") in (None, DEFAULT_GS) else f" gs={row['gs']:g}"
+        print(f"[{row['m']:>5}, {row['k']:>5}] {row['dtype']:<8} {row['spec']:<46} {vals}{ok}"
+              f"{gs}", flush=True)
 
     for dtype in ([torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]):
         dt = "bf16" if dtype == torch.bfloat16 else "fp16"
@@ -198,6 +204,7 @@ def main(argv=None) -> int:
                     continue
                 spec = default_spec(target, dt, scale, force_general=general)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
+            add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, POW2_GS))
             if args.sweep:
                 for threads, items, per_sm in SWEEP:
                     spec = default_spec(target, dt, threads=threads, items=items,
