@@ -38,15 +38,17 @@ from a compare, so that -0 gives code 0 as ``quantize`` does). SM90 has none; it
 approximate path per block and falls back to an exact one for the few blocks where the
 approximation could differ:
 
-* Approximate (almost every block): ``y = RN(x 2^-16 * RN(1/d) 2^-110)``, one FMUL per element
-  (the 2^-16 by a packed ``fma.rn.bf16x2 x, 2^-16, +0``, which also turns -0 into +0; FP16
-  scales in float32: FMA with +0, then a second FMUL). ``y`` is ``q 2^-126``: a float32
-  denormal for ``|q| < 1``, so its bits ``B`` grow by 2^22 per E2M1 step over the whole grid
-  (0, 0.5, 1, 1.5 in the denormals, 2, 3, 4, 6 in the first normal binades): ``code = (B +
-  2^21) >> 22`` (``(B * 128 + 2^28) >> 29``, the sign and bit 31 of B shifted out), the sign
-  bit of ``y`` the nibble's bit 3; two funnel shifts insert sign and code into the packed
-  word (Horner). Rounding midpoints go up, which is not RNE, and ``q`` is off by about a
-  float32 ulp: both only matter when ``x / d`` is within ~2^-21 of a decision point.
+* Approximate (almost every block): ``y = RN(x 2^-16 * RN(1/d) 2^-110)``, one FMUL per element.
+  BF16: one ``fma.rn.bf16x2 (x, x), (0, 2^-16), (+0, +0)`` per element (its low half
+  broadcast for the low element) gives the element as a float32, scaled, with -0 turned
+  into +0 (and a tiny negative kept as -0); FP16 converts, then FMA with +0 and a second
+  FMUL. ``y`` is ``q 2^-126``: a float32 denormal for ``|q| < 1``, so its bits ``B`` grow by
+  2^22 per E2M1 step over the whole grid (0, 0.5, 1, 1.5 in the denormals, 2, 3, 4, 6 in the
+  first normal binades): ``code = (B + 2^21) >> 22`` (``(B * 128 + 2^28) >> 29``, the sign
+  and bit 31 of B shifted out), the sign bit of ``y`` the nibble's bit 3; two funnel
+  shifts insert sign and code into the packed word (Horner). Rounding midpoints go up,
+  which is not RNE, and ``q`` is off by about a float32 ulp: both only matter when ``x / d``
+  is within ~2^-21 of a decision point.
 * The check, once per block: x is a 16-bit value, so ``x / d`` can only be that close to a
   decision point ``mu`` when ``mu d`` is within a few float32 ulps of a value with x's
   significand (8 bits BF16, 11 FP16); ``mu d`` has the significand of ``c d``, c in 1, 1.5,
@@ -59,9 +61,10 @@ approximation could differ:
   max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n + 2 e``.
 
 SASS instructions per loop turn of the static BF16 sm_90a kernel (256 threads x 2 blocks,
-i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 412 on the
-approximate path (5.5 per element + the block's amax, scale, check and addressing; the exact
-fallback is a separate loop of 229 per block). FP16: 430.
+i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 396 on the
+approximate path (5 per element: HFMA2, FMUL, LEA, 2 SHF; plus the blocks' amax, scale,
+check, addressing and stores; the exact fallback is a separate loop of 229 per block).
+FP16: 559 before, 430 after (6 per element).
 
 Variants (``QuantSpec.scale``):
 * ``"static"``: ``gs`` is read from a one-element float32 tensor; one kernel.
@@ -286,7 +289,7 @@ def _block_ptx_approx(half: str) -> str:
             "yy, acc0, acc1, xs, z")
     body = ["{", f".reg .b32 {regs};", ".reg .b16 s16, hl, hh;", ".reg .pred pu;",
             "mov.b32 acc0, 0;", "mov.b32 acc1, 0;", "mov.b32 z, 0;",
-            f"mov.b32 xs, {(X_SCALE >> 16) * 0x10001:#010x};"]
+            f"mov.b32 xs, {X_SCALE:#010x};"]  # (0, 2^-16) as bf16x2
     body.append(f"max.xorsign.abs.{x2} m, {{$r0}}, {{$r1}};")
     body += [f"max.xorsign.abs.{x2} m, m, {{$r{i}}};" for i in range(2, 8)]
     body += ["prmt.b32 ms, m, m, 0x1032;", f"max.xorsign.abs.{x2} m, m, ms;"]
@@ -316,13 +319,12 @@ def _block_ptx_approx(half: str) -> str:
     for word in range(7, -1, -1):
         acc = "acc0" if word < 4 else "acc1"
         src = "{$r" + str(word) + "}"
-        if half == "bf16":  # x 2^-16, -0 -> +0 (a tiny negative keeps its sign as -0)
-            body.append(f"fma.rn.bf16x2 w, {src}, xs, z;")
-        else:
-            body += [f"mov.b32 {{hl, hh}}, {src};"]
+        body += [f"mov.b32 {{hl, hh}}, {src};"]
         for hi in (True, False):
-            if half == "bf16":
-                body += ["and.b32 a, w, 0xFFFF0000;" if hi else "shl.b32 a, w, 16;",
+            if half == "bf16":  # (0, x 2^-16) + (+0, +0): the element as a float32, scaled,
+                # -0 -> +0 (a tiny negative keeps its sign as -0); one HFMA2 (lo broadcast)
+                pair = "{hl, hh}" if hi else "{hl, hl}"
+                body += [f"mov.b32 a, {pair};", "fma.rn.bf16x2 a, a, xs, z;",
                          "mul.rn.f32 y, a, r;"]
             else:
                 body += [f"cvt.f32.f16 a, {'hh' if hi else 'hl'};",
