@@ -61,8 +61,8 @@ approximation could differ:
   max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n + 2 e``.
 
 SASS instructions per loop turn of the static BF16 sm_90a kernel (256 threads x 2 blocks,
-i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 396 on the
-approximate path (5 per element: HFMA2, FMUL, LEA, 2 SHF; plus the blocks' amax, scale,
+i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 398 on the
+approximate path (5 per element: HFMA2, FMUL, IMAD, 2 SHF; plus the blocks' amax, scale,
 check, addressing and stores; the exact fallback is a separate loop of 229 per block).
 FP16: 559 before, 430 after (6 per element).
 
@@ -281,7 +281,7 @@ def _block_ptx_approx(half: str) -> str:
     """The SM90 fast path for one block: the scale as in :func:`_block_ptx`, then per element
     ``y = x 2^-16 * RN(1/d) 2^-110`` (one FMUL; the product is a float32 denormal for
     q = x/d < 1), whose bits B give ``code = (B + 2^21) >> 22`` and the sign bit. $w3 = 1
-    when the block is unsafe (the caller recomputes it on the exact path)."""
+    when the block is unsafe (the caller recomputes it on the exact path). $r11 = 128."""
     x2 = f"{half}x2"
     dropped, k = margin(half)
     sh = 32 - dropped
@@ -330,7 +330,7 @@ def _block_ptx_approx(half: str) -> str:
                 body += [f"cvt.f32.f16 a, {'hh' if hi else 'hl'};",
                          "fma.rn.f32 y, a, r, 0f00000000;",
                          f"mul.rn.f32 y, y, 0f{X_SCALE:08X};"]
-            body += ["mad.lo.u32 yy, y, 128, 0x10000000;",
+            body += ["mad.lo.u32 yy, y, {$r11}, 0x10000000;",
                      f"shf.l.wrap.b32 {acc}, y, {acc}, 1;",
                      f"shf.l.wrap.b32 {acc}, yy, {acc}, 3;"]
     body += ["mov.b32 {$w0}, acc0;", "mov.b32 {$w1}, acc1;", "mov.b32 {$w2}, sfb;", "}"]
@@ -645,7 +645,10 @@ class QuantizeKernel:
         approx = code is not self._exact and code is not self._general
         for j in cutlass.range_constexpr(u):
             words = [rW[j][i] for i in range(8)]
-            out = _ptx(code, 4 if approx else 3, *words, gs, rgs, tlim)
+            # the approximate code's multiplier 128 as a value ptxas cannot fold (kb >= 1):
+            # an IMAD (FMA pipe) rather than a LEA (ALU pipe, the busier one)
+            extra = (cutlass.min(kb, 0) + 128,) if approx else ()
+            out = _ptx(code, 4 if approx else 3, *words, gs, rgs, tlim, *extra)
             for i in cutlass.range_constexpr(3):
                 rO[j][i] = out[i]
             if cutlass.const_expr(approx):
