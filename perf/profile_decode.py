@@ -1,6 +1,6 @@
 """A few launches of one schedule at one shape, for Nsight Compute:
 
-    ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
+    ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats \\
         python3 perf/profile_decode.py [SCHEDULE] [M N K] [nvfp4|bf16]
 """

@@ -1,6 +1,6 @@
 """A few launches of one grouped (MoE) schedule on one expert GEMM, for Nsight Compute:
 
-    ncu --clock-control none -k regex:kernel --launch-skip 2 --launch-count 1 \\
+    ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
         python3 perf/profile_grouped.py [SCHEDULE] [TOKENS EXPERTS N K] [bf16|nvfp4]
 

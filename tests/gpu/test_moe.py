@@ -77,9 +77,15 @@ def test_forward_does_not_sync_and_replays_in_a_graph(mode):
     assert not torch.equal(out, eager)
 
 
-def test_torch_compile_fullgraph_equals_eager():
+def test_torch_compile_fullgraph_matches_eager():
     mode = _modes()[0]
     layer = moe.NVFP4MoE.from_float(*_weights(5), mode=mode)
     x, ids, w = _inputs(8, seed=6)
-    compiled = torch.compile(layer, fullgraph=True)
-    assert torch.equal(compiled(x, ids, w), layer(x, ids, w))
+    eager = layer(x, ids, w)
+    # the same ops in one graph: the same bits
+    traced = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(traced(x, ids, w), eager)
+    # Inductor fuses silu(gate) * up (one rounding instead of two): close, not equal
+    fused = torch.compile(layer, fullgraph=True)(x, ids, w).double()
+    rel = float((fused - eager.double()).norm() / eager.double().norm())
+    assert rel < 2.0**-7, rel
