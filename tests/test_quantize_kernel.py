@@ -212,6 +212,44 @@ def test_kernel_compiles(target, dtype, scale):
     assert (ops["REDUX"] > 0) == (scale != "static"), ops
 
 
+def _loops(sass: str) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of every backward branch's loop in ``sass``."""
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    addr = [int(a, 16) for a, _ in ins]
+    loops = []
+    for i, (_, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
+            loops.append((addr.index(int(m.group(1), 16)), i))
+    return loops
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype, budget", [("bf16", 420), ("fp16", 460)])
+def test_sm90_fast_path_instruction_budget(dtype, budget, tmp_path):
+    """SM90's approximate path: a loop turn (2 blocks, 32 elements a thread) costs at most
+    ``budget`` SASS instructions outside the exact fallback (559 before it, all exact), and
+    the fallback is a real loop per block (ptxas would predicate an if's body, executing it
+    always): one inner loop of >= 150 instructions per item inside the chunk loop."""
+    from pathlib import Path
+
+    from cute_fp4.inspect import cubin_sass
+
+    spec = QuantSpec(target="sm_90a", in_dtype=dtype)
+    quant.cross_compile_quantize(spec, dump_dir=str(tmp_path))
+    sass = cubin_sass(sorted(Path(tmp_path).glob("*.cubin"))[-1])
+    loops = _loops(sass)
+    big = [(a, b) for a, b in loops if b - a >= 150]
+
+    def nested(o):
+        return [(a, b) for a, b in big if o[0] < a and b < o[1]]
+
+    outer = max(big, key=lambda o: len(nested(o)))  # the fast loop holds the fallbacks
+    assert len(nested(outer)) == spec.items, loops
+    fast = (outer[1] - outer[0] + 1) - sum(b - a + 1 for a, b in nested(outer))
+    assert fast <= budget, fast
+
+
 @pytest.mark.compile
 def test_spec_validation():
     with pytest.raises(ValueError, match="in_dtype"):
