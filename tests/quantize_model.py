@@ -20,7 +20,14 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from cute_fp4.kernels.quantize import DD_FLOOR, DD_SCALE, RATIO_MAX, X_SCALE, margin
+from cute_fp4.kernels.quantize import (
+    DD_FLOOR,
+    DD_SCALE,
+    RATIO_MAX,
+    SHORT_GS_MASK,
+    X_SCALE,
+    margin,
+)
 from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape
 
 F32 = np.float32
@@ -194,7 +201,9 @@ def block_model(h: np.ndarray, gs: float, half: str = "bf16", hw: bool = False,
     else:
         terms = _encode_sw(q, neg)
         words = np.stack([_pack(terms[:, :8]), _pack(terms[:, 8:])], axis=1)
-        if not general and approx:  # SM90: the approximate path; unsafe blocks keep these
+        short = int(bits(gs)) & SHORT_GS_MASK == 0  # the kernel's exact loop
+        if not general and approx and not short:  # SM90: the approximate path (unsafe
+            # blocks keep the exact words)
             d1 = d[:, 0]
             fast = _nibble_words(approx_nibbles(h, d1, half))
             unsafe = approx_unsafe(d1, bamax, half)

@@ -54,17 +54,20 @@ approximation could differ:
   significand (8 bits BF16, 11 FP16); ``mu d`` has the significand of ``c d``, c in 1, 1.5,
   1.25, 1.75. Unsafe: ``(bits(c d) + K) mod 2^16 <= 2K`` (2^13 for FP16; K = 8 BF16, 12
   FP16, :func:`margin`), or ``bamax / d >= 6.75`` (saturated or subnormal block scales: no
-  clamp on the approximate path). About 0.1% of random BF16 blocks (1% FP16) are unsafe;
-  every block of a power-of-two global scale is (``d`` then has 4 significant bits).
+  clamp on the approximate path). About 0.1% of random BF16 blocks (1% FP16) are unsafe.
+  A short global scale (at most 16 significant bits, ``SHORT_GS_MASK``: a power of two, 1.0)
+  would make most blocks unsafe (``d`` then has few significant bits): the kernel takes the
+  exact code for every block then (a uniform branch, as for the general path).
 * Exact (unsafe blocks, when any lane of the warp has one): the previous code, ``q = RN(x / d)``
   by ``RN(1/d)`` and one Markstein correction (elements clamped to ``6 d``), ``e =
   max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n + 2 e``.
 
 SASS instructions per loop turn of the static BF16 sm_90a kernel (256 threads x 2 blocks,
-i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 398 on the
+i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 394 on the
 approximate path (5 per element: HFMA2, FMUL, IMAD, 2 SHF; plus the blocks' amax, scale,
-check, addressing and stores; the exact fallback is a separate loop of 229 per block).
-FP16: 559 before, 430 after (6 per element).
+check, addressing and stores; the exact fallback is a separate loop of 229 per block);
+the exact loop of short global scales stays at 559. FP16: 559 before, 432 after (6 per
+element).
 
 Variants (``QuantSpec.scale``):
 * ``"static"``: ``gs`` is read from a one-element float32 tensor; one kernel.
@@ -268,6 +271,7 @@ DD_SCALE = 0x76800000  # 2^110: RN(1/(d 2^110)) = RN(1/d) 2^-110 is normal for e
 RATIO_MAX = 0x09D80000  # 6.75 * 2^-110: bamax / d beyond 6.75 (saturated or subnormal
 # scale) takes the exact path, the approximate one has no clamp
 X_SCALE = 0x37800000  # 2^-16
+SHORT_GS_MASK = 0xFF  # a global scale whose float32 bits have these clear takes the exact code
 
 
 def margin(half: str) -> tuple[int, int]:
@@ -533,7 +537,16 @@ class QuantizeKernel:
                 self._quantize_chunks(self._general, *args)
             else:
                 if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):  # uniform: one loop or other
-                    self._quantize_chunks(self._fast, *args)
+                    if cutlass.const_expr(self.spec.hw_e2m1):
+                        self._quantize_chunks(self._fast, *args)
+                    else:
+                        # a short global scale (<= 16 significant bits, e.g. a power of two)
+                        # makes most blocks unsafe for the approximate path: exact loop
+                        gsb = _ptx("mov.b32 {$w0}, {$r0};", 1, gs)
+                        if gsb & _U32(SHORT_GS_MASK) == _U32(0):
+                            self._quantize_chunks(self._exact, *args)
+                        else:
+                            self._quantize_chunks(self._fast, *args)
                 else:
                     self._quantize_chunks(self._general, *args)
         else:
