@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from cute_fp4.kernels.quantize import (
+    CLASSES,
     DD_FLOOR,
     DD_SCALE,
     RATIO_MAX,
@@ -126,15 +127,15 @@ def approx_recip(d: np.ndarray) -> np.ndarray:
 
 def approx_unsafe(d: np.ndarray, bamax: np.ndarray, half: str) -> np.ndarray:
     """The per-block test of the approximate path: some c d (c in 1, 1.5, 1.25, 1.75) within
-    K ulps of a 16-bit value, or bamax / d >= 6.75."""
+    K_c ulps of a 16-bit value, or bamax / d >= 6.75."""
     r, dd = approx_recip(d)
-    dropped, k = margin(half)
+    dropped, ks = margin(half)
     sh = 32 - dropped
-    ck = np.full(d.shape, 0xFFFFFFFF, dtype=np.uint64)
-    for c in (1.0, 1.5, 1.25, 1.75):
+    unsafe = (bamax * r).astype(F32) >= from_bits(RATIO_MAX)
+    for c, k in zip(CLASSES, ks):
         b = bits((dd * F32(c)).astype(F32)).astype(np.uint64)
-        ck = np.minimum(ck, ((b << sh) + (k << sh)) & 0xFFFFFFFF)
-    return (ck < ((2 * k + 1) << sh)) | ((bamax * r).astype(F32) >= from_bits(RATIO_MAX))
+        unsafe |= (((b << sh) + (k << sh)) & 0xFFFFFFFF) < ((2 * k + 1) << sh)
+    return unsafe
 
 
 def approx_nibbles(h: np.ndarray, d: np.ndarray, half: str) -> np.ndarray:
