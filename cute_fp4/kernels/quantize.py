@@ -59,15 +59,16 @@ approximation could differ:
   A short global scale (at most 16 significant bits, ``SHORT_GS_MASK``: a power of two, 1.0)
   would make most blocks unsafe (``d`` then has few significant bits): the kernel takes the
   exact code for every block then (a uniform branch, as for the general path).
-* Exact (unsafe blocks, when any lane of the warp has one): the previous code, ``q = RN(x / d)``
+* Exact (when any lane of the warp has an unsafe block, for every lane: on a safe block its
+  words equal the approximate ones, so no select): the previous code, ``q = RN(x / d)``
   by ``RN(1/d)`` and one Markstein correction (elements clamped to ``6 d``), ``e =
   max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n + 2 e``.
 
 SASS instructions per loop turn of the static BF16 sm_90a kernel (256 threads x 2 blocks,
-i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 392 on the
+i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 386 on the
 approximate path (5 per element: HFMA2, FMUL, IMAD, 2 SHF; plus the blocks' amax, scale,
 check, addressing and stores; the exact fallback is a separate loop of 229 per block);
-the exact loop of short global scales stays at 559. FP16: 559 before, 426 after (6 per
+the exact loop of short global scales stays at 559. FP16: 559 before, 420 after (6 per
 element).
 
 Variants (``QuantSpec.scale``):
@@ -696,7 +697,9 @@ class QuantizeKernel:
         has one (rare). ptxas if-converts a branch around it (executing it always), and a
         loop it can bound to one turn, so this is a loop of as many turns as the warp has
         unsafe lanes (each turn is the same, idempotent work) that re-reads its input from
-        shared memory and writes there (a store the re-read cannot be hoisted above)."""
+        shared memory and writes there (a store the re-read cannot be hoisted above). Every
+        lane of the warp takes the exact words: on a safe block they equal the approximate
+        ones (what the check guarantees), so no select."""
         unsafe = out[3] != _U32(0)
         turns = _ptx("popc.b32 {$w0}, {$r0};", 1, cute.arch.vote_ballot_sync(unsafe))
         for _ in cutlass.range(_I32(turns), unroll=1):
@@ -705,8 +708,8 @@ class QuantizeKernel:
                 cute.autovec_copy(cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)),
                                   cute.local_tile(rW, (4,), (h,)))
             ex = _ptx(self._exact, 3, *(rW[i] for i in range(8)), gs, rgs, tlim)
-            for i in cutlass.range_constexpr(3):
-                rO[i] = cutlass.select_(unsafe, ex[i], out[i])
+            for i in cutlass.range_constexpr(3):  # safe lanes: the same words (no select)
+                rO[i] = ex[i]
             sX[self._slot(stage, j, 0, tidx) * 4] = ex[2]
 
     @cute.jit
