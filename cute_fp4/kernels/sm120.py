@@ -47,6 +47,14 @@ Constraints
   roles, named barriers and pingpong turns from kernels/roles.py, the epilogue from
   kernels/epilogue.py.
   M = 0 or N = 0 would launch an empty grid: the host layer must skip those.
+* Grouped (``Scheduler.grouped``, :class:`Sm120GroupedGemm`, the grouped launch signature
+  of kernels/launch.py): work units from ``GroupedScheduler`` (device offsets, at most 256
+  groups); B ``(N, K/2, group)`` and its scales per group by TMA (a group mode); A's scale
+  factors copied row by row with 4-byte cp.async (``loads.load_sf_rows_cp_async``: a group
+  starts at any row of A's ordinary 128x4 layout) into local rows 0.. of the stage's atom;
+  alpha per group; no C staging buffer: the tile is stored from registers, masked at the
+  group's last row (the tile's later rows belong to the next group) and at N. Not with
+  split-K or ``sf_load=cp_async`` (plan() refuses them).
 * ``emulate=True`` (``compile.compile_emulated``): the same kernel for sm_90a with only
   :meth:`Sm120Gemm.mma_k_block` changed, each OMMA replaced by 4 exact BF16 ``mma.sync``
   on the same registers (kernels/mma_emulation.py), so it runs on an H200. Such a run checks

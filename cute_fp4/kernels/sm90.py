@@ -40,6 +40,13 @@ Constraints:
 * W4A4 runs FP16 WGMMA (exact: products are at least 2^-17 after the 2^-7 offset);
   W4A16 runs the activation's dtype (BF16 or FP16).
 * The dynamic shared memory equals ``plan(schedule, problem).smem_bytes``.
+* Grouped (``Scheduler.grouped``, :class:`Sm90GroupedGemm`): the ``rs_packed`` mainloop
+  only; units from ``GroupedScheduler``; the activation rows of a unit TMA'd from the
+  group's row offset (a domain offset of the TMA coordinates; rows past the group are
+  loaded and computed, then masked), the packed weight and its scales per group (a group
+  mode); W4A4's activation scales copied row by row by the producer warp (cp.async, its
+  lanes arriving no-inc on the stage barrier); alpha per group; D^T stored masked at the
+  group's last row. No split-K.
 """
 
 
