@@ -6,8 +6,8 @@ Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
 [16384, 4096]) and decode sizes (M in 1, 2, 4, 8, 16 x K in 4096, 8192), BF16 (and FP16
 for the large ones), for the static scale, the dynamic scale two-pass and fused, and the
 static scale forced through the general (div.rn) path, and the static scale 2^-7 (a power
-of two: on SM90 every block then takes the exact fallback, the cost before the approximate
-path; the other static rows use 2 / 2688). ``--sweep`` adds thread / item /
+of two, a "short" scale: SM90 then runs its exact loop on every block, the kernel as it was
+before the approximate path; the other static rows use 2 / 2688). ``--sweep`` adds thread / item /
 CTAs-per-SM splits of the static kernel on the large sizes. Every row is checked bit for bit against
 ``cute_fp4.quantize`` before it is timed.
 
@@ -57,7 +57,7 @@ SWEEP = [(256, 2, 0), (256, 1, 4), (256, 1, 6), (256, 2, 3), (256, 4, 2), (128, 
          (512, 1, 4), (512, 2, 2)]
 GRAPH_N = 10
 DEFAULT_GS = 2.0 / 2688  # an arbitrary float: SM90's approximate path on almost every block
-POW2_GS = 2.0**-7  # a power of two: every block of SM90 takes the exact fallback
+POW2_GS = 2.0**-7  # a power of two: SM90 runs its exact loop on every block
 ROTATE_BYTES = 100 << 20
 
 
