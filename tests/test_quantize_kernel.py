@@ -225,7 +225,7 @@ def _loops(sass: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype, budget", [("bf16", 420), ("fp16", 460)])
+@pytest.mark.parametrize("dtype, budget", [("bf16", 400), ("fp16", 435)])
 def test_sm90_fast_path_instruction_budget(dtype, budget, tmp_path):
     """SM90's approximate path: a loop turn (2 blocks, 32 elements a thread) costs at most
     ``budget`` SASS instructions outside the exact fallback (559 before it, all exact), and
