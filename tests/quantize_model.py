@@ -20,15 +20,6 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from cute_fp4.kernels.quantize import (
-    CLASSES,
-    DD_FLOOR,
-    DD_SCALE,
-    RATIO_MAX,
-    SHORT_GS_MASK,
-    X_SCALE,
-    margin,
-)
 from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape
 
 F32 = np.float32
@@ -113,54 +104,10 @@ def _pack(terms: np.ndarray) -> np.ndarray:
     return acc.astype(np.uint32)
 
 
-def _bf16_rne(v: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 (round to nearest even, subnormals kept) -> float32."""
-    t = torch.from_numpy(np.ascontiguousarray(v, dtype=F32)).to(torch.bfloat16)
-    return t.float().numpy()
-
-
-def approx_recip(d: np.ndarray) -> np.ndarray:
-    """The approximate path's ``RN(1/(max(d, floor) 2^110))`` (= RN(1/d) 2^-110)."""
-    dd = (np.maximum(d, from_bits(DD_FLOOR)) * from_bits(DD_SCALE)).astype(F32)
-    return (F32(1) / dd).astype(F32), dd
-
-
-def approx_unsafe(d: np.ndarray, bamax: np.ndarray, half: str) -> np.ndarray:
-    """The per-block test of the approximate path: some c d (c in 1, 1.5, 1.25, 1.75) within
-    K_c ulps of a 16-bit value, or bamax / d >= 6.75."""
-    r, dd = approx_recip(d)
-    dropped, ks = margin(half)
-    sh = 32 - dropped
-    unsafe = (bamax * r).astype(F32) >= from_bits(RATIO_MAX)
-    for c, k in zip(CLASSES, ks):
-        b = bits((dd * F32(c)).astype(F32)).astype(np.uint64)
-        unsafe |= (((b << sh) + (k << sh)) & 0xFFFFFFFF) < ((2 * k + 1) << sh)
-    return unsafe
-
-
-def approx_nibbles(h: np.ndarray, d: np.ndarray, half: str) -> np.ndarray:
-    """The approximate path's nibble of each element: ``h`` uint16 [..., n], ``d`` float32
-    [...] (one per block). y = x 2^-16 * RN(1/d) 2^-110 (a denormal for |q| < 1), code =
-    (bits(y) + 2^21) >> 22 (as the kernel: (bits * 128 + 2^28) >> 29), sign = bits(y) >> 31."""
-    r = approx_recip(d)[0][..., None]
-    x = to_f32(h, half)
-    if half == "bf16":  # fma.rn.bf16x2 x, 2^-16, +0: exact scaling, -0 -> +0, then RNE
-        xs = _bf16_rne((x * from_bits(X_SCALE)).astype(F32) + F32(0))
-        y = (xs * r).astype(F32)
-    else:  # fma.rn.f32 x, r, +0 (-0 -> +0; an underflow keeps the product's sign), * 2^-16
-        y = (x * r).astype(F32)
-        y = np.where(y == 0, np.where(x < 0, F32(-0.0), F32(0.0)), y).astype(F32)
-        y = (y * from_bits(X_SCALE)).astype(F32)
-    b = bits(y).astype(np.uint64)
-    code = (((b * 128) + (1 << 28)) & 0xFFFFFFFF) >> 29
-    return ((b >> 31) << 3 | code).astype(np.uint32)
-
-
 def block_model(h: np.ndarray, gs: float, half: str = "bf16", hw: bool = False,
-                general: bool | None = None, div6: str = "recip", approx: bool = True):
+                general: bool | None = None, div6: str = "recip"):
     """Quantize blocks: ``h`` uint16 [B, 16] (element 0 first) -> (words uint32 [B, 2],
-    scale bytes uint32 [B]). ``general`` None picks the path as the kernel does; ``approx``
-    False: SM90's fast path without its approximate part (every block on the exact code)."""
+    scale bytes uint32 [B]). ``general`` None picks the path as the kernel does."""
     gs = F32(gs)
     if general is None:
         general = not (FAST_GS[0] <= gs <= FAST_GS[1])
@@ -198,31 +145,18 @@ def block_model(h: np.ndarray, gs: float, half: str = "bf16", hw: bool = False,
         q = fma32(fma32(-qa, d, aa), r, qa)
     if hw:
         nib = e2m1_rne(q) | (neg.astype(np.uint32) << 3)
-        words = _nibble_words(nib)
+        words = np.zeros((len(h), 2), dtype=np.uint32)
+        for k in range(16):
+            words[:, k // 8] |= nib[:, k] << (4 * (k % 8))
     else:
         terms = _encode_sw(q, neg)
         words = np.stack([_pack(terms[:, :8]), _pack(terms[:, 8:])], axis=1)
-        short = int(bits(gs)) & SHORT_GS_MASK == 0  # the kernel's exact loop
-        if not general and approx and not short:  # SM90: the approximate path (unsafe
-            # blocks keep the exact words)
-            d1 = d[:, 0]
-            fast = _nibble_words(approx_nibbles(h, d1, half))
-            unsafe = approx_unsafe(d1, bamax, half)
-            words = np.where(unsafe[:, None], words, fast)
     return words, sfb
-
-
-def _nibble_words(nib: np.ndarray) -> np.ndarray:
-    """[B, 16] nibbles -> [B, 2] packed words (element 0 in the low nibble)."""
-    words = np.zeros((len(nib), 2), dtype=np.uint32)
-    for k in range(16):
-        words[:, k // 8] |= nib[:, k].astype(np.uint32) << (4 * (k % 8))
-    return words
 
 
 def quantize_model(x16: torch.Tensor, gs: float | None = None, hw: bool = False,
                    general: bool | None = None, div6: str = "recip", threads: int = 256,
-                   items: int = 2, poison: int = 0xAB, approx: bool = True):
+                   items: int = 2, poison: int = 0xAB):
     """The whole kernel on a bf16/fp16 [M, K] tensor: returns (data uint8 [M, K/2], scale
     uint8 flat blocked, gs) with the kernel's addressing; unwritten bytes keep ``poison``."""
     half = "bf16" if x16.dtype == torch.bfloat16 else "f16"
@@ -237,7 +171,7 @@ def quantize_model(x16: torch.Tensor, gs: float | None = None, hw: bool = False,
     data = np.full(m * k // 2, poison, dtype=np.uint8)
     scale = np.full(rp * cp, poison, dtype=np.uint8)
     blocks = h.reshape(m * kb, 16)
-    words, sfb = block_model(blocks, gs, half, hw, general, div6, approx)
+    words, sfb = block_model(blocks, gs, half, hw, general, div6)
     # items: every (row, padded column); grid order only changes who writes what
     n_items = m * kbp
     g = np.arange(n_items)
@@ -354,33 +288,3 @@ def tie_case():
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
     x[0, 0] = 5.0
     return x, float(gs)
-
-
-def near_decision_input(dtype, gs: float, m16: float) -> torch.Tensor:
-    """[7, 64]: row i holds blocks of block scale 1 (their amax is 6 gs) whose elements sit
-    next to E2M1 decision point i: x / d is within a few float32 ulps of it for the 16-bit
-    x nearest to it (and its neighbours, both signs, twice, a quarter), for the divisor d =
-    gs that the caller sweeps ulp by ulp: the blocks that SM90's approximate path must
-    send to its exact code, and the near misses it keeps."""
-    bounds = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
-    rows = []
-    for mu in bounds:
-        x = torch.tensor(mu * gs, dtype=torch.float32).to(dtype)
-        up = torch.nextafter(x.float(), torch.tensor(float("inf"))).to(dtype)
-        vals = [6 * gs, x, -x, up, -up, x * m16, x * 2, x / 4, -x * 4, x / 2, up * 2, -up / 2,
-                0.0, -0.0, x, -x]
-        block = torch.tensor([float(v) for v in vals], dtype=torch.float32).to(dtype)
-        rows.append(block.repeat(4))
-    return torch.stack(rows)
-
-
-def sweep_ulps(span: int = 20):
-    """(m, mu, j, gs): global scales j float32 ulps from m / mu, for a few 16-bit m."""
-    for m16 in (1.0, 1.0078125, 1.3984375, 1.9921875):
-        for mu in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
-            gs = F32(m16 / mu)
-            for j in range(-span, span + 1):
-                g = gs
-                for _ in range(abs(j)):
-                    g = np.nextafter(g, F32(np.inf) if j > 0 else F32(0))
-                yield m16, mu, j, float(g)

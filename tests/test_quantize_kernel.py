@@ -21,17 +21,12 @@ import numpy as np
 import pytest
 import torch
 from quantize_model import (
-    approx_nibbles,
-    approx_unsafe,
     awkward_input,
-    block_model,
     e2m1_rne,
     fma32,
     hard_divisors,
-    near_decision_input,
     one_correction_codes,
     quantize_model,
-    sweep_ulps,
     tie_case,
 )
 
@@ -99,77 +94,6 @@ def test_one_correction_is_exact_at_every_decision_point(sig_bits):
     assert (no_correction != exact).sum() > 0
 
 
-def _to16(x: np.ndarray, half: str) -> np.ndarray:
-    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return t.to(torch.bfloat16 if half == "bf16" else torch.float16).view(torch.int16).numpy(
-        ).view(np.uint16)
-
-
-@pytest.mark.parametrize("half, sig_bits", [("bf16", 8), ("f16", 11)])
-def test_approximate_path_is_exact_where_its_check_says_safe(half, sig_bits):
-    """SM90's approximate path (one FMUL per element, codes from the bits of a denormal) is
-    wrong only where its per-block check sends the block to the exact code: at every E2M1
-    decision point of every significand, with the divisors nearest to it, both signs and
-    several binades. It is wrong there without the check (so the check is needed), and the
-    check passes most random blocks (so the fast path is the common one)."""
-    x, d = hard_divisors(sig_bits)
-    x = np.concatenate([x, -x * 4, x / 8])
-    d = np.concatenate([d, d * 4, d / 8]).astype(np.float32)
-    h = _to16(x, half)[:, None]
-    ours = approx_nibbles(h, d, half)[:, 0]
-    q = (x / d).astype(np.float32)
-    exact = e2m1_rne(np.abs(q)) | ((q < 0).astype(np.uint32) << 3)
-    unsafe = approx_unsafe(d, np.abs(x).astype(np.float32), half)
-    wrong = ours != exact
-    assert wrong.sum() > 0
-    assert not (wrong & ~unsafe).any(), (x[wrong & ~unsafe][:5], d[wrong & ~unsafe][:5])
-    rng = np.random.default_rng(0)
-    dr = np.exp2(rng.uniform(-60, 10, 20000)).astype(np.float32)
-    rate = approx_unsafe(dr, np.zeros_like(dr), half).mean()
-    assert rate < (0.001 if half == "bf16" else 0.008), rate
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_approximate_path_covers_the_awkward_blocks(dtype):
-    """On awkward input most blocks take the approximate path and its words equal the
-    exact path's; the saturated/subnormal-scale blocks (bamax / d >= 6.75) do not."""
-    half = "bf16" if dtype == torch.bfloat16 else "f16"
-    x = awkward_input(64, 1024, dtype, seed=3)
-    h = x.view(torch.int16).numpy().view(np.uint16).reshape(-1, 16)
-    for gs in (2.0**-7, 3e-3, 1e-4):
-        exact, _ = block_model(h, gs, half, approx=False)
-        ours, _ = block_model(h, gs, half)
-        assert np.array_equal(ours, exact), gs
-    from quantize_model import e4m3_value, to_f32
-
-    _, sfb = block_model(h, 1e-4, half)
-    d = (e4m3_value(sfb) * np.float32(1e-4)).astype(np.float32)
-    bamax = np.abs(to_f32(h, half)).max(axis=1)
-    unsafe = approx_unsafe(d, bamax, half)
-    assert 0 < unsafe.mean() < 0.5, unsafe.mean()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_model_next_to_decision_points(dtype):
-    """The GPU test's sweep (elements a few float32 ulps from every E2M1 decision point) on
-    the model: identical to quantize, with blocks on both sides of the approximate path's
-    check among them."""
-    from quantize_model import e4m3_value, to_f32
-
-    half = "bf16" if dtype == torch.bfloat16 else "f16"
-    kinds = set()
-    for m16, mu, j, gs in sweep_ulps(6):
-        x = near_decision_input(dtype, gs, m16)
-        assert _same(x, gs), (m16, mu, j)
-        h = x.view(torch.int16).numpy().view(np.uint16).reshape(-1, 16)
-        exact, sfb = block_model(h, gs, half, approx=False)
-        ours, _ = block_model(h, gs, half)
-        assert np.array_equal(ours, exact), (m16, mu, j)
-        d = (e4m3_value(sfb) * np.float32(gs)).astype(np.float32)
-        kinds.update(approx_unsafe(d, np.abs(to_f32(h, half)).max(axis=1), half).tolist())
-    assert kinds == {True, False}
-
-
 def test_fma32_is_correctly_rounded():
     rng = np.random.default_rng(0)
     a = rng.standard_normal(2000).astype(np.float32)
@@ -210,44 +134,6 @@ def test_kernel_compiles(target, dtype, scale):
         assert ops["F2FP.SATFINITE.E2M1"] == 0, ops
         assert ops["HMNMX2"] >= 16, ops  # packed block amax and clamp
     assert (ops["REDUX"] > 0) == (scale != "static"), ops
-
-
-def _loops(sass: str) -> list[tuple[int, int]]:
-    """(first, last) instruction indices of every backward branch's loop in ``sass``."""
-    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
-    addr = [int(a, 16) for a, _ in ins]
-    loops = []
-    for i, (_, text) in enumerate(ins):
-        m = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
-            loops.append((addr.index(int(m.group(1), 16)), i))
-    return loops
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype, budget", [("bf16", 400), ("fp16", 435)])
-def test_sm90_fast_path_instruction_budget(dtype, budget, tmp_path):
-    """SM90's approximate path: a loop turn (2 blocks, 32 elements a thread) costs at most
-    ``budget`` SASS instructions outside the exact fallback (559 before it, all exact), and
-    the fallback is a real loop per block (ptxas would predicate an if's body, executing it
-    always): one inner loop of >= 150 instructions per item inside the chunk loop."""
-    from pathlib import Path
-
-    from cute_fp4.inspect import cubin_sass
-
-    spec = QuantSpec(target="sm_90a", in_dtype=dtype)
-    quant.cross_compile_quantize(spec, dump_dir=str(tmp_path))
-    sass = cubin_sass(sorted(Path(tmp_path).glob("*.cubin"))[-1])
-    loops = _loops(sass)
-    big = [(a, b) for a, b in loops if b - a >= 150]
-
-    def nested(o):
-        return [(a, b) for a, b in big if o[0] < a and b < o[1]]
-
-    outer = max(big, key=lambda o: len(nested(o)))  # the fast loop holds the fallbacks
-    assert len(nested(outer)) == spec.items, loops
-    fast = (outer[1] - outer[0] + 1) - sum(b - a + 1 for a, b in nested(outer))
-    assert fast <= budget, fast
 
 
 @pytest.mark.compile

@@ -34,42 +34,9 @@ that rounds to -0); any other global scale takes the general path (IEEE ``div.rn
 element), a uniform branch. Elements are clamped to ``6 d`` first (codes saturate at 6).
 
 E2M1 encoding: on SM120/SM121 the hardware ``cvt.rn.satfinite.e2m1x2.f32`` of ``|q|`` (sign
-from a compare, so that -0 gives code 0 as ``quantize`` does). SM90 has none; it takes an
-approximate path per block and falls back to an exact one for the few blocks where the
-approximation could differ:
-
-* Approximate (almost every block): ``y = RN(x 2^-16 * RN(1/d) 2^-110)``, one FMUL per element.
-  BF16: one ``fma.rn.bf16x2 (x, x), (0, 2^-16), (+0, +0)`` per element (its low half
-  broadcast for the low element) gives the element as a float32, scaled, with -0 turned
-  into +0 (and a tiny negative kept as -0); FP16 converts, then FMA with +0 and a second
-  FMUL. ``y`` is ``q 2^-126``: a float32 denormal for ``|q| < 1``, so its bits ``B`` grow by
-  2^22 per E2M1 step over the whole grid (0, 0.5, 1, 1.5 in the denormals, 2, 3, 4, 6 in the
-  first normal binades): ``code = (B + 2^21) >> 22`` (``(B * 128 + 2^28) >> 29``, the sign
-  and bit 31 of B shifted out), the sign bit of ``y`` the nibble's bit 3; two funnel
-  shifts insert sign and code into the packed word (Horner). Rounding midpoints go up,
-  which is not RNE, and ``q`` is off by about a float32 ulp: both only matter when ``x / d``
-  is within ~2^-21 of a decision point.
-* The check, once per block: x is a 16-bit value, so ``x / d`` can only be that close to a
-  decision point ``mu`` when ``mu d`` is within a few float32 ulps of a value with x's
-  significand (8 bits BF16, 11 FP16); ``mu d`` has the significand of ``c d``, c in 1, 1.5,
-  1.25, 1.75. Unsafe: ``(bits(c d) + K) mod 2^16 <= 2K`` (2^13 for FP16; K = 4..8 by class,
-  :func:`margin`, with the error bound behind them), or ``bamax / d >= 6.75`` (saturated or
-  subnormal block scales: no clamp on the approximate path). About 0.07% of random BF16
-  blocks are unsafe (0.6% FP16: 2% and 18% of a warp's items then run the fallback).
-  A short global scale (at most 16 significant bits, ``SHORT_GS_MASK``: a power of two, 1.0)
-  would make most blocks unsafe (``d`` then has few significant bits): the kernel takes the
-  exact code for every block then (a uniform branch, as for the general path).
-* Exact (when any lane of the warp has an unsafe block, for every lane: on a safe block its
-  words equal the approximate ones, so no select): the previous code, ``q = RN(x / d)``
-  by ``RN(1/d)`` and one Markstein correction (elements clamped to ``6 d``), ``e =
-  max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n + 2 e``.
-
-SASS instructions per loop turn of the static BF16 sm_90a kernel (256 threads x 2 blocks,
-i.e. per 32 elements of a thread; 2026-12-01, DSL 4.8.1): 559 before (all exact), 386 on the
-approximate path (5 per element: HFMA2, FMUL, IMAD, 2 SHF; plus the blocks' amax, scale,
-check, addressing and stores; the exact fallback is a separate loop of 229 per block);
-the exact loop of short global scales stays at 559. FP16: 559 before, 420 after (6 per
-element).
+from a compare, so that -0 gives code 0 as ``quantize`` does); on SM90 in software:
+``e = max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n +
+2 e`` accumulated into the packed word with integer multiply-adds (no masking).
 
 Variants (``QuantSpec.scale``):
 * ``"static"``: ``gs`` is read from a one-element float32 tensor; one kernel.
@@ -87,7 +54,6 @@ output 8-byte aligned. NaN/Inf inputs give unspecified codes (``quantize`` rejec
 from __future__ import annotations
 
 import dataclasses
-import struct
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -268,97 +234,6 @@ def _block_ptx(half: str, hw: bool, general: bool) -> str:
     return "\n".join(body)
 
 
-# The SM90 approximate path (see the module docstring, "E2M1 on SM90").
-DD_FLOOR = 0x00801000  # max(d, this): a normal float whose multiples are far from 16-bit values
-DD_SCALE = 0x76800000  # 2^110: RN(1/(d 2^110)) = RN(1/d) 2^-110 is normal for every fast d
-RATIO_MAX = 0x09D80000  # 6.75 * 2^-110: bamax / d beyond 6.75 (saturated or subnormal
-# scale) takes the exact path, the approximate one has no clamp
-X_SCALE = 0x37800000  # 2^-16
-SHORT_GS_MASK = 0xFF  # a global scale whose float32 bits have these clear takes the exact code
-
-
-CLASSES = (1.0, 1.5, 1.25, 1.75)  # significands of the decision points mu d: 0.25 | 0.75 |
-# 1.25, 2.5, 5 | 1.75, 3.5
-
-
-def margin(half: str) -> tuple[int, tuple[int, ...]]:
-    """(dropped bits D, K per class of :data:`CLASSES`): a block is unsafe when some ``c d``
-    lies within K_c float32 ulps of a value with the input's significand (8 bits BF16, 11
-    FP16), i.e. ``(bits(RN(c d)) + K_c) mod 2^D <= 2 K_c``.
-
-    Why these K (relative errors in units of 2^-24, at the decision point mu): the kernel's
-    q differs from x / d by RN(1/d) (1), the product's rounding (1 when normal; a denormal's
-    absolute 2^-150 is 1 / mu: 4 at 0.25, 1.33 at 0.75), for FP16 the second product (1,
-    or the denormal's instead), and the exact rule decides at mu +- half an ulp (<= 1).
-    Safe means every 16-bit x is at least K_c + 1 ulps (>= (K_c + 1) 2^-24 relatively, less
-    1 for the rounding of c d when c != 1) from mu d. BF16 errors: 6 at 0.25, 3 at 0.75, 2.8
-    elsewhere, so K > 5, 3, 2.8, 2.8; FP16: 7, 4, 3.8 -> K > 6, 4, 3.8, 3.8. Each K here has
-    one ulp more; tests/test_quantize_kernel.py finds K = 3 enough at the hardest divisors."""
-    return (16, (7, 5, 4, 4)) if half == "bf16" else (13, (8, 6, 5, 5))
-
-
-def _block_ptx_approx(half: str) -> str:
-    """The SM90 fast path for one block: the scale as in :func:`_block_ptx`, then per element
-    ``y = x 2^-16 * RN(1/d) 2^-110`` (one FMUL; the product is a float32 denormal for
-    q = x/d < 1), whose bits B give ``code = (B + 2^21) >> 22`` and the sign bit. $w3 = 1
-    when the block is unsafe (the caller recomputes it on the exact path). $r11 = 128."""
-    x2 = f"{half}x2"
-    dropped, ks = margin(half)
-    sh = 32 - dropped
-    regs = ("m, ms, bamax, t, qa, nq, er, u, sfb, nz, sfv, d, dd, r, pc, ck, ck1, rt, w, a, y, "
-            "yy, acc0, acc1, xs, z")
-    body = ["{", f".reg .b32 {regs};", ".reg .b16 s16, hl, hh;", ".reg .pred pu;",
-            "mov.b32 acc0, 0;", "mov.b32 acc1, 0;", "mov.b32 z, 0;",
-            f"mov.b32 xs, {X_SCALE:#010x};"]  # (0, 2^-16) as bf16x2
-    body.append(f"max.xorsign.abs.{x2} m, {{$r0}}, {{$r1}};")
-    body += [f"max.xorsign.abs.{x2} m, m, {{$r{i}}};" for i in range(2, 8)]
-    body += ["prmt.b32 ms, m, m, 0x1032;", f"max.xorsign.abs.{x2} m, m, ms;"]
-    if half == "bf16":
-        body.append("and.b32 bamax, m, 0x7FFF0000;")
-    else:
-        body += ["mov.b32 {hl, hh}, m;", "cvt.f32.f16 bamax, hh;", "abs.f32 bamax, bamax;"]
-    body.append("mul.rn.f32 t, bamax, 0f3E2AAAAB;")
-    body += _block_scale_fast()
-    body += [
-        "cvt.rn.satfinite.e4m3x2.f32 s16, u, u;", "cvt.u32.u16 sfb, s16;",
-        "min.u32 nz, bamax, 257;", "max.u32 sfb, sfb, nz;", "cvt.u16.u32 s16, sfb;",
-        "cvt.rn.f16x2.e4m3x2 sfv, s16;", "mov.b32 {hl, hh}, sfv;", "cvt.f32.f16 sfv, hl;",
-        "mul.rn.f32 d, sfv, {$r8};",
-        f"max.f32 dd, d, 0f{DD_FLOOR:08X};", f"mul.rn.f32 dd, dd, 0f{DD_SCALE:08X};",
-        *_RCP_RN_LINES,
-        # unsafe: some c d within K_c ulps of a 16-bit value, or bamax r >= 6.75
-        "mul.rn.f32 rt, bamax, r;", f"setp.ge.f32 pu, rt, 0f{RATIO_MAX:08X};",
-    ]
-    for c, kc in zip(CLASSES, ks):
-        cb = struct.unpack("<I", struct.pack("<f", c))[0]
-        src = "dd" if c == 1.0 else "pc"
-        if c != 1.0:
-            body.append(f"mul.rn.f32 pc, dd, 0f{cb:08X};")
-        body += [f"mad.lo.u32 ck, {src}, {1 << sh}, {kc << sh};",
-                 f"setp.lt.or.u32 pu, ck, {(2 * kc + 1) << sh}, pu;"]
-    body.append("selp.u32 {$w3}, 1, 0, pu;")
-    # elements 7..0 into acc0 (Horner: the last inserted lands in nibble 0), 15..8 into acc1
-    for word in range(7, -1, -1):
-        acc = "acc0" if word < 4 else "acc1"
-        src = "{$r" + str(word) + "}"
-        body += [f"mov.b32 {{hl, hh}}, {src};"]
-        for hi in (True, False):
-            if half == "bf16":  # (0, x 2^-16) + (+0, +0): the element as a float32, scaled,
-                # -0 -> +0 (a tiny negative keeps its sign as -0); one HFMA2 (lo broadcast)
-                pair = "{hl, hh}" if hi else "{hl, hl}"
-                body += [f"mov.b32 a, {pair};", "fma.rn.bf16x2 a, a, xs, z;",
-                         "mul.rn.f32 y, a, r;"]
-            else:
-                body += [f"cvt.f32.f16 a, {'hh' if hi else 'hl'};",
-                         "fma.rn.f32 y, a, r, 0f00000000;",
-                         f"mul.rn.f32 y, y, 0f{X_SCALE:08X};"]
-            body += ["mad.lo.u32 yy, y, {$r11}, 0x10000000;",
-                     f"shf.l.wrap.b32 {acc}, y, {acc}, 1;",
-                     f"shf.l.wrap.b32 {acc}, yy, {acc}, 3;"]
-    body += ["mov.b32 {$w0}, acc0;", "mov.b32 {$w1}, acc1;", "mov.b32 {$w2}, sfb;", "}"]
-    return "\n".join(body)
-
-
 def _amax_words_ptx(half: str, n: int) -> str:
     """$r0 the running packed max, $r1..$rn words -> $w0 packed max |x| (garbage signs)."""
     lines = [f"max.xorsign.abs.{half}x2 {{$w0}}, {{$r0}}, {{$r1}};"]
@@ -416,9 +291,7 @@ class QuantizeKernel:
         self.threads, self.items = spec.threads, spec.items
         self.dynamic = spec.scale != "static"
         self.fused = spec.scale == "dynamic_fused"
-        self._exact = _block_ptx(self.half, spec.hw_e2m1, False)
-        # SM90: the approximate path, its unsafe blocks recomputed by the exact one
-        self._fast = self._exact if spec.hw_e2m1 else _block_ptx_approx(self.half)
+        self._fast = _block_ptx(self.half, spec.hw_e2m1, False)
         self._general = _block_ptx(self.half, spec.hw_e2m1, True)
 
     # ------------------------------------------------------------------ host side
@@ -555,16 +428,7 @@ class QuantizeKernel:
                 self._quantize_chunks(self._general, *args)
             else:
                 if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):  # uniform: one loop or other
-                    if cutlass.const_expr(self.spec.hw_e2m1):
-                        self._quantize_chunks(self._fast, *args)
-                    else:
-                        # a short global scale (<= 16 significant bits, e.g. a power of two)
-                        # makes most blocks unsafe for the approximate path: exact loop
-                        gsb = _ptx("mov.b32 {$w0}, {$r0};", 1, gs)
-                        if gsb & _U32(SHORT_GS_MASK) == _U32(0):
-                            self._quantize_chunks(self._exact, *args)
-                        else:
-                            self._quantize_chunks(self._fast, *args)
+                    self._quantize_chunks(self._fast, *args)
                 else:
                     self._quantize_chunks(self._general, *args)
         else:
@@ -673,44 +537,16 @@ class QuantizeKernel:
             for h in cutlass.range_constexpr(2):
                 cute.autovec_copy(cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)),
                                   cute.local_tile(rW[j], (4,), (h,)))
-        approx = code is not self._exact and code is not self._general
         for j in cutlass.range_constexpr(u):
-            words = [rW[j][i] for i in range(8)]
-            # the approximate code's multiplier 128 as a value ptxas cannot fold (kb >= 1):
-            # an IMAD (FMA pipe) rather than a LEA (ALU pipe, the busier one)
-            extra = (cutlass.min(kb, 0) + 128,) if approx else ()
-            out = _ptx(code, 4 if approx else 3, *words, gs, rgs, tlim, *extra)
+            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, rgs, tlim)
             for i in cutlass.range_constexpr(3):
                 rO[j][i] = out[i]
-            if cutlass.const_expr(approx):
-                self._exact_redo(rO[j], out, sX, stage, j, tidx, gs, rgs, tlim)
         for j in cutlass.range_constexpr(u):
             if has[j]:
                 cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
                                   cute.local_tile(mQ, (2,), (gds[j],)))
             if valid[j]:
                 mSF[offs[j]] = cutlass.Uint8(cutlass.select_(has[j], rO[j][2], _U32(0)))
-
-    @cute.jit
-    def _exact_redo(self, rO, out, sX, stage, j: int, tidx, gs, rgs, tlim):
-        """Recompute an unsafe block (``out[3]``) by the exact code, when any lane of the warp
-        has one (rare). ptxas if-converts a branch around it (executing it always), and a
-        loop it can bound to one turn, so this is a loop of as many turns as the warp has
-        unsafe lanes (each turn is the same, idempotent work) that re-reads its input from
-        shared memory and writes there (a store the re-read cannot be hoisted above). Every
-        lane of the warp takes the exact words: on a safe block they equal the approximate
-        ones (what the check guarantees), so no select."""
-        unsafe = out[3] != _U32(0)
-        turns = _ptx("popc.b32 {$w0}, {$r0};", 1, cute.arch.vote_ballot_sync(unsafe))
-        for _ in cutlass.range(_I32(turns), unroll=1):
-            rW = cute.make_rmem_tensor((8,), _U32)
-            for h in cutlass.range_constexpr(2):
-                cute.autovec_copy(cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)),
-                                  cute.local_tile(rW, (4,), (h,)))
-            ex = _ptx(self._exact, 3, *(rW[i] for i in range(8)), gs, rgs, tlim)
-            for i in cutlass.range_constexpr(3):  # safe lanes: the same words (no select)
-                rO[i] = ex[i]
-            sX[self._slot(stage, j, 0, tidx) * 4] = ex[2]
 
     @cute.jit
     def _pad_rows(self, mSF4, m, kbp, first, stride):
