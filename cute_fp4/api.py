@@ -18,7 +18,6 @@ store; it re-exports the operand and launch helpers scripts use from here. The m
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 
@@ -33,6 +32,7 @@ from cute_fp4.operands import (
     make_operands,
     out_dtype_of,
 )
+from cute_fp4.oplib import LazyOp, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.run import poisoned_check, run_checked, run_compiled
 from cute_fp4.schedule import Mainloop, OutDtype, Schedule
@@ -193,8 +193,8 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
                              "(the cute_fp4::mm op takes the plain layout); use the plain "
                              "NVFP4Tensor there")
         return _op_call(a, b, schedule, out_dtype, alpha)
-    if not _REGISTERED:
-        register_op()
+    if not _OP.registered:
+        _OP.register()
     return _gemm_impl(a, b, schedule, out, out_dtype, alpha, check)
 
 
@@ -232,8 +232,8 @@ def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: 
                                  "'auto'")
         _register_while_tracing()
         return torch.ops.cute_fp4.mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
-    if not _REGISTERED:
-        register_op()
+    if not _OP.registered:
+        _OP.register()
     return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
 
 
@@ -280,20 +280,12 @@ def quantize_op(x: torch.Tensor, global_scale: torch.Tensor | None = None):
 
 
 def _register_while_tracing() -> None:
-    """Register the op from inside a function Dynamo is tracing. Defining a custom op
-    cannot be traced, so it runs through ``torch._dynamo.comptime``: its function runs
-    at trace time and adds nothing to the graph. Without comptime (another torch), the op
-    must have been registered before tracing (any eager ``gemm`` call or
-    ``cute_fp4.ops.register()``)."""
-    try:
-        from torch._dynamo.comptime import comptime
-    except ImportError:
-        return
-    comptime(lambda ctx: register_op(), register_op)
+    """Register the op while Dynamo traces a call (``cute_fp4.oplib.while_tracing``)."""
+    while_tracing(lambda ctx: register_op(), register_op)
 
 
-_REGISTERED = False
-_REGISTER_LOCK = threading.Lock()
+_OP = LazyOp("mm", lambda: _define_op())  # registered on first use
+_op_exists = _OP.exists
 
 
 def register_op():
@@ -308,21 +300,7 @@ def register_op():
     ``torch.ops.cute_fp4.quantize(x, global_scale) -> (data, scale)`` and
     ``torch.ops.cute_fp4.quantize_dynamic(x) -> (data, scale, global_scale)``: the fused
     activation quantization (``cute_fp4.quant``) of a bf16/fp16 ``x`` [M, K]."""
-    global _REGISTERED
-    with _REGISTER_LOCK:
-        if not _REGISTERED:
-            if not _op_exists():  # a reloaded module finds it defined already
-                _define_op()
-            _REGISTERED = True
-    return torch.ops.cute_fp4
-
-
-def _op_exists() -> bool:
-    try:
-        torch.ops.cute_fp4.mm  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return _OP.register()
 
 
 def _define_op() -> None:

@@ -25,7 +25,6 @@ traces a call, or by :func:`register_op`.
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import torch
@@ -36,6 +35,7 @@ from cute_fp4.compile import compile as compile_schedule
 from cute_fp4.errors import DeviceError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.operands import _check_tensor
+from cute_fp4.oplib import LazyOp, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
@@ -413,8 +413,8 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
     """
     if torch.compiler.is_compiling():
         return _op_call(a, b, offsets, schedule, out, out_dtype, alpha)
-    if not _REGISTERED:
-        register_op()
+    if not _OP.registered:
+        _OP.register()
     return _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check)
 
 
@@ -456,8 +456,8 @@ def grouped_mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
         _register_while_tracing()
         return torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k,
                                              out_dtype, schedule, n)
-    if not _REGISTERED:
-        register_op()
+    if not _OP.registered:
+        _OP.register()
     return _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n)
 
 
@@ -498,17 +498,12 @@ def _e4m3(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _register_while_tracing() -> None:
-    """Register the op from inside a function Dynamo is tracing, through
-    ``torch._dynamo.comptime`` (see ``cute_fp4.api._register_while_tracing``)."""
-    try:
-        from torch._dynamo.comptime import comptime
-    except ImportError:
-        return
-    comptime(lambda ctx: register_op(), register_op)
+    """Register the op while Dynamo traces a call (``cute_fp4.oplib.while_tracing``)."""
+    while_tracing(lambda ctx: register_op(), register_op)
 
 
-_REGISTERED = False
-_REGISTER_LOCK = threading.Lock()
+_OP = LazyOp("grouped_mm", lambda: _define_op())  # registered on first use
+_op_exists = _OP.exists
 
 
 def register_op():
@@ -518,21 +513,7 @@ def register_op():
     ``torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
     schedule, n=0)``: arguments as :func:`grouped_mm`; returns ``[total_M, n or
     b.shape[1]]`` of ``out_dtype``."""
-    global _REGISTERED
-    with _REGISTER_LOCK:
-        if not _REGISTERED:
-            if not _op_exists():  # a reloaded module finds it defined already
-                _define_op()
-            _REGISTERED = True
-    return torch.ops.cute_fp4
-
-
-def _op_exists() -> bool:
-    try:
-        torch.ops.cute_fp4.grouped_mm  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    return _OP.register()
 
 
 def _define_op() -> None:

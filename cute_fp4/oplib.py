@@ -1,0 +1,56 @@
+"""Lazily registered torch custom ops of the ``cute_fp4`` namespace (``cute_fp4::mm``,
+``cute_fp4::quantize*`` in ``cute_fp4.api``, ``cute_fp4::grouped_mm`` in
+``cute_fp4.grouped``): nothing is registered at import; the first call (eager, or while
+Dynamo traces one) registers, once per process, thread-safe, and a reloaded module finds
+the op defined already."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+
+class LazyOp:
+    """One op (``name``: the first of those ``define()`` registers) of ``torch.ops.cute_fp4``."""
+
+    def __init__(self, name: str, define: Callable[[], None]):
+        self.name = name
+        self._define = define
+        self.registered = False
+        self._lock = threading.Lock()
+
+    def exists(self) -> bool:
+        """Whether ``torch.ops.cute_fp4.<name>`` is defined (by this process, any module)."""
+        try:
+            getattr(torch.ops.cute_fp4, self.name)
+        except (AttributeError, RuntimeError):
+            return False
+        return True
+
+    def register(self):
+        """Define the op(s) once (idempotent); returns the ``torch.ops.cute_fp4`` namespace."""
+        with self._lock:
+            if not self.registered:
+                if not self.exists():
+                    self._define()
+                self.registered = True
+        return torch.ops.cute_fp4
+
+
+def while_tracing(fn: Callable, fallback: Callable) -> None:
+    """Run ``fn(ctx)`` at trace time from inside a function Dynamo is tracing (defining a
+    custom op cannot be traced), through ``torch._dynamo.comptime``: it adds nothing to the
+    graph. ``fn`` must have no free variables (comptime refuses closures): a lambda calling
+    a module-level ``register_op``. Without comptime (another torch) nothing happens, and
+    the op must have been registered before tracing (any eager call, or
+    ``cute_fp4.ops.register()``)."""
+    try:
+        from torch._dynamo.comptime import comptime
+    except ImportError:
+        return
+    comptime(fn, fallback)
+
+
+__all__ = ["LazyOp", "while_tracing"]
