@@ -28,6 +28,7 @@ from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import (
     ALIGN,
     alpha_tensor,
+    as_e4m3,
     check_operands,
     make_operands,
     out_dtype_of,
@@ -250,16 +251,11 @@ def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Ten
         raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
                              f"{tuple(b.shape)}")
     gs = alpha.reshape(())
-    bt = NVFP4Tensor._unchecked(b, _e4m3(b_scale), gs, (b.shape[0], k))
+    bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (b.shape[0], k))
     at = a
     if a_scale is not None:
-        at = NVFP4Tensor._unchecked(a, _e4m3(a_scale), gs, (a.shape[0], k))
+        at = NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs, (a.shape[0], k))
     return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False)
-
-
-def _e4m3(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as float8_e4m3fn (uint8 bytes are viewed, not copied)."""
-    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
 
 
 def quantize_op(x: torch.Tensor, global_scale: torch.Tensor | None = None):

@@ -34,7 +34,7 @@ from cute_fp4.compile import CompiledGemm, Signature
 from cute_fp4.compile import compile as compile_schedule
 from cute_fp4.errors import DeviceError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
-from cute_fp4.operands import _check_tensor
+from cute_fp4.operands import _a_format, _check_tensor, as_e4m3
 from cute_fp4.oplib import LazyOp, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
@@ -57,7 +57,6 @@ N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output row
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
 _OUT_DTYPES = tuple(_TORCH_OUT.values())
-_A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class GroupedDims(NamedTuple):
@@ -87,22 +86,8 @@ def _b_stack(b) -> tuple[int, int, int, bool]:
 
 
 def _a_operand(a) -> tuple[int, int, str]:
-    """(total_M, K, format) of the activations."""
-    if isinstance(a, NVFP4Tensor):
-        if a.experts is not None:
-            raise InputError(f"a must be 2-D [total_M, K] (tokens sorted by expert), got an "
-                             f"expert stack of shape {a.shape}")
-        return *a.shape, "nvfp4"
-    if not isinstance(a, torch.Tensor):
-        raise InputTypeError(f"a must be an NVFP4Tensor or a torch.Tensor, "
-                             f"got {type(a).__name__}")
-    if a.dim() != 2:
-        raise InputError(f"a must be 2-D [total_M, K], got shape {tuple(a.shape)}")
-    fmt = _A_FORMATS.get(a.dtype)
-    if fmt is None:
-        raise InputError(f"a must be an NVFP4Tensor (W4A4) or bfloat16/float16 (W4A16), "
-                         f"got {a.dtype}")
-    return *a.shape, fmt
+    """(total_M, K, format) of the activations (``operands._a_format``'s rules)."""
+    return _a_format(a, "total_M", " (tokens sorted by expert)")
 
 
 def _torch_out(out_dtype) -> torch.dtype:
@@ -480,21 +465,16 @@ def _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, sched
         b_scale = b_scale.view(n_exp, rp, cp)
     gs = alpha.reshape(-1)
     if s.mainloop is Mainloop.RS_PACKED:
-        bt = PackedNVFP4Weight(b, _e4m3(b_scale), gs, (n_exp, n, k))
+        bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n_exp, n, k))
     else:
         if n != rows:
             raise InputError(f"n = {n} but the plain weight layout has b.shape[1] = {rows} "
                              f"rows per expert (schedule {s.name or s.label()})")
-        bt = NVFP4Tensor._unchecked(b, _e4m3(b_scale), gs, (n_exp, n, k))
+        bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (n_exp, n, k))
     at = a
     if a_scale is not None:
-        at = NVFP4Tensor._unchecked(a, _e4m3(a_scale), gs[:1].reshape(()), (a.shape[0], k))
+        at = NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs[:1].reshape(()), (a.shape[0], k))
     return _grouped_impl(at, bt, offsets, schedule, None, out_dtype, alpha, False)
-
-
-def _e4m3(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as float8_e4m3fn (uint8 bytes are viewed, not copied)."""
-    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
 
 
 def _register_while_tracing() -> None:

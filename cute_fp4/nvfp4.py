@@ -207,6 +207,18 @@ def _global_scales(global_scale, lead) -> torch.Tensor:
 
 
 
+def expert_index(shape: tuple[int, ...], e, what: str, form: str) -> int:
+    """``e`` as an index into the leading expert mode of ``shape`` (negative ones count from
+    the end); typed errors for a 2-D ``what`` or an index out of range."""
+    if len(shape) != 3:
+        raise FormatError(f"expert({e!r}) needs {what} with a leading expert mode {form}; "
+                          f"this one is 2-D {shape}")
+    n, i = shape[0], operator.index(e)
+    if not -n <= i < n:
+        raise InputError(f"expert {i} is out of range for {n} experts")
+    return i
+
+
 class NVFP4Tensor:
     """An NVFP4 tensor ``[R, K]``: packed elements, blocked scales, global scale; or, with a
     leading expert mode, a stack of ``E`` such tensors ``[E, R, K]`` (the experts' weights of
@@ -290,13 +302,7 @@ class NVFP4Tensor:
 
     def expert(self, e: int) -> NVFP4Tensor:
         """Expert ``e`` of an expert stack as a 2-D tensor ``[R, K]`` (views, no copies)."""
-        n = self.experts
-        if n is None:
-            raise FormatError(f"expert({e!r}) needs a tensor with a leading expert mode "
-                              f"[E, R, K]; this one is 2-D {self.shape}")
-        i = operator.index(e)
-        if not -n <= i < n:
-            raise InputError(f"expert {i} is out of range for {n} experts")
+        i = expert_index(self.shape, e, "a tensor", "[E, R, K]")
         return NVFP4Tensor._unchecked(self.data[i], self.scale[i], self.global_scale[i],
                                       self.shape[1:])
 

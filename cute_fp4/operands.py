@@ -42,16 +42,30 @@ def _check_tensor(t: torch.Tensor, name: str, dtypes, shape, device) -> None:
                          f"aligned (offset {t.data_ptr() % ALIGN}); TMA needs {ALIGN} bytes")
 
 
-def _a_format(a) -> tuple[int, int, str]:
-    """(M, K, format) of the A operand; raises on anything but NVFP4 or a 2-D bf16/fp16."""
+A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # 16-bit A (W4A16) formats
+
+
+def as_e4m3(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float8_e4m3fn (uint8 bytes, as the custom ops take them, are viewed, not
+    copied)."""
+    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
+
+
+def _a_format(a, rows: str = "M", note: str = "") -> tuple[int, int, str]:
+    """(rows, K, format) of the A operand; raises on anything but a 2-D NVFP4Tensor or a
+    2-D bf16/fp16 tensor (``rows``, ``note``: how the messages name A's rows: ``M`` for
+    gemm, ``total_M`` and the sort order for grouped_gemm)."""
     if isinstance(a, NVFP4Tensor):
+        if a.experts is not None:
+            raise InputError(f"a must be 2-D [{rows}, K]{note}, got an expert stack of "
+                             f"shape {a.shape}")
         return *a.shape, "nvfp4"
     if not isinstance(a, torch.Tensor):
         raise InputTypeError(f"a must be an NVFP4Tensor or a torch.Tensor, "
                              f"got {type(a).__name__}")
     if a.dim() != 2:
-        raise InputError(f"a must be 2-D [M, K], got shape {tuple(a.shape)}")
-    fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(a.dtype, "")
+        raise InputError(f"a must be 2-D [{rows}, K], got shape {tuple(a.shape)}")
+    fmt = A_FORMATS.get(a.dtype, "")
     if not fmt:
         raise InputError(f"a must be an NVFP4Tensor (W4A4) or bfloat16/float16 (W4A16), "
                          f"got {a.dtype}")

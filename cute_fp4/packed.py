@@ -29,12 +29,10 @@ inverses (a permutation of bytes plus zero padding).
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from cute_fp4.errors import FormatError, InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.errors import FormatError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor, expert_index
 
 UNIT_ROWS = 64  # weight rows per packed unit (one WGMMA M)
 UNIT_K = 64  # K elements per packed unit
@@ -151,13 +149,7 @@ class PackedNVFP4Weight:
 
     def expert(self, e: int) -> PackedNVFP4Weight:
         """Expert ``e`` of a packed expert stack as a 2-D packed weight (views, no copies)."""
-        n = self.experts
-        if n is None:
-            raise FormatError(f"expert({e!r}) needs a weight with a leading expert mode "
-                              f"[E, N, K]; this one is 2-D {self.shape}")
-        i = operator.index(e)
-        if not -n <= i < n:
-            raise InputError(f"expert {i} is out of range for {n} experts")
+        i = expert_index(self.shape, e, "a weight", "[E, N, K]")
         return PackedNVFP4Weight(self.data[i], self.scale[i], self.global_scale[i],
                                  self.shape[1:])
 

@@ -737,3 +737,9 @@ def test_gemm_refuses_an_expert_stack_with_a_pointer_to_grouped_gemm():
         cf.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), w)
     with pytest.raises(cf.errors.InputError, match="grouped_gemm"):
         cf.gemm(torch.zeros(2, 64, dtype=torch.bfloat16), packed.repack(w))
+
+
+def test_gemm_refuses_an_expert_stack_as_a():
+    stack = cf.quantize(torch.randn(2, 4, 64))
+    with pytest.raises(cf.errors.InputError, match=r"2-D \[M, K\], got an expert stack"):
+        cf.gemm(stack, cf.quantize(torch.randn(64, 64)))
