@@ -740,6 +740,9 @@ def test_gemm_refuses_an_expert_stack_with_a_pointer_to_grouped_gemm():
 
 
 def test_gemm_refuses_an_expert_stack_as_a():
+    from cute_fp4.operands import check_all
+
     stack = cf.quantize(torch.randn(2, 4, 64))
     with pytest.raises(cf.errors.InputError, match=r"2-D \[M, K\], got an expert stack"):
-        cf.gemm(stack, cf.quantize(torch.randn(64, 64)))
+        check_all(stack, cf.quantize(torch.randn(64, 64)), None, None, torch.bfloat16,
+                  require_cuda=False)
