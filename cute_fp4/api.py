@@ -87,12 +87,11 @@ def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
             s = catalogue.get("sm90_decode_swapab")
             if s.tile.m != tm:
                 s = s.replace(tile=(tm, s.tile.n, s.tile.k))
-            # one CTA per 64 weight rows: when that leaves over half the SMs idle and K is
-            # long, split K in two (measured on H200: N=4096, K=14336, M=1: 37.6 -> 31.7 us
-            # with the host reduction; N=6144, K=4096 got slower, 17.1 -> 24.4 us)
-            if -(-n // s.tile.n) * 2 <= s.arch.sm_count and k >= 8192:
-                s = s.replace(split_k=2)
-            return s
+            # one CTA per 64 weight rows; split-K (reduced in the kernel) where that leaves
+            # SMs idle: measured on H200 (perf/results/2026-12-01-h200-decode.md), M = 1:
+            # N x K = 1024 x 4096 17.0 -> 10.2 us (split 4), 4096 x 4096 16.3 -> 13.5 (2)
+            split = decode_split(-(-n // s.tile.n), -(-k // s.tile.k), s.arch.sm_count)[1]
+            return s.replace(split_k=split) if split > 1 else s
         # measured on H200, N = K = 8192 (perf/results/2026-11-30-h200.md): at M = 256
         # 128x128x64 takes 96 us vs 138 us for 128x256x64 (twice the tiles); from M = 1024
         # the 128x256x64 default is fastest
@@ -103,17 +102,60 @@ def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
     return catalogue.get(name)
 
 
+DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 16)
+DECODE_MIN_K_TILES = 4  # K tiles per split at least
+# what a work unit costs besides its K tiles, in K tiles: its partials (a 16-column tile
+# even at M = 1), arrival and epilogue. Fitted to H200 runs of one 256 x 128 tile at
+# N x K = 28672 x 4096, M = 1, split 1/2/4/8: 40.4/44.1/50.2/61.5 us -> 2.8-3.8
+DECODE_UNIT_COST = 3
+
+
+def decode_split(tiles: int, k_tiles: int, sms: int) -> tuple[int, int, int]:
+    """(cost, split, waves) of the best split-K for a weight-streaming decode GEMM of
+    ``tiles`` output tiles x ``k_tiles`` K tiles on ``sms`` SMs: cost = what the busiest
+    CTA does (waves x (K tiles per split + ``DECODE_UNIT_COST``)), fewest waves on a tie.
+    Each split keeps ``DECODE_MIN_K_TILES``; the split-K reduction is the kernel's own."""
+    best = None
+    for sk in DECODE_SPLITS:
+        if sk > 1 and k_tiles // sk < DECODE_MIN_K_TILES:
+            break
+        waves = -(-tiles * sk // sms)
+        cand = (waves * (-(-k_tiles // sk) + DECODE_UNIT_COST), waves, sk)
+        if best is None or cand[:2] < best[:2]:
+            best = cand
+    return best[0], best[2], best[1]
+
+
+def _packed_decode(n: int, k: int) -> Schedule:
+    """W4A16 at M <= 16 on the packed weight: 256 weight rows over four warpgroups or 128
+    over two, and the split, by :func:`decode_split` with a tile's cost weighted by its
+    rows (equal cost: fewer waves, then the taller tile, which has the more warps).
+    Measured on H200 at M = 1 (perf/results/2026-12-01-h200-decode.md): 28672 x 4096 d4
+    40.4 us vs d2 45.2 (2 waves); 1024 x 4096 d2 split 8 10.5 us vs d4 split 8 12.6."""
+    from cute_fp4 import catalogue
+
+    best = None
+    for s in (catalogue.get("sm90_rs_packed_decode"), catalogue.get("sm90_rs_packed_decode_128")):
+        cost, split, waves = decode_split(-(-n // s.tile.n), -(-k // s.tile.k),
+                                          s.arch.sm_count)
+        cand = (cost * s.tile.n, waves, -s.tile.n, split, s)
+        if best is None or cand[:3] < best[:3]:
+            best = cand
+    split, s = best[3], best[4]
+    return s.replace(split_k=split) if split > 1 else s
+
+
 def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16") -> Schedule:
     """rs_packed tiles by M: 256 activation rows x 128 weight rows at large M; at M <= 16
-    with 16-bit activations the 16 x 256 four-warpgroup decode tile (W4A4 needs 64-row
-    activation tiles); at small M a grid of ~one CTA per SM made up by split-K while each
-    split keeps >= 16 K tiles."""
+    with 16-bit activations :func:`_packed_decode` (W4A4 needs 64-row activation tiles);
+    at small M a grid of ~one CTA per SM made up by split-K while each split keeps >= 16
+    K tiles."""
     from cute_fp4 import catalogue
 
     if m > 128:
         s = catalogue.get("sm90_rs_packed")
     elif m <= 16 and a_format != "nvfp4":
-        s = catalogue.get("sm90_rs_packed_decode")
+        return _packed_decode(n, k)
     else:
         s = catalogue.get("sm90_rs_packed_m64")
         if m > 64:

@@ -268,6 +268,20 @@ class CompiledGemm:
             self._recompile(e)
             self.launch(a_data, a_scale, b_data, b_scale, out, alpha, workspace)
 
+    @property
+    def split_slots(self) -> int:
+        """Split-K arrival counters per output tile of this kernel (kernels/launch.py)."""
+        return self._kernel.split_slots
+
+    @property
+    def split_values(self) -> int:
+        """Split-K partial values per counter slot (accumulator values per thread)."""
+        return self._kernel.split_values
+
+    def stream_handle(self, dev: int) -> int:
+        """The raw handle of torch's current stream on device ``dev`` (what launches use)."""
+        return self._stream_of(dev)
+
     def _sm_count(self, dev: int) -> int:
         from cute_fp4.kernels.launch import sm_count
 

@@ -1,10 +1,11 @@
 """Host side: run a compiled kernel on torch tensors.
 
 :func:`run_compiled` checks the operands (``cute_fp4.operands``), checks the plan for the
-shape, allocates the output (and the split-K workspace), launches, and reduces split-K
-partials; :func:`poisoned_check` runs into a NaN-filled output and compares with the exact
-reference. ``CompiledGemm.__call__`` is :func:`run_compiled`; the API layer (``gemm``,
-``validate``, ``bench``, ``tune``) builds on these and nothing here imports it.
+shape, allocates the output, finds the split-K workspace (:func:`split_workspace`) and
+launches (split-K partials are reduced by the kernel itself); :func:`poisoned_check`
+runs into a NaN-filled output and compares with the exact reference.
+``CompiledGemm.__call__`` is :func:`run_compiled`; the API layer (``gemm``, ``validate``,
+``bench``, ``tune``) builds on these and nothing here imports it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,42 @@ from cute_fp4.operands import alpha_tensor, check_operands, out_dtype_of
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import Mainloop, Problem, Schedule
 
+_WORKSPACES: dict[tuple[int, int], list[tuple[torch.Tensor, int, int]]] = {}
+
+
+def split_workspace(kernel, m: int, n: int, device: torch.device) -> torch.Tensor:
+    """The split-K workspace of ``kernel`` for an ``m x n`` output on ``device``
+    (``epilogue.store_split_k``'s layout): word 0 = where the partials start, then int32
+    arrival counters that every launch leaves at zero, then FP32 partials. One buffer per
+    (device, stream), so that launches on one stream share it in stream order and
+    launches on two streams never do; it is replaced by a larger one (counters and
+    partials at least doubled) when a launch needs more, and outgrown buffers are kept,
+    not freed: a captured CUDA graph may still point to one. No device access unless a
+    buffer is made (so no sync, and CUDA-graph capture is fine)."""
+    from cute_fp4.kernels.epilogue import SPLIT_HEADER
+    from cute_fp4.kernels.launch import split_workspace_needs
+
+    s = kernel.schedule
+    counters, partials = split_workspace_needs(s.split_k, m, n, (s.tile.m, s.tile.n),
+                                               kernel.split_slots, kernel.split_values)
+    key = (device.index, kernel.stream_handle(device.index))
+    bufs = _WORKSPACES.setdefault(key, [])
+    if bufs:
+        ws, n_counters, n_partials = bufs[-1]
+        if n_counters >= counters and n_partials >= partials:
+            return ws
+        counters = max(counters, 2 * n_counters)
+        partials = max(partials, 2 * n_partials)
+    counters = -(-counters // 4) * 4  # partials 16-byte aligned
+    first = SPLIT_HEADER + counters
+    ws = torch.zeros(first + partials, dtype=torch.int32, device=device)
+    ws[:1].fill_(first)  # a device fill, not a host copy: allowed while a graph is captured
+    bufs.append((ws, counters, partials))
+    return ws
+
 
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
-    """Validate, allocate, launch ``kernel`` (a CompiledGemm), reduce split-K partials.
+    """Validate, allocate, launch ``kernel`` (a CompiledGemm).
 
     A ``mainloop=rs_packed`` kernel reads a fragment-order PackedNVFP4Weight: a plain
     NVFP4Tensor ``b`` is packed here on every call (so validation harnesses run those
@@ -56,16 +90,8 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
     dev = b.data.device
     result = out if out is not None else torch.empty((m, n), dtype=kernel.out_dtype, device=dev)
     a_data, a_scale = (a, None) if a_format != "nvfp4" else (a.data, a.scale)
-    split_k = kernel.schedule.split_k
-    if split_k > 1:
-        ws = torch.empty((split_k, m, n), dtype=torch.float32, device=dev)
-        kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
-        # sum over the split in a fixed order (deterministic), then alpha, rounded once
-        # into result's dtype: bit-identical to result.copy_(ws.sum(0).mul_(alpha_t)) with
-        # two elementwise kernels instead of three
-        torch.mul(ws.sum(dim=0), alpha_t, out=result)
-    else:
-        kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, None)
+    ws = split_workspace(kernel, m, n, dev) if kernel.schedule.split_k > 1 else None
+    kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
     return result
 
 

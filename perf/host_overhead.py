@@ -93,8 +93,14 @@ def breakdown(a, b, out, calls: int, repeats: int, sync) -> dict:
     stream = kern._stream_of(dev)
     ctas = kern.max_ctas or kern._sm_count(dev)  # the stub sets max_ctas (no device)
 
+    ws = None
+    if kern.schedule.split_k > 1:  # the split-K workspace, as run_checked finds it
+        from cute_fp4.run import split_workspace
+
+        ws = split_workspace(kern, dims[0], dims[1], b.data.device)
+
     def raw():
-        return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, None, ctas,
+        return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, ws, ctas,
                                      stream)
     if kern._ffi is not None:
         args, entry = raw, kern._ffi
@@ -148,7 +154,7 @@ def gpu_main(args) -> dict:
     sync = torch.cuda.synchronize
     res = {"mode": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tvm_ffi": host.tvm_ffi_enabled(), "calls": args.calls, "rows": []}
-    for m in MS:
+    for (N, K), m in ((nk, m) for nk in args.nk for m in MS):  # noqa: N806
         a16, b = operands.make_operands(m, N, K, "bf16", seed=m, dist="normal")
         a4 = cf.quantize(a16.float())
         w = b.dequantize(torch.bfloat16)
@@ -247,6 +253,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stub", action="store_true", help="CPU: the Python share, launch stubbed")
     p.add_argument("--out", type=Path, help="folder for host_overhead.json")
+    p.add_argument("--nk", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
+                   default=[(N, K)], help="weight shapes N,K (GPU mode; default 8192,8192; "
+                   "4096,4096 and 1024,4096 run split-K decode kernels)")
     p.add_argument("--calls", type=int, default=200, help="calls per timed loop (200)")
     p.add_argument("--repeats", type=int, default=7, help="timed loops; the median is kept")
     args = p.parse_args()

@@ -173,3 +173,24 @@ def test_sm90_heuristic_picks_swap_ab_for_small_m():
     assert heuristic("sm90", 1, 6144, 4096).split_k == 1
     assert not heuristic("sm90", 64, 8192, 8192).swap_ab
     assert not heuristic("sm90", 4096, 8192, 8192).swap_ab
+    # split-K fills the SMs where the weight has few tiles (measured on H200, M = 1)
+    assert heuristic("sm90", 1, 1024, 4096).split_k == 4
+    assert heuristic("sm90", 1, 4096, 4096).split_k == 2
+
+
+def test_decode_split_cost_model():
+    from cute_fp4.api import DECODE_MIN_K_TILES, decode_split, heuristic
+
+    # one wave of 128 units of 16 K tiles beats 32 units of 64 K tiles, and a second wave
+    # of units beats nothing: the busiest CTA's K tiles plus a unit's overhead decide
+    assert decode_split(32, 64, 132)[1] == 4
+    assert decode_split(112, 32, 132)[1] == 1  # 7 waves of 4 K tiles cost more than 1 of 32
+    for tiles, k_tiles in ((1, 4), (8, 32), (500, 7)):
+        _, split, _ = decode_split(tiles, k_tiles, 132)
+        assert split == 1 or k_tiles // split >= DECODE_MIN_K_TILES
+    picks = {(n, k): heuristic("sm90", 1, n, k, packed=True)
+             for n, k in ((8192, 8192), (28672, 4096), (1024, 4096))}
+    assert picks[8192, 8192].tile.n == 128 and picks[8192, 8192].split_k == 2
+    assert picks[28672, 4096].tile.n == 256 and picks[28672, 4096].split_k == 1
+    assert picks[1024, 4096].split_k == 8
+    assert all(plan(s, (1, n, k, "bf16")).ok for (n, k), s in picks.items())

@@ -17,6 +17,15 @@ attach), and convert to the stored element type.
 * :func:`store_direct`: every thread writes its accumulator values to global memory,
   masked against the problem's rows and columns; used for 32-bit results on SM90 and for
   the swap-AB kernel, whose ``gD`` is a transposed view (D^T).
+* :func:`store_split_k`: split-K, reduced in the kernel. Every split of a tile runs the
+  same MMA partition, so thread ``t``'s accumulator holds the same output elements in
+  every split: each thread stores its FP32 partial (in register order, contiguous
+  vectors, no masks), then increments its own arrival
+  counter (one per tile and thread slot) with a GPU-scope acquire-release atomic; the
+  thread that arrives last adds the partials of all splits in split order (deterministic,
+  whichever split finishes last), resets its counter to zero and stores the result. No
+  barrier, no shared memory, no spinning (a split never waits for another), and no second
+  kernel.
 """
 
 from __future__ import annotations
@@ -127,5 +136,66 @@ def store_direct(thr_mma, acc, scale, gD_tile, tile_shape: cutlass.Constexpr, ro
             tCgD[i] = vals[i]
 
 
+def split_vector(values: int) -> int:
+    """Elements per vector access of a split-K partial of ``values`` per thread slot."""
+    return 4 if values % 4 == 0 else 2 if values % 2 == 0 else 1
+
+
+SPLIT_HEADER = 4  # 32-bit words before a split-K workspace's counters (word 0: see below)
+
+
+def _partial(mWork, first, tiles, tile, slot, slots: int, split, nv: int, vec: int):
+    """The ``(vec, nv / vec)`` view of one thread slot's partial (see store_split_k)."""
+    row = slots * vec
+    base = first + ((split * tiles + tile) * (nv // vec)) * row + slot * vec
+    ptr = mWork.iterator + cute.assume(base, divby=vec)
+    return cute.make_tensor(ptr, cute.make_layout((vec, nv // vec), stride=(1, row)))
+
+
+@cute.jit
+def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
+                  slots: cutlass.Constexpr, split, split_k: cutlass.Constexpr, gD_tile,
+                  tile_shape: cutlass.Constexpr, rows, cols, d_dtype: cutlass.Constexpr,
+                  op: cutlass.Constexpr = None):
+    """Split ``split`` of output tile ``tile`` (of ``tiles``): store this thread's partial
+    into the workspace, arrive on the counter of this tile and thread ``slot`` (of
+    ``slots`` per tile); the last of the ``split_k`` arrivals sums the partials in split
+    order and stores ``sum * scale`` (``op``-ed, converted) into ``gD_tile``, masked to
+    ``rows x cols``. ``acc`` is overwritten (with the sum, in the last split).
+
+    Workspace (``mWork`` flat FP32, ``mCount`` the same memory as int32): word 0 holds
+    ``first``, where the partials start (a multiple of 4, set by the host when it
+    allocates the buffer); the counters are words ``SPLIT_HEADER ..``, zero between
+    launches, ``tile * slots + slot``; the partials lie past every counter any launch on
+    this buffer uses, so no launch's partials ever sit where another's counters are. They
+    are kept in the accumulator's own register order, not the output's: value ``i`` of
+    slot ``q`` of (split, tile) at ``first + ((split * tiles + tile) * V / v + i / v) *
+    slots * v + q * v + i % v`` (``V`` values per slot, ``v`` = :func:`split_vector`), so
+    a warp's stores and loads are contiguous 16-byte vectors and need no masks."""
+    nv = cute.size(acc)
+    vec = split_vector(nv)
+    flat = cute.make_rmem_tensor((vec, nv // vec), cutlass.Float32)
+    for i in cutlass.range_constexpr(nv):
+        flat[i % vec, i // vec] = acc[i]
+    first = mCount[0]
+    counter = cute.make_tensor(mCount.iterator + (SPLIT_HEADER + tile * slots + slot),
+                               cute.make_layout(1))
+    cute.autovec_copy(flat, _partial(mWork, first, tiles, tile, slot, slots, split, nv, vec))
+    # release: this thread's partial is visible before its arrival; acquire: the partials
+    # of the splits that arrived before are visible to the last one
+    arrived = cute.arch.atomic_add(counter.iterator, cutlass.Int32(1), sem="acq_rel",
+                                   scope="gpu")
+    if arrived == split_k - 1:
+        for i in cutlass.range_constexpr(nv):
+            acc[i] = 0.0
+        for s in cutlass.range(split_k, unroll=1):  # a loop: one split's loads live at once
+            cute.autovec_copy(_partial(mWork, first, tiles, tile, slot, slots, s, nv, vec),
+                              flat)
+            for i in cutlass.range_constexpr(nv):
+                acc[i] = acc[i] + flat[i % vec, i // vec]
+        counter[0] = cutlass.Int32(0)
+        store_direct(thr_mma, acc, scale, gD_tile, tile_shape, rows, cols, d_dtype, op)
+
+
 __all__ = ["SmemEpilogue", "smem_epilogue", "store_direct", "store_smem_tma",
-           "subtile_sources"]
+           "SPLIT_HEADER", "split_vector", "store_split_k", "subtile_sources"]

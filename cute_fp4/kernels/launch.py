@@ -13,8 +13,10 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
 * ``pSFA``/``pSFB``: UE4M3 scales of A/B in the 128x4 blocked layout, flat bytes (W4A16:
   ``pSFA`` repeats ``pSFB`` and is never read);
 * ``pB``: B, uint8 ``[N, K/2]``; ``pC``: the output ``[M, N]`` row-major;
-* ``pAlpha``: one float32 on the device; ``pWork``: the FP32 split-K workspace
-  ``[split_k, M, N]`` (without split-K, ``pAlpha`` again, never read);
+* ``pAlpha``: one float32 on the device; ``pWork``: the split-K workspace (without
+  split-K, ``pAlpha`` again, never read): a header word, int32 arrival counters, zero
+  between launches, then FP32 partials (:func:`split_workspace_needs`; the kernel reduces
+  the partials itself and stores D, see ``epilogue.store_split_k``);
 * ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count).
 
 The caller (``cute_fp4.api.check_operands``) has checked dtypes, shapes, contiguity and
@@ -52,14 +54,27 @@ class GemmTensors(NamedTuple):
     mSFA: cute.Tensor  # flat uint8 blocked scales of A (W4A16: those of B)
     mB: cute.Tensor  # uint8 [N, K/2]
     mSFB: cute.Tensor  # flat uint8 blocked scales of B
-    mD: cute.Tensor  # (M, N, L): the output (L = 1) or the split-K workspace (L = split_k)
+    mD: cute.Tensor  # (M, N, 1): the output
     mAlpha: cute.Tensor  # (1,) float32
+    mWork: cute.Tensor  # split-K: the workspace as flat FP32 (without split-K: unused)
+    mCount: cute.Tensor  # split-K: the workspace as flat int32, counters first (unused)
 
 
 def out_dtype(schedule: Schedule) -> type:
     """Element type of the kernel's output tensor."""
     return {OutDtype.BF16: cutlass.BFloat16, OutDtype.FP16: cutlass.Float16,
             OutDtype.FP32: cutlass.Float32}[schedule.epilogue.out_dtype]
+
+
+def split_workspace_needs(split_k: int, m: int, n: int, tile_mn: tuple[int, int],
+                          slots: int, values: int) -> tuple[int, int]:
+    """(int32 counters, FP32 partial values) a split-K launch uses: one counter per (output
+    tile, thread slot), ``values`` partials per slot, tile and split. ``slots`` and
+    ``values`` are the kernel's ``split_slots`` (consumer threads times accumulators per
+    thread) and ``split_values`` (accumulator values per thread). The workspace layout is
+    ``epilogue.store_split_k``'s."""
+    tiles = -(-m // tile_mn[0]) * -(-n // tile_mn[1])
+    return tiles * slots, tiles * slots * split_k * values
 
 
 def _ptr(dtype, address, align):
@@ -148,15 +163,16 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
     else:
         mA = _rows(pA, m, half_k, ld_b)
     ld_c = cute.assume(cutlass.Int64(n), divby=8)
-    if split_k > 1:  # workspace [split, M, N] seen as (M, N, split)
-        mD = cute.make_tensor(pWork, cute.make_layout(
-            (m, n, split_k), stride=(ld_c, 1, cute.assume(ld_c * m, divby=8))))
-    else:
-        mD = cute.make_tensor(pC, cute.make_layout(
-            (m, n, 1), stride=(ld_c, 1, cute.assume(ld_c * m, divby=8))))
+    plane = cute.assume(ld_c * m, divby=8)
+    mD = cute.make_tensor(pC, cute.make_layout((m, n, 1), stride=(ld_c, 1, plane)))
+    mAlpha = cute.make_tensor(pAlpha, cute.make_layout((1,), stride=(1,)))
+    mWork = mCount = mAlpha
+    if split_k > 1:
+        mWork = cute.make_tensor(pWork, cute.make_layout((1 << 30,)))
+        mCount = cute.make_tensor(cute.recast_ptr(pWork, dtype=cutlass.Int32),
+                                  cute.make_layout((1 << 30,)))
     return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
-                       _sf_bytes(pSFB, n, half_k), mD,
-                       cute.make_tensor(pAlpha, cute.make_layout((1,), stride=(1,))))
+                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount)
 
 
 class GemmLaunch:
@@ -293,4 +309,4 @@ class GroupedLaunch(GemmLaunch):
 
 __all__ = ["GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors", "NoopLaunch",
            "PointerTypes", "fake_args", "global_tensors", "grouped_tensors", "out_dtype",
-           "pointer_slots", "raw_args", "runtime_args", "sm_count"]
+           "pointer_slots", "raw_args", "runtime_args", "sm_count", "split_workspace_needs"]

@@ -33,8 +33,9 @@ Constraints
   cp.async (the producer warp's 32 lanes copy 16-byte chunks of the same bytes into the
   same layout and arrive, no-inc, on the stage's full barrier, whose count is then 1 + 32).
 * Accumulation FP32; output BF16, FP16 or FP32 with alpha (1-element float32 device
-  tensor) applied. ``split_k > 1`` writes FP32 partials without alpha to a workspace
-  [split_k, M, N]; the host reduces ``workspace.sum(0) * alpha``.
+  tensor) applied. ``split_k > 1``: each split stores its FP32 partial from registers into
+  the workspace [split_k, M, N], and the last split of a tile to arrive adds them in
+  split order and stores the output (``epilogue.store_split_k``; no host reduction).
 * Shared memory: exactly ``plan(schedule, problem).smem_bytes`` (regions barriers | A | B |
   SFA | SFB | C, each 1024-byte aligned); at most 101,376 B. Cluster 1x1x1 (SM120 has no
   multicast).
@@ -77,7 +78,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
-from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma
+from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma, store_split_k
 from cute_fp4.kernels.launch import (
     GemmLaunch,
     GemmTensors,
@@ -153,6 +154,9 @@ class Sm120Gemm(GemmLaunch):
         self.sched = schedule.scheduler
         self.along_m = schedule.scheduler.raster is Raster.ALONG_M
         self.c_dtype = cutlass.Float32 if self.split_k > 1 else out_dtype(schedule)
+        self.out_dtype = out_dtype(schedule)
+        self.split_slots = self.group_threads  # split-K counters per tile (one per thread)
+        self.split_values = t.m * t.n // self.group_threads  # accumulator values per thread
         self.w4a16 = False
         self.ptr_types = PointerTypes(cutlass.Uint8, out_dtype(schedule))
         self.sm_count = schedule.arch.sm_count
@@ -248,21 +252,26 @@ class Sm120Gemm(GemmLaunch):
         mSFB = loads.sf_global_view(t.mSFB, n, half_k)
         tma_sfa, tma_mSFA = loads.sf_tma_atom(mSFA, self.sSFA_bytes)
         tma_sfb, tma_mSFB = loads.sf_tma_atom(mSFB, self.sSFB_bytes)
+        if cutlass.const_expr(self.grouped or self.split_k > 1):
+            tma_c, tma_mC = tma_a, t.mD  # no TMA store: masked from registers
         if cutlass.const_expr(self.grouped):
             tma_sfa, tma_mSFA = tma_sfb, tma_mSFB  # SFA goes row by row (cp.async)
-            tma_c, tma_mC = tma_a, t.mD  # no TMA store: masked from registers
             offsets = t.mOffsets
             units = GroupedScheduler.create(offsets.shape[0] - 1, m, n, k, self.tile_mnk)
         else:
-            tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), t.mD,
-                cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
+            if cutlass.const_expr(self.split_k == 1):
+                tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), t.mD,
+                    cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
             offsets = t.mAlpha
             units = TileScheduler.create(m, n, k, self.tile_mnk, self.split_k,
                                          self.sched.group_size, self.along_m)
+        split_out = (t.mAlpha, t.mAlpha)  # grouped: unused
+        if cutlass.const_expr(not self.grouped):
+            split_out = (t.mWork, t.mCount)
         self.kernel(
             tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB, tma_c, tma_mC,
-            t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32, offsets, m,
+            t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32, offsets, m, *split_out,
         ).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                  block=[self.threads, 1, 1], cluster=[1, 1, 1],
                  smem=self.smem_bytes, stream=stream,
@@ -289,7 +298,8 @@ class Sm120Gemm(GemmLaunch):
                tma_sfb: cute.CopyAtom, mSFB: cute.Tensor, tma_c: cute.CopyAtom,
                mC: cute.Tensor, sfa_bytes: cute.Tensor, sfb_bytes: cute.Tensor,
                alpha: cute.Tensor, units, k_blocks: cutlass.Int32,
-               offsets: cute.Tensor, m_rows: cutlass.Int32):
+               offsets: cute.Tensor, m_rows: cutlass.Int32, mWork: cute.Tensor,
+               mCount: cute.Tensor):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp:
@@ -309,7 +319,7 @@ class Sm120Gemm(GemmLaunch):
         else:
             roles.consumer_registers(self.warps)
             self.mma_and_store(storage, mainloop, units, bars + 2 * self.stages, tma_c, mC,
-                               alpha, warp_idx)
+                               alpha, warp_idx, mWork, mCount)
 
     def _make_mainloop_pipeline(self, bars):
         # cp.async scale loads add one no-increment arrival per producer lane.
@@ -387,7 +397,8 @@ class Sm120Gemm(GemmLaunch):
     # ------------------------------------------------------------------ MMA warps
 
     @cute.jit
-    def mma_and_store(self, storage, mainloop, units, turn_bars, tma_c, mC, alpha, warp_idx):
+    def mma_and_store(self, storage, mainloop, units, turn_bars, tma_c, mC, alpha, warp_idx,
+                      mWork, mCount):
         """MMA warps: per work unit, the K mainloop into registers, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         mma_warp = warp_idx - self.warps.first_mma_warp
@@ -402,7 +413,7 @@ class Sm120Gemm(GemmLaunch):
         bar = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_GROUP) + group,
                                     num_threads=self.group_threads)
         scale = cutlass.Float32(1.0)
-        if cutlass.const_expr(self.split_k == 1 and not self.grouped):
+        if cutlass.const_expr(not self.grouped):
             scale = alpha[0]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         unit, nctas = units.first_unit()
@@ -420,6 +431,9 @@ class Sm120Gemm(GemmLaunch):
                 roles.turn_wait(self.pingpong, turn_bars, group, turn, 2)
                 if cutlass.const_expr(self.grouped):
                     self._store_grouped(frags.acc, alpha, mC, w, gtid)
+                elif cutlass.const_expr(self.split_k > 1):
+                    self._store_split(frags.acc, scale, mC, mWork, mCount, units, w, unit,
+                                      gtid)
                 else:
                     store_smem_tma(epi, tma_c, gC[(None, None, w.m, w.n, w.split)], sC,
                                    scale, self.epi_tile, self.epi_stages, bar,
@@ -430,6 +444,18 @@ class Sm120Gemm(GemmLaunch):
                 state = roles.skip_stages(state, w.k_count)
             step += 1
             unit += nctas
+
+    @cute.jit
+    def _store_split(self, acc, scale, mD, mWork, mCount, units, w, unit, gtid):
+        """A split-K partial from registers; the tile's last split stores the sum."""
+        tm, tn, _ = self.tile_mnk
+        assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
+        gD = cute.local_tile(mD, (tm, tn), (None, None, None))
+        store_split_k(self.tiled_mma.get_slice(gtid), acc, scale, mWork, mCount,
+                      units.total // self.split_k, unit // self.split_k, gtid,
+                      self.split_slots, w.split, self.split_k, gD[(None, None, w.m, w.n, 0)],
+                      (tm, tn), mD.shape[0] - w.m * tm, mD.shape[1] - w.n * tn,
+                      self.out_dtype)
 
     @cute.jit
     def _store_grouped(self, acc, alpha, mD, w, gtid):

@@ -25,8 +25,8 @@ pipeline; setmaxnreg moves its registers to the consumer warpgroups after it), l
 memory and stored with TMA, 32-bit results (FP32 output, split-K partials) and the
 swap-AB's D^T stored from registers with bounds checks) and the launch signature
 (kernels/launch.py). The epilogue scales by alpha and the conversion's power-of-two offset.
-With ``split_k > 1`` each unit writes its FP32 partial (without alpha) to
-``workspace[split]``; the host reduces.
+With ``split_k > 1`` each unit writes its FP32 partial to the workspace and the last split
+of a tile to arrive sums them in split order and stores D (``epilogue.store_split_k``).
 
 Constraints:
 * A, B K-major (TN); K a multiple of 32 (packed rows of 16-byte multiples); N a multiple of 8.
@@ -61,7 +61,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_fp4.kernels import loads, roles, sf_layout
-from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma
+from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma, store_split_k
 from cute_fp4.kernels.launch import (
     GemmLaunch,
     GemmTensors,
@@ -103,6 +103,8 @@ class Sm90Params(NamedTuple):
     m: cutlass.Int32
     n: cutlass.Int32
     mOffsets: cute.Tensor  # grouped: int32 [groups + 1] row offsets (dense: mAlpha, unused)
+    mWork: cute.Tensor  # split-K: the workspace (launch.global_tensors), flat FP32
+    mCount: cute.Tensor  # split-K: the same workspace as int32 (its counters first)
 
 
 class SmemTensors(NamedTuple):
@@ -146,6 +148,12 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         self.num_wg = self.wn if self.swap_ab else self.wm * self.wn
         self.rs_m_blocks = t.n // self.wm // 64  # rs_packed: 64-row M blocks per warpgroup
         self.num_mma_threads = self.num_wg * WARPGROUP
+        # split-K arrival counters per output tile: one per consumer thread and accumulator
+        # (swap-AB: warpgroup 0 stores the CTA's sum) and accumulator values per thread
+        self.split_slots = (WARPGROUP if self.swap_ab else self.num_mma_threads
+                            * (self.rs_m_blocks if self.rs_packed else 1))
+        self.split_values = (t.m // 2 if self.rs_packed else t.m * t.n // WARPGROUP
+                             if self.swap_ab else t.m * t.n // self.num_mma_threads)
         self.warps = roles.warp_layout(self.num_wg * 4, True, pl)
         self.threads = self.warps.threads
         sch = schedule.scheduler
@@ -280,7 +288,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             units = GroupedScheduler.create(t.mOffsets.shape[0] - 1, m, n, k, (tm, tn, tk))
         elif cutlass.const_expr(self.transposed):
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
-                (n, m, t.mD.shape[2]), stride=(1, t.mD.stride[0], t.mD.stride[2])))
+                (n, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
             if cutlass.const_expr(self.rs_packed):
                 units = TileScheduler.create(n, m, k, (tn, tm, tk), self.split_k,
                                              self.group_size, self.raster_m)
@@ -293,8 +301,9 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 tma_c, gD = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), t.mD,
                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
+        work = (t.mAlpha, t.mAlpha) if self.grouped else (t.mWork, t.mCount)
         params = Sm90Params(tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB, tma_c, gD,
-                            t.mAlpha, units, m, n, offsets)
+                            t.mAlpha, units, m, n, offsets, *work)
         self.kernel(params).launch(grid=[units.grid(self.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
                                    stream=stream)
@@ -413,11 +422,29 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                            sC, None)
 
     def _scale(self, p: Sm90Params):
-        """What the epilogue multiplies the accumulator by (alpha unless split-K)."""
+        """What the epilogue multiplies the accumulator (split-K: the sum of the partials)
+        by: the conversion offset times alpha (grouped: alpha[group], per unit)."""
         scale = cutlass.Float32(self.acc_scale)
-        if cutlass.const_expr(self.split_k == 1 and not self.grouped):
-            scale = scale * p.mAlpha[0]  # grouped: alpha[group], per unit
+        if cutlass.const_expr(not self.grouped):
+            scale = scale * p.mAlpha[0]
         return scale
+
+    @cute.jit
+    def _store(self, thr_mma, acc, scale, p: Sm90Params, tile_shape: cutlass.Constexpr, ti, tj,
+               w, unit, slot, rows, cols):
+        """Output tile ``(ti, tj)`` of ``p.gD`` cut into ``tile_shape`` tiles, from this
+        thread's accumulator, masked to ``rows x cols``; split-K: this thread's partial and
+        counter ``slot`` of the unit's tile, the last split storing the sum."""
+        gD_t = cute.local_tile(p.gD, tile_shape, (None, None, None))
+        if cutlass.const_expr(self.split_k > 1):
+            assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
+            store_split_k(thr_mma, acc, scale, p.mWork, p.mCount, p.units.total // self.split_k,
+                          unit // self.split_k, slot, self.split_slots, w.split, self.split_k,
+                          gD_t[(None, None, ti, tj, 0)], tile_shape, rows, cols,
+                          self.out_dtype)
+        else:
+            store_direct(thr_mma, acc, scale, gD_t[(None, None, ti, tj, 0)], tile_shape,
+                         rows, cols, self.epi_dtype)
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
@@ -538,12 +565,12 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 warpgroup.commit_group()
                 read.advance()
             release = self._finish_unit(mainloop, release, w.k_count)
-            gD_tile = gD_t[(None, None, w.m, w.n, w.split)]
             if cutlass.const_expr(self.direct_store):
-                store_direct(tiled_mma.get_slice(ctid), acc, scale, gD_tile, (tm, tn),
-                             rows_a, rows_b, self.epi_dtype)
+                self._store(tiled_mma.get_slice(ctid), acc, scale, p, (tm, tn), w.m, w.n, w,
+                            unit, ctid, rows_a, rows_b)
             else:
-                store_smem_tma(epi, p.tma_c, gD_tile, s.sC, scale, self.epi_tile,
+                store_smem_tma(epi, p.tma_c, gD_t[(None, None, w.m, w.n, 0)], s.sC,
+                               scale, self.epi_tile,
                                self.epi_stages, sync, mma_warp == 0, self.epi_dtype)
             unit += nctas
 

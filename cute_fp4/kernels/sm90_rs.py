@@ -44,7 +44,6 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from cute_fp4.kernels.epilogue import store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.sm90_convert import convert_pairs, permute_bytes, scale_word
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, sf_atom_offset
@@ -144,8 +143,8 @@ class RegisterSourcedMainloop:
         warpgroup.wait_group(0)
         self._reduce_warpgroups(acc, s.red_ptr, wg, t)
         if wg == 0:
-            store_direct(thr_mma, acc, self._scale(p), gD_t[(None, None, nt, mt, w.split)],
-                         (tn, tm), p.n - nt * tn, p.m - mt * tm, self.epi_dtype)
+            self._store(thr_mma, acc, self._scale(p), p, (tn, tm), nt, mt, w, unit, t,
+                        p.n - nt * tn, p.m - mt * tm)
 
     @cute.jit
     def _reduce_warpgroups(self, acc, red_ptr, wg, t):

@@ -228,8 +228,12 @@ class PackedRegisterMainloop:
             release = self._finish_unit(mainloop, release, w.k_count)
             for b in cutlass.range_constexpr(mb_n):
                 rb = nt * (tn // UNIT_ROWS) + wg * mb_n + b  # 64-row block of D^T
-                store_direct(thr_mma, accs[b], scale_u, gD_u[(None, None, rb, mt, w.split)],
-                             (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype)
+                if cutlass.const_expr(self.grouped):
+                    store_direct(thr_mma, accs[b], scale_u, gD_u[(None, None, rb, mt, 0)],
+                                 (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype)
+                else:
+                    self._store(thr_mma, accs[b], scale_u, p, (UNIT_ROWS, tm), rb, mt, w, unit,
+                                b * self.num_mma_threads + ctid, p.n - rb * UNIT_ROWS, cols)
             unit += nctas
 
     @cute.jit

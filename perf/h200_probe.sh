@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Decode and quantizer probe on the lent H200 (one device call): the decode variant sweep
+# (perf/decode_probe.py) and Nsight Compute profiles of the decode kernels, QuACK's, and the
+# activation quantizer, with warp stall reasons. Writes under $OUT.
+set -u
+cd "$(dirname "$0")/.."
+source .gpu/activate.sh >/dev/null
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .gpu/wheels/*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH CUTE_FP4_CACHE_DIR=/tmp/cute_fp4_cache
+OUT=${OUT:-probe-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
+if [ -n "${PYTEST:-}" ]; then
+  timeout "${PYTEST_S:-240}" python3 -m pytest -q -p no:cacheprovider $PYTEST \
+    ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.txt" 2>&1
+  tail -3 "$OUT/pytest.txt"
+fi
+if [ "${SWEEP:-1}" = 1 ]; then
+  timeout "${SWEEP_S:-300}" python3 perf/decode_probe.py --out "$OUT" --budget-s "${SWEEP_B:-260}" \
+    --ms ${MS:-1 16} ${ONLY:+--only $ONLY} > "$OUT/sweep.txt" 2>&1
+fi
+NCU="ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+ --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+ --section Occupancy --section LaunchStats --section InstructionStats \
+ --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+DEFAULT_PROFILES='d4_s1 1 28672 4096;quack 1 28672 4096;auto_plain 1 8192 8192;d4_s4 1 8192 8192'
+IFS=';' read -ra specs <<< "${PROFILES-$DEFAULT_PROFILES}"  # PROFILES="" profiles nothing
+for spec in "${specs[@]}"; do
+  set -- $spec
+  timeout 120 $NCU python3 perf/decode_probe.py --launch "$@" > "$OUT/ncu_$1_$3x$4.txt" 2>&1
+done
+if [ "${QPROF:-1}" = 1 ]; then
+  timeout 120 $NCU python3 -c "
+import torch, cute_fp4.quant as q
+x = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)
+gs = torch.tensor([2 / 2688], device='cuda')
+for _ in range(3): q.quantize_activation(x, gs)
+torch.cuda.synchronize(); torch.cuda.profiler.start(); q.quantize_activation(x, gs)
+torch.cuda.synchronize(); torch.cuda.profiler.stop()" > "$OUT/ncu_quantize_4096x4096.txt" 2>&1
+fi
+if [ -n "${MODEL:-}" ]; then
+  timeout "${MODEL_S:-260}" python3 perf/model_decode.py --out "$OUT" $MODEL > "$OUT/model.txt" 2>&1
+  tail -20 "$OUT/model.txt"
+fi
+ls -la "$OUT"
