@@ -2,7 +2,7 @@
 
 ``D^T[N, M] = B[N, K] @ A[M, K]^T``: the NVFP4 weight B plays WGMMA's M (64 rows per work
 unit) and the few activation rows play WGMMA's N (``tile.m`` = 8, 16, 32 or 64 columns).
-N = 8192 gives 128 units of 64 weight rows, one per SM, with no split-K and no host reduction.
+N = 8192 gives 128 units of 64 weight rows, one per SM, with no split-K.
 This is a mainloop choice of :class:`~cute_fp4.kernels.sm90.Sm90Gemm` (the loads, work units,
 warp roles and the masked epilogue are the kernel's shared components); the epilogue stores
 through a transposed view of D.
