@@ -35,12 +35,13 @@ from cute_fp4.operands import (
 )
 from cute_fp4.oplib import LazyOp, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.run import poisoned_check, run_checked, run_compiled
+from cute_fp4.run import poisoned_check, private_workspaces, run_checked, run_compiled
 from cute_fp4.schedule import Mainloop, OutDtype, Schedule
 
 __all__ = ["ALIGN", "DEFAULT_SHAPES", "SWAPAB_MAX_M", "ValidationReport", "check_operands",
-           "gemm", "heuristic", "make_operands", "mm", "out_dtype_of", "poisoned_check",
-           "quantize_op", "register_op", "resolve_schedule", "run_compiled", "validate"]
+           "gemm", "heuristic", "make_operands", "mm", "mm_packed", "out_dtype_of",
+           "poisoned_check", "quantize_op", "register_op", "resolve_schedule", "run_compiled",
+           "validate"]
 
 SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
 _alpha_tensor = alpha_tensor  # the name scripts under perf/ use
@@ -280,6 +281,36 @@ def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: 
     return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
 
 
+def mm_packed(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+              b_scale: torch.Tensor, alpha: torch.Tensor, n: int, k: int,
+              out_dtype: torch.dtype = torch.bfloat16, schedule: str = "auto") -> torch.Tensor:
+    """:func:`mm` with ``b`` a fragment-order packed weight (``cute_fp4.packed``: uint8
+    ``[packed_rows(n), K/2]``) of ``n`` rows: the ``cute_fp4::mm_packed`` op."""
+    if torch.compiler.is_compiling():
+        if not isinstance(schedule, str):
+            raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
+                                 "'auto'")
+        _register_while_tracing()
+        return torch.ops.cute_fp4.mm_packed(a, a_scale, b, b_scale, alpha, n, k, out_dtype,
+                                            schedule)
+    if not _OP.registered:
+        _OP.register()
+    return _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
+
+
+def _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule) -> torch.Tensor:
+    """The packed op's body: as :func:`_mm_impl` (no value checks, no sync)."""
+    for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    gs = alpha.reshape(())
+    bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
+    at = a
+    if a_scale is not None:
+        at = NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs, (a.shape[0], k))
+    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False)
+
+
 def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Tensor:
     """The op's body. The operands are wrapped without ``NVFP4Tensor``'s checks: its
     global-scale check reads the value back from the GPU, and that sync inside a CUDA-graph
@@ -334,6 +365,8 @@ def register_op():
     the packed NVFP4 bytes [M, K/2] with ``a_scale`` (W4A4) or bf16/fp16 [M, K] with
     ``a_scale=None`` (W4A16); ``b``/``b_scale`` the weight's bytes and blocked scales;
     ``alpha`` a one-element float32 tensor; ``schedule`` a catalogue name or "auto".
+    ``torch.ops.cute_fp4.mm_packed(a, a_scale, b, b_scale, alpha, n, k, out_dtype,
+    schedule)``: the same with ``b`` a fragment-order packed weight of ``n`` rows.
 
     ``torch.ops.cute_fp4.quantize(x, global_scale) -> (data, scale)`` and
     ``torch.ops.cute_fp4.quantize_dynamic(x) -> (data, scale, global_scale)``: the fused
@@ -346,11 +379,23 @@ def _define_op() -> None:
     def mm_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
               b_scale: torch.Tensor, alpha: torch.Tensor, k: int, out_dtype: torch.dtype,
               schedule: str) -> torch.Tensor:
-        return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
+        with private_workspaces():
+            return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
 
     @mm_op.register_fake
     def _(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+    @torch.library.custom_op("cute_fp4::mm_packed", mutates_args=())
+    def mm_packed_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
+                     b_scale: torch.Tensor, alpha: torch.Tensor, n: int, k: int,
+                     out_dtype: torch.dtype, schedule: str) -> torch.Tensor:
+        with private_workspaces():
+            return _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
+
+    @mm_packed_op.register_fake
+    def _(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule):
+        return a.new_empty((a.shape[0], n), dtype=out_dtype)
 
     @torch.library.custom_op("cute_fp4::quantize", mutates_args=())
     def quantize_static(x: torch.Tensor, global_scale: torch.Tensor

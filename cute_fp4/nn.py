@@ -17,6 +17,14 @@ contiguous copy). Under ``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4:
 graphs) work. Kernels are found through ``gemm``'s memo per (schedule, M, N, K, format,
 dtype, device).
 
+Weight layout (``layout``): "plain" keeps the cuBLAS-layout bytes; "packed" holds them in
+WGMMA fragment order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels, which are
+1.3-1.6x faster than the plain-layout ones from M = 64 up and the decode heuristic's pick
+at M <= 16 (perf/results/2026-12-01-h200-decode.md); "auto" (default) is "packed" for a
+W4A16 layer built on an SM90 GPU with in_features a multiple of 64, else "plain". A packed
+layer runs on sm_90a only; its ``weight`` is a PackedNVFP4Weight and its ``state_dict`` the
+plain ModelOpt form (unpacked when saved, repacked when loaded).
+
 Checkpoints: the layer's ``state_dict()`` is ModelOpt's NVFP4 form, ``weight`` (uint8
 [N, K/2]), ``weight_scale`` (float8_e4m3fn [N, K/16], row-major), ``weight_scale_2`` (FP32,
 the decode-form global scale), ``input_scale`` (FP32, when calibrated) and ``bias``, so
@@ -32,15 +40,17 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from cute_fp4.api import mm, quantize_op, resolve_schedule
+from cute_fp4.api import _AUTO_PACKED, _resolve_packed, mm, mm_packed, quantize_op, resolve_schedule
 from cute_fp4.compile import kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
 from cute_fp4.quant import quantize_activation
 
-__all__ = ["MODES", "ConvertReport", "NVFP4Linear", "convert"]
+__all__ = ["LAYOUTS", "MODES", "ConvertReport", "NVFP4Linear", "convert"]
 
 MODES = ("w4a16", "w4a4")
+LAYOUTS = ("auto", "plain", "packed")
 _ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _K_MULTIPLE = 32  # packed FP4 rows must be a multiple of 16 bytes
 _N_MULTIPLE = 8  # bf16/fp16 output rows must be a multiple of 16 bytes
@@ -52,11 +62,30 @@ _CHECKPOINT_KEYS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 # ----------------------------------------------------------------------------- kernels
 
 def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
-                device_index: int):
+                device_index: int, packed: bool = False):
     """The compiled kernel of a call of this shape: ``gemm``'s memo (``compile.kernel_for``:
-    "auto" is resolved again every second, so a new tuning is picked up)."""
+    "auto" is resolved again every second, so a new tuning is picked up); ``packed``: for a
+    fragment-order weight (``gemm``'s packed resolution)."""
+    if packed:
+        key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
+        return kernel_for(key, (m, n, k, a_format), out_dtype, device_index, _resolve_packed)
     return kernel_for(schedule, (m, n, k, a_format), out_dtype, device_index,
                       resolve_schedule)
+
+
+def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor) -> str:
+    """"auto" -> "packed" for W4A16 on an SM90 GPU when K allows it, else "plain"."""
+    if layout not in LAYOUTS:
+        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    k = weight.shape[1]
+    if layout == "packed" and k % UNIT_K:
+        raise FormatError(f"layout='packed' needs in_features to be a multiple of {UNIT_K}, "
+                          f"got {k}: use layout='plain'")
+    if layout != "auto":
+        return layout
+    dev = weight.device
+    sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+    return "packed" if mode == "w4a16" and sm90 and k % UNIT_K == 0 else "plain"
 
 
 def _run(kern, a, w: NVFP4Tensor, alpha, dims) -> torch.Tensor:
@@ -101,12 +130,13 @@ class NVFP4Linear(torch.nn.Module):
     ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``);
     ``mode``: "w4a16" or "w4a4"; ``schedule``: "auto", a catalogue name (both work under
     torch.compile) or a Schedule; ``input_scale``: W4A4's calibrated activation global
-    scale (decode form, ``amax / 2688``), None for a dynamic one. The output has the
-    input's dtype (bf16 or fp16) and shape ``[..., out_features]``.
+    scale (decode form, ``amax / 2688``), None for a dynamic one; ``layout``: "auto",
+    "plain" or "packed" (module docstring). The output has the input's dtype (bf16 or
+    fp16) and shape ``[..., out_features]``.
     """
 
     def __init__(self, weight: NVFP4Tensor, bias: torch.Tensor | None = None,
-                 mode: str = "w4a16", schedule="auto", input_scale=None):
+                 mode: str = "w4a16", schedule="auto", input_scale=None, layout: str = "auto"):
         super().__init__()
         if mode not in MODES:
             raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
@@ -120,7 +150,9 @@ class NVFP4Linear(torch.nn.Module):
                 raise InputError(f"bias must have shape ({self.out_features},), got {shape}")
             bias = torch.nn.Parameter(bias.detach().clone().to(dev), requires_grad=False)
         self.mode, self.schedule = mode, schedule
-        self.register_buffer("weight_packed", weight.data, persistent=False)
+        self.layout = _resolve_layout(layout, mode, weight)
+        data = pack(weight.data.contiguous()) if self.layout == "packed" else weight.data
+        self.register_buffer("weight_packed", data, persistent=False)
         self.register_buffer("weight_scale", weight.scale, persistent=False)
         self.register_buffer("weight_scale_2", _scalar(weight.global_scale, "weight global "
                                                        "scale", dev), persistent=False)
@@ -135,22 +167,23 @@ class NVFP4Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, mode: str = "w4a16", schedule="auto",
-                    input_scale=None) -> NVFP4Linear:
+                    input_scale=None, layout: str = "auto") -> NVFP4Linear:
         """Quantize an ``nn.Linear``'s weight (its global scale from its amax)."""
         w = quantize(linear.weight.detach())
         return cls(w, None if linear.bias is None else linear.bias.detach(), mode, schedule,
-                   input_scale)
+                   input_scale, layout)
 
     @classmethod
     def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
                       input_scale=None, bias: torch.Tensor | None = None,
-                      mode: str | None = None, schedule="auto") -> NVFP4Linear:
+                      mode: str | None = None, schedule="auto",
+                      layout: str = "auto") -> NVFP4Linear:
         """From a ModelOpt NVFP4 checkpoint's tensors of one layer (see the module
         docstring). ``mode`` None: "w4a4" when ``input_scale`` is given, else "w4a16"."""
         w = NVFP4Tensor.from_modelopt(weight, weight_scale, weight_scale_2)
         if mode is None:
             mode = "w4a16" if input_scale is None else "w4a4"
-        return cls(w, bias, mode, schedule, input_scale)
+        return cls(w, bias, mode, schedule, input_scale, layout)
 
     def load_modelopt(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
                       input_scale=None) -> None:
@@ -163,7 +196,8 @@ class NVFP4Linear(torch.nn.Module):
         dev = self.weight_packed.device
         gs = _scalar(w.global_scale, "weight_scale_2", dev)
         with torch.no_grad():
-            self.weight_packed.copy_(w.data)
+            self.weight_packed.copy_(pack(w.data.contiguous()) if self.layout == "packed"
+                                     else w.data)
             self.weight_scale.copy_(w.scale)
             self.weight_scale_2.copy_(gs)
         if input_scale is not None:
@@ -197,12 +231,25 @@ class NVFP4Linear(torch.nn.Module):
 
     @property
     def weight(self) -> NVFP4Tensor:
-        """The weight as an NVFP4Tensor over the buffers (built without checks, once)."""
+        """The weight as an NVFP4Tensor (plain layout: over the buffers, built once without
+        the value checks; ``layout="packed"``: unpacked, a copy each time, which forward
+        never uses)."""
+        if self.layout == "packed":
+            d, s, g = self.weight_packed, self.weight_scale, self.weight_scale_2
+            return NVFP4Tensor._unchecked(unpack(d, self.out_features), s, g,
+                                          (self.out_features, self.in_features))
+        return self._stored_weight()
+
+    def _stored_weight(self) -> NVFP4Tensor | PackedNVFP4Weight:
+        """The weight as stored (NVFP4Tensor or PackedNVFP4Weight over the buffers), built
+        once per set of buffers, without the value checks: what forward runs on."""
         d, s, g = (self._buffers["weight_packed"], self._buffers["weight_scale"],
                    self._buffers["weight_scale_2"])
         v = self._view
         if v is None or v.data is not d or v.scale is not s or v.global_scale is not g:
-            v = NVFP4Tensor._unchecked(d, s, g, (self.out_features, self.in_features))
+            shape = (self.out_features, self.in_features)
+            v = (PackedNVFP4Weight(d, s, g, shape) if self.layout == "packed"
+                 else NVFP4Tensor._unchecked(d, s, g, shape))
             self._view = v
         return v
 
@@ -213,8 +260,9 @@ class NVFP4Linear(torch.nn.Module):
         def keep(t):
             return t if keep_vars else t.detach()
 
-        destination[prefix + "weight"] = keep(self.weight_packed)
-        destination[prefix + "weight_scale"] = self.weight.scale_linear()
+        w = self.weight  # the plain layout (packed: unpacked here)
+        destination[prefix + "weight"] = keep(w.data)
+        destination[prefix + "weight_scale"] = w.scale_linear()
         destination[prefix + "weight_scale_2"] = keep(self.weight_scale_2)
         if self.input_scale is not None:
             destination[prefix + "input_scale"] = keep(self.input_scale)
@@ -242,7 +290,8 @@ class NVFP4Linear(torch.nn.Module):
         sched = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name or self.schedule.label())
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, mode={self.mode}{scale}, schedule={sched}")
+                f"bias={self.bias is not None}, mode={self.mode}{scale}, schedule={sched}, "
+                f"layout={self.layout}")
 
     # ------------------------------------------------------------------ forward
 
@@ -266,7 +315,7 @@ class NVFP4Linear(torch.nn.Module):
         x2 = x if flat else x.reshape(-1, k)  # a view op costs ~2 us of host time
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
-        w = self.weight
+        w = self._stored_weight()
         if x2.device != w.data.device:
             raise InputError(f"input is on {x2.device} but the layer is on {w.data.device}")
         m = x2.shape[0]
@@ -277,7 +326,11 @@ class NVFP4Linear(torch.nn.Module):
             alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
         else:
             a, fmt, alpha = x2, _ACT_FORMATS[x2.dtype], self.weight_scale_2
-        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, w.data.get_device())
+        if self.layout == "packed":
+            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, w.data.get_device(),
+                               packed=True)
+        else:
+            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, w.data.get_device())
         y = _run(kern, a, w, alpha, (m, n, k, fmt))
         if self.bias is not None:
             y.add_(self.bias)
@@ -292,11 +345,15 @@ class NVFP4Linear(torch.nn.Module):
         x2 = x.reshape(-1, k).contiguous()
         ws, gs = self.weight_packed, self.weight_scale_2
         if self.mode == "w4a4":
-            data, scale, a_gs = quantize_op(x2, self.input_scale)
+            a, a_scale, a_gs = quantize_op(x2, self.input_scale)
             alpha = self.alpha if self.alpha is not None else a_gs * gs
-            y = mm(data, scale, ws, self.weight_scale, alpha, k, x.dtype, self.schedule)
         else:
-            y = mm(x2, None, ws, self.weight_scale, gs, k, x.dtype, self.schedule)
+            a, a_scale, alpha = x2, None, gs
+        if self.layout == "packed":
+            y = mm_packed(a, a_scale, ws, self.weight_scale, alpha, n, k, x.dtype,
+                          self.schedule)
+        else:
+            y = mm(a, a_scale, ws, self.weight_scale, alpha, k, x.dtype, self.schedule)
         if self.bias is not None:
             y.add_(self.bias)  # in y's dtype, as eager
         return y.view(*x.shape[:-1], n)
@@ -362,23 +419,27 @@ def _skip_reason(name: str, lin: torch.nn.Linear, rules, has_checkpoint: bool) -
 
 
 def _build(name: str, lin: torch.nn.Linear, mode: str, schedule,
-           state_dict: Mapping | None) -> NVFP4Linear:
+           state_dict: Mapping | None, layout: str) -> NVFP4Linear:
     if state_dict is None or f"{name}.weight_scale" not in state_dict:
-        return NVFP4Linear.from_linear(lin, mode, schedule)
+        return NVFP4Linear.from_linear(lin, mode, schedule, layout=layout)
     sd = {key: state_dict.get(f"{name}.{key}") for key in (*_CHECKPOINT_KEYS, "bias")}
     if sd["weight_scale_2"] is None:
         raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
     bias = sd["bias"] if sd["bias"] is not None else lin.bias
     if bias is not None and bias.is_meta:
         raise FormatError(f"{name}.bias is on the meta device and not in the state_dict")
+    if not lin.weight.is_meta:  # built where it will run, so that layout "auto" sees it
+        sd = {key: None if t is None else t.to(lin.weight.device) for key, t in sd.items()}
+        bias = None if bias is None else bias.to(lin.weight.device)
     layer = NVFP4Linear.from_modelopt(sd["weight"], sd["weight_scale"], sd["weight_scale_2"],
                                       sd["input_scale"] if mode == "w4a4" else None, bias,
-                                      mode, schedule)
+                                      mode, schedule, layout)
     return layer if lin.weight.is_meta else layer.to(lin.weight.device)
 
 
 def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule="auto",
-            state_dict: Mapping[str, torch.Tensor] | None = None) -> ConvertReport:
+            state_dict: Mapping[str, torch.Tensor] | None = None,
+            layout: str = "auto") -> ConvertReport:
     """Replace the ``nn.Linear`` layers of ``model`` in place by :class:`NVFP4Linear`.
 
     Each layer is quantized from its own weight, or, when ``state_dict`` (a ModelOpt NVFP4
@@ -387,10 +448,14 @@ def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule=
     ``"*.mlp.*"``), a callable ``(name, linear) -> bool``, or an iterable of both. Layers
     that cannot be converted (in_features not a multiple of 32, out_features not a multiple
     of 8, a subclass of nn.Linear) are left with their reason in the returned report. A
-    layer shared under several names is converted once and stays shared.
+    layer shared under several names is converted once and stays shared. ``layout``:
+    every new layer's weight layout (:class:`NVFP4Linear`; "auto": fragment order for W4A16
+    on an SM90 GPU).
     """
     if mode not in MODES:
         raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
+    if layout not in LAYOUTS:
+        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     rules = _skip_rules(skip)
@@ -401,7 +466,8 @@ def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule=
         if id(lin) not in done:
             why = _skip_reason(name, lin, rules,
                                state_dict is not None and f"{name}.weight_scale" in state_dict)
-            done[id(lin)] = None if why else _build(name, lin, mode, schedule, state_dict)
+            done[id(lin)] = None if why else _build(name, lin, mode, schedule, state_dict,
+                                                    layout)
             (skipped.append((name, why)) if why else converted.append(name))
         return done[id(lin)]
 

@@ -10,7 +10,9 @@ runs into a NaN-filled output and compares with the exact reference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
@@ -21,7 +23,22 @@ from cute_fp4.operands import alpha_tensor, check_operands, out_dtype_of
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import Mainloop, Problem, Schedule
 
-_WORKSPACES: dict[tuple[int, int], list[tuple[torch.Tensor, int, int]]] = {}
+_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
+_PRIVATE = threading.local()  # .on: launches get workspaces of their own (private_workspaces)
+
+
+@contextlib.contextmanager
+def private_workspaces():
+    """Launches inside get a split-K workspace of their own, not the stream's cached one:
+    for the custom ops' bodies, which torch.compile's CUDA graphs (cudagraph trees) run
+    with allocations going to their own memory pool, where a buffer kept past the call is
+    refused ("tensors in the cudagraph pool not tracked as outputs")."""
+    before = getattr(_PRIVATE, "on", False)
+    _PRIVATE.on = True
+    try:
+        yield
+    finally:
+        _PRIVATE.on = before
 
 
 def split_workspace(kernel, m: int, n: int, device: torch.device) -> torch.Tensor:
@@ -30,29 +47,42 @@ def split_workspace(kernel, m: int, n: int, device: torch.device) -> torch.Tenso
     arrival counters that every launch leaves at zero, then FP32 partials. One buffer per
     (device, stream), so that launches on one stream share it in stream order and
     launches on two streams never do; it is replaced by a larger one (counters and
-    partials at least doubled) when a launch needs more, and outgrown buffers are kept,
-    not freed: a captured CUDA graph may still point to one. No device access unless a
-    buffer is made (so no sync, and CUDA-graph capture is fine)."""
-    from cute_fp4.kernels.epilogue import SPLIT_HEADER
+    partials at least doubled) when a launch needs more (the old one goes back to torch's
+    allocator in stream order). No device access unless a buffer is made (so no sync); a
+    launch being captured into a CUDA graph gets a buffer of its own, which the graph
+    zeroes on every replay and which no other launch shares."""
     from cute_fp4.kernels.launch import split_workspace_needs
 
     s = kernel.schedule
     counters, partials = split_workspace_needs(s.split_k, m, n, (s.tile.m, s.tile.n),
                                                kernel.split_slots, kernel.split_values)
+    if getattr(_PRIVATE, "on", False) or (device.type == "cuda"
+                                          and torch.cuda.is_current_stream_capturing()):
+        # a CUDA-graph capture (and a custom op's body) gets its own workspace, zeroed by
+        # a node of the graph and not kept here (see private_workspaces)
+        return _new_workspace(counters, partials, device)[0]
     key = (device.index, kernel.stream_handle(device.index))
-    bufs = _WORKSPACES.setdefault(key, [])
-    if bufs:
-        ws, n_counters, n_partials = bufs[-1]
+    held = _WORKSPACES.get(key)
+    if held is not None:
+        ws, n_counters, n_partials = held
         if n_counters >= counters and n_partials >= partials:
             return ws
         counters = max(counters, 2 * n_counters)
         partials = max(partials, 2 * n_partials)
+    made = _WORKSPACES[key] = _new_workspace(counters, partials, device)
+    return made[0]
+
+
+def _new_workspace(counters: int, partials: int, device) -> tuple[torch.Tensor, int, int]:
+    """(buffer, counter capacity, partial capacity): zeroed, word 0 = where partials start
+    (a device fill, not a host copy: allowed while a graph is captured)."""
+    from cute_fp4.kernels.epilogue import SPLIT_HEADER
+
     counters = -(-counters // 4) * 4  # partials 16-byte aligned
     first = SPLIT_HEADER + counters
     ws = torch.zeros(first + partials, dtype=torch.int32, device=device)
-    ws[:1].fill_(first)  # a device fill, not a host copy: allowed while a graph is captured
-    bufs.append((ws, counters, partials))
-    return ws
+    ws[:1].fill_(first)
+    return ws, counters, partials
 
 
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:

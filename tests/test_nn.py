@@ -574,3 +574,64 @@ def test_model_decode_bars_and_report():
     assert "| w4a4 | 1 | error: DeviceError: no kernel" in text
     assert "| w4a16 | 256 MiB | 0.1000 / 0.2000 | 0.900 |" in text
     assert "eager: no slower than BF16: 0.857x, FAIL" in text
+
+
+# ----------------------------------------------------------------------------- layout
+
+def test_layout_auto_is_plain_off_sm90_and_packed_round_trips_the_state_dict():
+    from cute_fp4.packed import PackedNVFP4Weight, pack
+
+    w, _ = _modelopt_tensors(72, 128)
+    assert cnn.NVFP4Linear(w).layout == "plain"  # a CPU tensor: no SM90 here
+    packed = cnn.NVFP4Linear(w, layout="packed")
+    stored = packed._stored_weight()
+    assert isinstance(stored, PackedNVFP4Weight) and stored.shape == (72, 128)
+    assert torch.equal(packed.weight_packed, pack(w.data))
+    assert torch.equal(packed.weight.data, w.data)  # .weight stays the plain NVFP4Tensor
+    assert "layout=packed" in repr(packed)
+    sd = packed.state_dict()  # the plain ModelOpt form, bit for bit
+    plain_sd = cnn.NVFP4Linear(w, layout="plain").state_dict()
+    assert list(sd) == list(plain_sd)
+    for key in sd:
+        assert torch.equal(sd[key].reshape(-1).view(torch.uint8),
+                           plain_sd[key].reshape(-1).view(torch.uint8)), key
+    dst = cnn.NVFP4Linear.from_linear(_linear(128, 72, seed=4, bias=False), layout="packed")
+    ptr = dst.weight_packed.data_ptr()
+    dst.load_state_dict(plain_sd)
+    assert dst.weight_packed.data_ptr() == ptr and torch.equal(dst.weight_packed, pack(w.data))
+    assert torch.equal(dst.weight.data, w.data)
+
+
+def test_layout_errors_and_convert_layout():
+    w, _ = _modelopt_tensors(32, 96)  # K = 96: not a multiple of 64
+    with pytest.raises(FormatError, match="multiple of 64"):
+        cnn.NVFP4Linear(w, layout="packed")
+    assert cnn.NVFP4Linear(w).layout == "plain"
+    with pytest.raises(InputError, match="layout must be one of"):
+        cnn.NVFP4Linear(w, layout="fragment")
+    model = nn.Sequential(_linear(64, 64), nn.SiLU(), _linear(64, 32))
+    with pytest.raises(InputError, match="layout must be one of"):
+        cf.convert(model, layout="bogus")
+    cf.convert(model, layout="packed")
+    assert model[0].layout == model[2].layout == "packed"
+
+
+def test_packed_layer_traces_the_packed_op():
+    model = nn.Sequential(_linear(64, 64), nn.SiLU(), _linear(64, 32, bias=False))
+    cf.convert(model, "w4a16", layout="packed")
+    code = _trace(model, torch.randn(2, 3, 64, dtype=torch.bfloat16))
+    assert code.count("cute_fp4.mm_packed") == 2, code
+    assert ".item()" not in code
+
+
+def test_packed_fake_implementation_has_the_kernel_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = api.register_op()
+    with FakeTensorMode():
+        x = torch.empty(3, 128, dtype=torch.bfloat16)
+        b = torch.empty(128, 64, dtype=torch.uint8)  # 72 rows padded to 128
+        y = ops.mm_packed(x, None, b, torch.empty(scale_shape(72, 128),
+                                                  dtype=torch.float8_e4m3fn),
+                          torch.empty((), dtype=torch.float32), 72, 128, torch.bfloat16, "auto")
+    assert y.shape == (3, 72) and y.dtype == torch.bfloat16

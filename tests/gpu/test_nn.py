@@ -207,3 +207,25 @@ def test_converted_model_is_close_to_bf16(mode, limit):
     y, y_ref = model[1](model[0](x)).float(), ref[1](ref[0](x)).float()
     err = float((y - y_ref).norm() / y_ref.norm())
     assert err < limit, f"relative error {err:.3f} vs BF16, expected < {limit}"
+
+
+def test_w4a16_packed_and_plain_layouts():
+    """On SM90 a W4A16 layer holds its weight in fragment order ("auto"); the plain layout
+    still works; both match the exact reference at decode and prefill sizes (split-K
+    included), and both give the same state_dict."""
+    _skip_unsupported("w4a16")
+    torch.manual_seed(3)
+    lin = nn.Linear(4096, 264, bias=False, device="cuda", dtype=torch.bfloat16)
+    packed = cnn.NVFP4Linear.from_linear(lin)
+    plain = cnn.NVFP4Linear.from_linear(lin, layout="plain")
+    assert packed.layout == "packed" and plain.layout == "plain"
+    for m in (1, 16, 300):
+        x = _x(m, 4096, seed=m)
+        for layer in (packed, plain):
+            out = torch.full((m, 264), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out.copy_(layer(x))
+            res = reference.check(out, x, layer.weight)
+            assert res.passed, f"{layer.layout} M={m}: {res}"
+    a, b = packed.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k].reshape(-1).view(torch.uint8),
+                           b[k].reshape(-1).view(torch.uint8)) for k in a)

@@ -1,0 +1,50 @@
+"""The split-K workspace on the host (``cute_fp4.run.split_workspace``), on the CPU: one
+buffer per (device, stream), reused while it is large enough, replaced by a larger one
+(counters and partials at least doubled) when not, its header word saying where the
+partials start (past every counter, 16-byte aligned) and its counters zero."""
+
+from __future__ import annotations
+
+import torch
+
+from cute_fp4 import catalogue
+from cute_fp4.kernels.epilogue import SPLIT_HEADER
+from cute_fp4.kernels.launch import split_workspace_needs
+from cute_fp4.run import split_workspace
+
+
+class _Kernel:
+    def __init__(self, split_k: int, stream: int = 0):
+        self.schedule = catalogue.get("sm90_decode_swapab").replace(split_k=split_k)
+        self.split_slots, self.split_values, self.stream = 128, 4, stream
+
+    def stream_handle(self, index) -> int:
+        return self.stream
+
+
+def test_workspace_reuse_growth_and_header():
+    dev = torch.device("cpu")
+    k = _Kernel(4, stream=11)
+    a = split_workspace(k, 1, 1024, dev)
+    assert split_workspace(k, 1, 1024, dev).data_ptr() == a.data_ptr()
+    counters, partials = split_workspace_needs(4, 1, 1024, (8, 64), 128, 4)
+    first = int(a[0])
+    assert first % 4 == 0 and first - SPLIT_HEADER >= counters
+    assert a.numel() - first >= partials and not a[SPLIT_HEADER:first].any()
+    big = split_workspace(k, 16, 8192, dev)  # more tiles: a new, larger buffer
+    assert big.data_ptr() != a.data_ptr() and int(big[0]) >= 2 * (first - SPLIT_HEADER)
+    assert split_workspace(k, 1, 1024, dev).data_ptr() == big.data_ptr()  # fits: reused
+    other = split_workspace(_Kernel(4, stream=12), 1, 1024, dev)  # another stream
+    assert other.data_ptr() != big.data_ptr()
+
+
+def test_private_workspaces_are_not_kept():
+    from cute_fp4.run import private_workspaces
+
+    dev = torch.device("cpu")
+    k = _Kernel(2, stream=21)
+    kept = split_workspace(k, 1, 1024, dev)
+    with private_workspaces():
+        own = split_workspace(k, 1, 1024, dev)
+        assert own.data_ptr() != kept.data_ptr() and int(own[0]) == int(kept[0])
+    assert split_workspace(k, 1, 1024, dev).data_ptr() == kept.data_ptr()
