@@ -48,3 +48,30 @@ def test_private_workspaces_are_not_kept():
         own = split_workspace(k, 1, 1024, dev)
         assert own.data_ptr() != kept.data_ptr() and int(own[0]) == int(kept[0])
     assert split_workspace(k, 1, 1024, dev).data_ptr() == kept.data_ptr()
+
+
+def test_partial_layout_fills_the_workspace_past_the_counters():
+    """store_split_k's layout (the kernel runs split_partial_offset): every (split, tile,
+    slot, value) has its own word, all past the counters and inside what the host
+    allocates; a thread's vectors are aligned; a warp's 32 slots write one contiguous run."""
+    from cute_fp4.kernels.epilogue import split_partial_offset, split_vector
+
+    for tiles, slots, nv, split_k in ((3, 128, 8, 3), (2, 256, 32, 2), (5, 64, 6, 4),
+                                      (1, 32, 1, 8)):
+        vec = split_vector(nv)
+        counters, partials = split_workspace_needs(split_k, tiles, 1, (1, 1), slots, nv)
+        first = SPLIT_HEADER + -(-counters // 4) * 4
+        seen = set()
+        for s in range(split_k):
+            for t in range(tiles):
+                for q in range(slots):
+                    for i in range(nv):
+                        o = split_partial_offset(first, tiles, t, q, slots, s, i, nv, vec)
+                        assert first <= o < first + partials
+                        if i % vec == 0:
+                            assert o % vec == 0
+                        seen.add(o)
+                warp = [split_partial_offset(first, tiles, t, q, slots, s, 0, nv, vec)
+                        for q in range(min(32, slots))]
+                assert warp == list(range(warp[0], warp[0] + vec * len(warp), vec))
+        assert len(seen) == partials == split_k * tiles * slots * nv

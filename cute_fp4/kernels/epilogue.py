@@ -144,12 +144,19 @@ def split_vector(values: int) -> int:
 SPLIT_HEADER = 4  # 32-bit words before a split-K workspace's counters (word 0: see below)
 
 
+def split_partial_offset(first, tiles, tile, slot, slots: int, split, i, nv: int, vec: int):
+    """Word offset in the workspace of value ``i`` (of ``nv``) of thread slot ``slot``'s
+    partial for (``split``, ``tile``): the layout of :func:`store_split_k`. Plain integer
+    arithmetic: the kernel runs it (``i = 0``, then strides) and the CPU tests check it."""
+    row = slots * vec
+    return first + ((split * tiles + tile) * (nv // vec) + i // vec) * row + slot * vec + i % vec
+
+
 def _partial(mWork, first, tiles, tile, slot, slots: int, split, nv: int, vec: int):
     """The ``(vec, nv / vec)`` view of one thread slot's partial (see store_split_k)."""
-    row = slots * vec
-    base = first + ((split * tiles + tile) * (nv // vec)) * row + slot * vec
+    base = split_partial_offset(first, tiles, tile, slot, slots, split, 0, nv, vec)
     ptr = mWork.iterator + cute.assume(base, divby=vec)
-    return cute.make_tensor(ptr, cute.make_layout((vec, nv // vec), stride=(1, row)))
+    return cute.make_tensor(ptr, cute.make_layout((vec, nv // vec), stride=(1, slots * vec)))
 
 
 @cute.jit
@@ -198,4 +205,5 @@ def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
 
 
 __all__ = ["SmemEpilogue", "smem_epilogue", "store_direct", "store_smem_tma",
-           "SPLIT_HEADER", "split_vector", "store_split_k", "subtile_sources"]
+           "SPLIT_HEADER", "split_partial_offset", "split_vector", "store_split_k",
+           "subtile_sources"]
