@@ -86,3 +86,23 @@ def test_cli_compile_json(capsys):
                 "spills", "mma_instructions", "compile_s"):
         assert key in row
     assert row["target"] == "sm_121a" and row["tile"] == [128, 128, 128]
+
+
+# what "auto" runs at decode sizes: derived schedules (split-K from api.decode_split) that
+# no catalogue file names, compiled like the catalogue's
+DECODE_PICKS = [("sm90", 1, 8192, 8192, True), ("sm90", 1, 1024, 4096, True),
+                ("sm90", 1, 4096, 14336, False), ("sm90", 16, 1024, 4096, False),
+                ("sm120", 1, 4096, 4096, False)]
+
+
+@pytest.mark.parametrize("family, m, n, k, packed", DECODE_PICKS,
+                         ids=[f"{f}-{m}x{n}x{k}{'-packed' if p else ''}"
+                              for f, m, n, k, p in DECODE_PICKS])
+def test_decode_heuristic_picks_compile(family, m, n, k, packed):
+    from cute_fp4.api import heuristic
+
+    fmt = "bf16" if family == "sm90" else "nvfp4"
+    s = heuristic(family, m, n, k, packed=packed, a_format=fmt)
+    row = compile_report(s, None, Problem(m, n, k, fmt))
+    assert row["ok"], row.get("reason")
+    assert row["spills"] == 0 and row["registers"] <= 255, row
