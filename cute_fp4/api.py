@@ -190,6 +190,14 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
     return s
 
 
+def packed_kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype: torch.dtype,
+                      device_index: int):
+    """``compile.kernel_for`` for a fragment-order packed weight: "auto" is memoised under
+    its own key and resolved by the packed heuristic (:func:`_resolve_packed`)."""
+    key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
+    return kernel_for(key, dims, out_dtype, device_index, _resolve_packed)
+
+
 def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check):
     """gemm with a fragment-order packed weight: the plain checks on a view of its first N
     rows (same bytes count per row, same scales), then an rs_packed kernel."""
@@ -199,8 +207,7 @@ def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check
     n, k = b.shape
     view = NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
     dims = check_operands(a, view, out, alpha, out_dtype)
-    key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
-    kern = kernel_for(key, dims, out_dtype, b.data.get_device(), _resolve_packed)
+    kern = packed_kernel_for(schedule, dims, out_dtype, b.data.get_device())
     result = run_checked(kern, a, b, out, alpha, dims)
     if check and not kern.validated:
         reference.assert_close(result, a, b.unpack(), alpha)
@@ -300,15 +307,21 @@ def mm_packed(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
 
 def _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule) -> torch.Tensor:
     """The packed op's body: as :func:`_mm_impl` (no value checks, no sync)."""
+    at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
+    bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
+    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False)
+
+
+def _op_activation(a, a_scale, b, b_scale, alpha, k):
+    """The ops' common part: the tensor-type checks, and ``(A, alpha as a scalar)`` with
+    A wrapped without checks when it is NVFP4 (see :func:`_mm_impl`)."""
     for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     gs = alpha.reshape(())
-    bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
-    at = a
-    if a_scale is not None:
-        at = NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs, (a.shape[0], k))
-    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False)
+    if a_scale is None:
+        return a, gs
+    return NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs, (a.shape[0], k)), gs
 
 
 def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Tensor:
@@ -317,17 +330,11 @@ def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Ten
     capture (torch.compile's ``mode="reduce-overhead"``) invalidates the capture
     (``cudaErrorStreamCaptureInvalidated``). ``alpha`` is explicit, so the global scales
     the wrappers carry (alpha itself, a placeholder) are never read."""
-    for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
-        if not isinstance(t, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
     if b.dim() != 2:
         raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
                              f"{tuple(b.shape)}")
-    gs = alpha.reshape(())
     bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (b.shape[0], k))
-    at = a
-    if a_scale is not None:
-        at = NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs, (a.shape[0], k))
     return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False)
 
 

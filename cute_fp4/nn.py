@@ -22,8 +22,8 @@ WGMMA fragment order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels, w
 1.3-1.6x faster than the plain-layout ones from M = 64 up and the decode heuristic's pick
 at M <= 16 (perf/results/2026-12-01-h200-decode.md); "auto" (default) is "packed" for a
 W4A16 layer built on an SM90 GPU with in_features a multiple of 64, else "plain". A packed
-layer runs on sm_90a only; its ``weight`` is a PackedNVFP4Weight and its ``state_dict`` the
-plain ModelOpt form (unpacked when saved, repacked when loaded).
+layer runs on sm_90a only; its ``weight`` and ``state_dict`` stay the plain form (the
+NVFP4Tensor, ModelOpt's tensors: unpacked when read or saved, repacked when loaded).
 
 Checkpoints: the layer's ``state_dict()`` is ModelOpt's NVFP4 form, ``weight`` (uint8
 [N, K/2]), ``weight_scale`` (float8_e4m3fn [N, K/16], row-major), ``weight_scale_2`` (FP32,
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from cute_fp4.api import _AUTO_PACKED, _resolve_packed, mm, mm_packed, quantize_op, resolve_schedule
+from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_schedule
 from cute_fp4.compile import kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
@@ -67,8 +67,7 @@ def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torc
     "auto" is resolved again every second, so a new tuning is picked up); ``packed``: for a
     fragment-order weight (``gemm``'s packed resolution)."""
     if packed:
-        key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
-        return kernel_for(key, (m, n, k, a_format), out_dtype, device_index, _resolve_packed)
+        return packed_kernel_for(schedule, (m, n, k, a_format), out_dtype, device_index)
     return kernel_for(schedule, (m, n, k, a_format), out_dtype, device_index,
                       resolve_schedule)
 
