@@ -21,7 +21,16 @@ even K index in the low nibble, as in the plain layout) of
 
 which is WGMMA's A-fragment register ``a_j`` of K block ``kb`` (PTX ISA, wgmma 16-bit A
 fragment: rows ``g`` / ``g + 8`` of the warp's 16, K pairs ``2c`` / ``2c + 8``). Rows are
-padded to a multiple of 64 with zeros; K must be a multiple of 64. The scale factors keep
+padded to a multiple of 64 with zeros; K must be a multiple of 64.
+
+Sign bits. The four bytes ``4 kb .. 4 kb + 3`` are one little-endian 32-bit word, eight
+codes: nibble ``i`` (bits ``4i .. 4i + 3`` of the plain bytes) is the low (``i`` even) or
+high nibble of byte ``i // 2``. In the packed word nibble ``i`` keeps its three magnitude
+bits, and its sign moves to bit ``8i + 7`` (``i < 4``) or ``8 (i - 4) + 3`` (``i >= 4``):
+the decode looks nibbles 0-3 and 4-7 up in two groups, one table byte per code, and
+with this placement each group's signs already sit on the sign bits of its bytes (in the
+word, and in the word shifted left by 4), so no instruction gathers them
+(:func:`move_signs`, :func:`restore_signs`, :func:`fragment_code`). The scale factors keep
 the 128x4 blocked layout of :class:`~cute_fp4.nvfp4.NVFP4Tensor` unchanged (each thread
 reads one 32-bit word per row and 64 K elements). :func:`pack` and :func:`unpack` are exact
 inverses (a permutation of bytes plus zero padding).
@@ -37,6 +46,10 @@ from cute_fp4.nvfp4 import NVFP4Tensor, expert_index
 UNIT_ROWS = 64  # weight rows per packed unit (one WGMMA M)
 UNIT_K = 64  # K elements per packed unit
 UNIT_BYTES = UNIT_ROWS * UNIT_K // 2  # 2,048: 128 threads x 16 bytes
+
+# where the sign of nibble i of a fragment word goes (see the module docstring)
+SIGN_BIT = tuple(8 * i + 7 if i < 4 else 8 * (i - 4) + 3 for i in range(8))
+_MAGNITUDES = 0x77777777
 
 # [rb, w, h, g, ku, kb, hi, c] (plain) -> [rb, ku, w, g, c, kb, hi, h] (packed)
 _TO_PACKED = (0, 4, 1, 3, 7, 5, 6, 2)
@@ -60,6 +73,42 @@ def _lead_perm(lead: int, perm: tuple[int, ...]) -> tuple[int, ...]:
     return (*range(lead), *(lead + i for i in perm))
 
 
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``data`` (contiguous, a multiple of 4 per row) as unsigned 32-bit words
+    in int64."""
+    return data.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _bytes(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    w = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return w.view(torch.uint8).reshape(like.shape)
+
+
+def move_signs(data: torch.Tensor) -> torch.Tensor:
+    """Each fragment word's sign bits from their nibbles to :data:`SIGN_BIT` (bytes in,
+    bytes out; the shape is kept)."""
+    w = _words(data)
+    out = w & _MAGNITUDES
+    for i, bit in enumerate(SIGN_BIT):
+        out |= ((w >> (4 * i + 3)) & 1) << bit
+    return _bytes(out, data)
+
+
+def restore_signs(data: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`move_signs`."""
+    w = _words(data)
+    out = w & _MAGNITUDES
+    for i, bit in enumerate(SIGN_BIT):
+        out |= ((w >> bit) & 1) << (4 * i + 3)
+    return _bytes(out, data)
+
+
+def fragment_code(word: int, i: int) -> int:
+    """The E2M1 code (sign in bit 3) of nibble ``i`` of a packed fragment word, as the
+    decode reads it."""
+    return (word >> (4 * i)) & 7 | ((word >> SIGN_BIT[i]) & 1) << 3
+
+
 def pack(data: torch.Tensor) -> torch.Tensor:
     """Plain packed E2M1 bytes ``[N, K/2]`` -> fragment order ``[packed_rows(N), K/2]``
     (an expert stack ``[E, N, K/2]`` -> ``[E, packed_rows(N), K/2]``, each expert packed
@@ -76,7 +125,7 @@ def pack(data: torch.Tensor) -> torch.Tensor:
         padded[..., :n, :] = data
     units = padded.reshape(*lead, rows // 64, 4, 2, 8, half_k // 32, 4, 2, 4)
     perm = _lead_perm(len(lead), _TO_PACKED)
-    return units.permute(perm).contiguous().reshape(*lead, rows, half_k)
+    return move_signs(units.permute(perm).contiguous().reshape(*lead, rows, half_k))
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -90,14 +139,15 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     if rows != packed_rows(n):
         raise FormatError(f"packed data of {n} rows must have {packed_rows(n)} rows, "
                           f"got {rows}")
-    units = packed.reshape(*lead, rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
+    units = restore_signs(packed).reshape(*lead, rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
     plain = units.permute(_lead_perm(len(lead), _TO_PLAIN)).contiguous()
     return plain.reshape(*lead, rows, half_k)[..., :n, :].contiguous()
 
 
 def source_of(t: int, kb: int, j: int) -> tuple[int, int]:
     """(row, packed column) inside a unit of the byte thread ``t`` holds as fragment
-    register ``j`` of K block ``kb`` (the layout's definition, for tests and readers)."""
+    register ``j`` of K block ``kb`` (the layout's definition before the sign bits move,
+    for tests and readers)."""
     w, lane = divmod(t, 32)
     g, c = divmod(lane, 4)
     return 16 * w + g + 8 * (j % 2), 8 * kb + c + 4 * (j // 2)
@@ -172,5 +222,6 @@ def repack(w: NVFP4Tensor) -> PackedNVFP4Weight:
     return PackedNVFP4Weight.from_tensor(w)
 
 
-__all__ = ["UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedNVFP4Weight", "pack", "packed_rows",
-           "repack", "source_of", "unpack"]
+__all__ = ["SIGN_BIT", "UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedNVFP4Weight",
+           "fragment_code", "move_signs", "pack", "packed_rows", "repack", "restore_signs",
+           "source_of", "unpack"]

@@ -3,8 +3,8 @@
     python perf/decode_probe.py --out DIR [--budget-s 240] [--ms 1 16]
     python perf/decode_probe.py --launch LABEL M N K     # one variant, for Nsight Compute
 
-The sweep times every variant of :data:`VARIANTS` (rs_packed tiles x warpgroups x split-K,
-and the plain-weight swap-AB kernel) on the model-decode shapes of :data:`SHAPES`, each
+The sweep times every variant of :func:`_variants` (rs_packed tiles x warpgroups x split-K,
+non-persistent fewer-stage twins for occupancy, the plain-weight swap-AB kernel) on the model-decode shapes of :data:`SHAPES`, each
 output checked against the exact reference, and writes ``DIR/decode_probe.json`` / ``.md``
 after every shape. ``--launch`` runs one variant (or ``quack``) a few times with
 ``cudaProfilerStart/Stop`` around the last launch, for ``ncu --profile-from-start off``.
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 SPLITS = (1, 2, 3, 4, 6, 8, 16)  # split-K reduced in the kernel (epilogue.store_split_k)
 SHAPES = ((8192, 8192), (28672, 4096), (4096, 14336), (4096, 4096), (1024, 4096),
           (6144, 4096), (14336, 4096))
+OCCUPANCY_STAGES = (4, 6, 8)  # "_np<stages>" variants: non-persistent, this many stages
 
 
 def _variants():
@@ -45,6 +46,11 @@ def _variants():
         if sk <= 4:
             out[f"w2_s{sk}"] = w2.replace(split_k=sk)
             out[f"swap_s{sk}"] = sw.replace(split_k=sk)
+        # occupancy: one CTA per work unit and fewer stages, so that several CTAs share an
+        # SM (the persistent grid holds one per SM)
+        for st in OCCUPANCY_STAGES:
+            out[f"d4_s{sk}_np{st}"] = d4.replace(split_k=sk, persistent=False, stages=st)
+            out[f"d2_s{sk}_np{st}"] = d2.replace(split_k=sk, persistent=False, stages=st)
     return out
 
 
@@ -120,6 +126,8 @@ def sweep(args) -> int:
     cases = []
     for m in args.ms:
         for n, k in SHAPES:
+            if args.shapes and f"{n}x{k}" not in args.shapes:
+                continue
             if time.monotonic() > deadline:
                 break
             ops = bench_operands(m, n, k)
@@ -167,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ms", type=int, nargs="*", default=[1])
     ap.add_argument("--only", nargs="*", default=[], help="variant labels to time (all)")
+    ap.add_argument("--shapes", nargs="*", default=[], help="NxK shapes to time (all)")
     ap.add_argument("--launch", nargs=4, metavar=("LABEL", "M", "N", "K"))
     args = ap.parse_args(argv)
     if args.launch:

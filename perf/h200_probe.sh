@@ -17,7 +17,7 @@ if [ -n "${PYTEST:-}" ]; then
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout "${SWEEP_S:-300}" python3 perf/decode_probe.py --out "$OUT" --budget-s "${SWEEP_B:-260}" \
-    --ms ${MS:-1 16} ${ONLY:+--only $ONLY} > "$OUT/sweep.txt" 2>&1
+    --ms ${MS:-1 16} ${ONLY:+--only $ONLY} ${SHAPES:+--shapes $SHAPES} > "$OUT/sweep.txt" 2>&1
 fi
 NCU="ncu --profile-from-start off --clock-control none --section SpeedOfLight \
  --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \

@@ -82,6 +82,9 @@ def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
             h0, h1 = (x.strip() for x in d.strip("{}").split(","))
             w = val(args[1])
             regs[h0], regs[h1] = w & 0xFFFF, w >> 16
+        elif op == "mov.b32" and args[1].startswith("{") and not args[1].startswith("{$"):
+            h0, h1 = (x.strip() for x in args[1].strip("{}").split(","))
+            regs[d] = (regs[h0] & 0xFFFF) | (regs[h1] & 0xFFFF) << 16
         elif op == "mov.b32":
             regs[d] = val(args[1])
         elif op == "shl.b32":

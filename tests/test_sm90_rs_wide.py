@@ -52,7 +52,9 @@ def test_pack_round_trip_and_definition(n, k):
         r, c = packed.source_of(t, kb, j)
         r, c = r + 64 * rb, c + 32 * ku
         want = int(data[r, c]) if r < n else 0  # padding rows are zero
-        got = int(flat[((rb * (k // 64) + ku) * 128 + t) * 16 + 4 * kb + j])
+        at = ((rb * (k // 64) + ku) * 128 + t) * 16 + 4 * kb
+        word = int.from_bytes(bytes(flat[at:at + 4].tolist()), "little")
+        got = packed.fragment_code(word, 2 * j) | packed.fragment_code(word, 2 * j + 1) << 4
         assert got == want, (rb, ku, t, kb, j)
 
 
@@ -75,8 +77,21 @@ def test_pack_is_a_permutation():
     data = torch.arange(64 * 32, dtype=torch.int64).reshape(64, 32)
     src = {packed.source_of(t, kb, j) for t in range(128) for kb in range(4) for j in range(4)}
     assert len(src) == 64 * 32 and src == {(r, c) for r in range(64) for c in range(32)}
-    p = packed.pack((data % 251).to(torch.uint8))
+    p = packed.restore_signs(packed.pack((data % 251).to(torch.uint8)))
     assert sorted(p.flatten().tolist()) == sorted((data % 251).flatten().tolist())
+
+
+def test_sign_moves_are_inverse_and_place_each_sign_once():
+    assert sorted(packed.SIGN_BIT) == [3 + 4 * i for i in range(8)]
+    data = torch.randint(0, 256, (64, 32), dtype=torch.uint8)
+    moved = packed.move_signs(data)
+    assert torch.equal(packed.restore_signs(moved), data)
+    assert torch.equal(moved & 0x77, data & 0x77)  # magnitudes stay in their nibbles
+    words = moved.view(torch.int32).flatten().tolist()
+    plain = data.view(torch.int32).flatten().tolist()
+    for w, q in zip(words[:200], plain[:200]):
+        for i in range(8):
+            assert packed.fragment_code(w & 0xFFFFFFFF, i) == (q >> 4 * i) & 0xF
 
 
 # ----------------------------------------------------------------------------- K order
@@ -117,7 +132,8 @@ def kernel_fragments(w: NVFP4Tensor, tile_k: int, k_tile: int, t: int, row_block
     for kb in range(tile_k // 16):
         ku, kq = divmod(kb, 4)
         unit = (tile_row0 // 64 + b) * (k // 64) + k_tile * stage_k_units + ku
-        word = [int(pdata[unit * 2048 + 16 * t + 4 * kq + i]) for i in range(4)]
+        at = unit * 2048 + 16 * t + 4 * kq
+        word = int.from_bytes(bytes(pdata[at:at + 4].tolist()), "little")
         for j in range(4):
             row = b * 64 + r0 + 8 * (j % 2)  # row inside the weight tile
             wo = sf_word_offset(row, stage_k_units) + ku * 128
@@ -125,7 +141,7 @@ def kernel_fragments(w: NVFP4Tensor, tile_k: int, k_tile: int, t: int, row_block
             s = float(torch.tensor([scale_byte], dtype=torch.uint8).view(torch.float8_e4m3fn)
                       .float())
             for h in range(2):
-                code = (word[j] >> (4 * h)) & 0xF
+                code = packed.fragment_code(word, 2 * j + h)
                 v = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1)
                 out[(kb, j, h)] = v * s
     return out
@@ -182,10 +198,20 @@ def test_groups_alternate_buffers_across_tiles():
 
 
 
-def _scale_word(byte_word: int, bf16: bool = True) -> int:
-    from cute_fp4.kernels.sm90_rs_wide import raw_scale_word
+def _tables(bf16: bool) -> list[int]:
+    from cute_fp4.kernels.sm90_rs_wide import _LUT
 
-    return raw_scale_word(byte_word & 0xFF, bf16)
+    (lo0, _), (hi0, _) = _LUT[bf16]
+    return [hi0, lo0] if bf16 else [hi0]
+
+
+def _decode(q: int, row_words: tuple[int, int], kq: int, bf16: bool, ptx=None) -> list[int]:
+    """The kernel's decode of one K block: packed word ``q``, the raw 4-byte scale words of
+    rows g and g + 8, the K block's byte ``kq`` in them."""
+    from cute_fp4.kernels.sm90_rs_wide import scale_halves
+
+    s = [scale_halves(w, bool(kq % 2), bf16) for w in row_words]
+    return run_ptx(ptx or fragment_ptx(bf16, kq), [q, *s, *_tables(bf16)], 4)
 
 
 def _ue4m3(b: int) -> float:
@@ -194,50 +220,59 @@ def _ue4m3(b: int) -> float:
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_decode_is_exact_for_every_code_and_scale(bf16):
-    ptx = fragment_ptx(bf16)
+    """Every E2M1 code in every nibble, every finite UE4M3 scale in every byte position of
+    both rows' scale words (the other bytes random, sign bits included)."""
     to_float = _bf16 if bf16 else _f16
     bad = []
     scales = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
     for i, sb in enumerate(scales):
         other = scales[(i * 37 + 11) % len(scales)]
-        kq = i % 4  # the kernel passes the scale word shifted right by 8 kq
-        word_lo = (random.Random(i).getrandbits(32) & ~(0xFF << 8 * kq)) | sb << 8 * kq
-        word_hi = (random.Random(~i).getrandbits(32) & ~(0xFF << 8 * kq)) | other << 8 * kq
-        s_lo = _scale_word(word_lo >> 8 * kq, bf16)
-        s_hi = _scale_word(word_hi >> 8 * kq, bf16)
-        for q in (sum(((c + r) % 16) << 4 * r for r in range(8)) for c in range(16)):
-            out = run_ptx(ptx, [q, s_lo, s_hi], 4)
-            for j in range(4):
-                s = _ue4m3(sb if j % 2 == 0 else other)
-                for h in range(2):
-                    code = (q >> (8 * j + 4 * h)) & 0xF
-                    want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s
-                    got = to_float(out[j] >> 16 * h)
-                    if got != want:
-                        bad.append((hex(q), j, h, sb, other, got, want))
+        for kq in range(4):
+            rng = random.Random(4 * i + kq)
+            w_lo = (rng.getrandbits(32) & ~(0xFF << 8 * kq)) | sb << 8 * kq
+            w_hi = (rng.getrandbits(32) & ~(0xFF << 8 * kq)) | other << 8 * kq
+            for c in range(0, 16, 1 if kq == i % 4 else 5):
+                plain = sum(((c + r) % 16) << 4 * r for r in range(8))
+                q = packed.move_signs(torch.tensor(list(plain.to_bytes(4, "little")),
+                                                   dtype=torch.uint8)).tolist()
+                out = _decode(int.from_bytes(bytes(q), "little"), (w_lo, w_hi), kq, bf16)
+                for j in range(4):
+                    s = _ue4m3(sb if j % 2 == 0 else other)
+                    for h in range(2):
+                        code = (plain >> (8 * j + 4 * h)) & 0xF
+                        want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s
+                        got = to_float(out[j] >> 16 * h)
+                        if got != want:
+                            bad.append((hex(plain), kq, j, h, sb, other, got, want))
     assert bad[:5] == []
 
 
 @pytest.mark.parametrize("bf16", [True, False])
-def test_scale_from_word_is_the_raw_scale_of_each_byte(bf16):
-    from ptx_model import prmt
-
-    from cute_fp4.kernels.sm90_rs_wide import raw_scale_word, scale_from_word
+def test_scale_halves_are_the_raw_scales_of_each_byte(bf16):
+    from cute_fp4.kernels.sm90_rs_wide import raw_scale_word, scale_halves
 
     rng = random.Random(5)
     for word in [rng.getrandbits(32) for _ in range(300)] + [0, 0xFFFFFFFF, 0x7F7F7F7F]:
         for kq in range(4):
-            got = scale_from_word(word, kq, bf16, prmt) & 0xFFFFFFFF
-            assert got == raw_scale_word((word >> 8 * kq) & 0xFF, bf16), (hex(word), kq)
+            got = (scale_halves(word, bool(kq % 2), bf16) >> 16 * (kq // 2)) & 0xFFFF
+            assert got == raw_scale_word((word >> 8 * kq) & 0xFF, bf16) & 0xFFFF, (hex(word), kq)
 
 
 def test_decode_check_catches_a_swapped_scale():
-    swapped = fragment_ptx(True).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
+    swapped = fragment_ptx(True, 0).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
         .replace("{$rX}", "{$r1}")
-    s1, s2 = _scale_word(0x38), _scale_word(0x40)
-    good, bad = run_ptx(fragment_ptx(True), [0x22222222, s1, s2], 4), \
-        run_ptx(swapped, [0x22222222, s1, s2], 4)
-    assert good != bad
+    words = (0x38, 0x40)
+    assert _decode(0x22222222, words, 0, True) != _decode(0x22222222, words, 0, True, swapped)
+
+
+def test_decode_check_catches_an_unmoved_sign():
+    """The plain nibble signs read through the packed decode are wrong: the sign move is
+    what the decode relies on (a pack that forgot it would fail the GEMM tests, too)."""
+    plain = 0x1A3C5E7F  # signs alternate across the nibbles
+    moved = int.from_bytes(bytes(packed.move_signs(torch.tensor(
+        list(plain.to_bytes(4, "little")), dtype=torch.uint8)).tolist()), "little")
+    words = (0x38, 0x38)
+    assert _decode(plain, words, 0, True) != _decode(moved, words, 0, True)
 
 
 # ----------------------------------------------------------------------------- plan

@@ -47,7 +47,6 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cute_fp4.kernels.epilogue import store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
-from cute_fp4.kernels.sm90_convert import permute_bytes
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 
@@ -60,44 +59,7 @@ GROUP_K_BLOCKS = 2  # K blocks (16 elements) decoded and issued per WGMMA commit
 _LUT = {True: ((0xC0800000, 0xC0804000), (0x7B7B7B00, 0x7C7C7C7C)),
         False: ((0x00000000, 0x00000000), (0x5E5C5800, 0x66646260))}
 LUT_EXPONENT = {True: 120, False: 8}  # the tables' power of two; the scale word's is minus
-
-
-def fragment_ptx(bf16: bool) -> str:
-    """PTX: one 32-bit word of four packed bytes ({$r0}) and two raw scale words ({$r1} for
-    bytes 0 and 2, {$r2} for bytes 1 and 3, :func:`raw_scale_word`) -> four 16-bit x 2
-    words ({$w0}..{$w3}), word ``j`` = (low nibble, high nibble) of byte ``j`` times its
-    scale.
-
-    Table lookup, exact: the magnitude bits of the eight codes select, with PRMT, the bytes
-    of ``v * 2^e`` (``e`` = :data:`LUT_EXPONENT`) from 8-entry tables, two PRMTs put the low
-    and high bytes of each word together (FP16: the low bytes are all zero, one PRMT), one
-    PRMT and one LOP3 put each code's sign bit on bit 15 / 31, and one multiply by the raw
-    scale ``s * 2^-e`` gives ``v * s`` (6 significant bits, a normal number: exact). 23
-    instructions per 8 elements for BF16 (the FP16-and-widen decode took 43), 21 for FP16.
-    """
-    (lo0, lo1), (hi0, hi1) = _LUT[bf16]
-    mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
-    body = ["{", ".reg .b32 r, rh, l0, h0, l1, h1, s4, v, g, ta, tb, tc, td;",
-            f"mov.b32 tc, {hi0:#x};", f"mov.b32 td, {hi1:#x};",
-            "and.b32 r, {$r0}, 0x77777777;", "shr.u32 rh, r, 16;",
-            "prmt.b32 h0, tc, td, r;", "prmt.b32 h1, tc, td, rh;"]
-    if bf16:
-        body += [f"mov.b32 ta, {lo0:#x};", f"mov.b32 tb, {lo1:#x};",
-                 "prmt.b32 l0, ta, tb, r;", "prmt.b32 l1, ta, tb, rh;"]
-    else:
-        body += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
-    body.append("shl.b32 s4, {$r0}, 4;")
-    for j in range(4):
-        lo, hi = ("l0", "h0") if j < 2 else ("l1", "h1")
-        sel = 0x5140 if j % 2 == 0 else 0x7362
-        sign_sel = j | j << 4 | (4 + j) << 8 | (4 + j) << 12
-        scale = "{$r" + str(1 + j % 2) + "}"
-        body += [f"prmt.b32 v, {lo}, {hi}, {sel:#x};",
-                 f"prmt.b32 g, s4, {{$r0}}, {sign_sel:#x};",
-                 "lop3.b32 v, v, g, 0x80008000, 0xF8;",  # v | (g & 0x80008000)
-                 f"{mul} {{$w{j}}}, v, {scale};"]
-    body.append("}")
-    return "\n".join(body)
+_SCALE_SHIFT = {True: 4, False: 7}  # E4M3's exponent onto BF16's / FP16's low exponent bits
 
 
 def raw_scale_word(sf, bf16: bool):
@@ -108,27 +70,91 @@ def raw_scale_word(sf, bf16: bool):
     return (sf & 0x7F) * (0x00100010 if bf16 else 0x00800080)
 
 
-def scale_from_word(word, kq: int, bf16: bool, prmt=None):
-    """:func:`raw_scale_word` of byte ``kq`` of a word of four scale bytes: the two even
-    (or odd) bytes masked and shifted into place at once, then one PRMT copies byte ``kq``'s
-    half into both halves (3 instructions per scale byte before, ~2 now). ``prmt(a, b,
-    sel)`` defaults to the kernels' PRMT; the CPU tests pass their model of it."""
-    shift = 4 if bf16 else 7
-    if kq % 2 == 0:
-        m = (word & 0x007F007F) << shift
+def scale_halves(word, odd: bool, bf16: bool):
+    """A word of four UE4M3 scale bytes (one row, 64 K elements) -> the :func:`raw_scale_word`
+    halves of bytes 0 and 2 (``odd`` False) or 1 and 3: one shift and one mask, the two
+    words of a row shared by its four K blocks (plain integer arithmetic: the kernel and
+    the CPU tests run it)."""
+    shift = _SCALE_SHIFT[bf16]
+    mask = 0x007F007F << shift
+    return ((word >> (8 - shift)) if odd else (word << shift)) & mask
+
+
+def fragment_ptx(bf16: bool, kq: int) -> str:
+    """PTX of one K block: its packed word ``{$r0}`` (four bytes, one per A-fragment
+    register), the :func:`scale_halves` words of rows ``g`` ({$r1}) and ``g + 8`` ({$r2})
+    that hold its scale (half ``kq // 2``, ``kq`` the K block's byte in the scale words),
+    the tables' first words ({$r3}: high bytes; {$r4}: low bytes, BF16 only; see
+    :func:`decode_tables`) -> four 16-bit x 2 words ({$w0}..{$w3}), word ``j`` = (low
+    nibble, high nibble) of byte ``j`` times the scale of row ``g`` (``j`` even) or
+    ``g + 8`` (``j`` odd).
+
+    Exact for every code and scale: the magnitude bits of the eight codes select, with
+    PRMT, the bytes of ``v * 2^e`` (``e`` = :data:`LUT_EXPONENT`) from 8-entry tables (two
+    PRMTs per table: codes 0-3 and 4-7); the repack put each group's sign bits on bit 7 of
+    the word's bytes (codes 0-3) and of the word shifted left by 4 (codes 4-7,
+    :data:`cute_fp4.packed.SIGN_BIT`), so two LOP3s merge them into the high bytes; one
+    PRMT per word interleaves low and high bytes (FP16: the low bytes are zero). Each
+    word's multiply takes its row's raw scale ``s * 2^-e`` (E4M3's exponent moved onto the
+    16-bit type's, subnormal for small scales) from one half of the scale word, broadcast
+    (an HMUL2 operand swizzle in SASS): ``v * s`` exactly (6 significant bits, a normal
+    number). Per 8 elements 13 integer instructions (BF16; 11 FP16) and 4 multiplies, plus
+    2 for the scale words (the decode before this took 23 + 5 + 4).
+    """
+    (_, lo1), (_, hi1) = _LUT[bf16]
+    mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
+    body = ["{", ".reg .b32 r, rh, h0, h1, l0, l1, s4, sl, sh, v, tb, ub;",
+            ".reg .b16 pl, ph;",
+            "and.b32 r, {$r0}, 0x77777777;", "shr.u32 rh, r, 16;",
+            f"mov.b32 tb, {hi1:#x};",
+            "prmt.b32 h0, {$r3}, tb, r;", "prmt.b32 h1, {$r3}, tb, rh;"]
+    if bf16:
+        body += [f"mov.b32 ub, {lo1:#x};",
+                 "prmt.b32 l0, {$r4}, ub, r;", "prmt.b32 l1, {$r4}, ub, rh;"]
     else:
-        m = (word >> (8 - shift)) & (0x007F007F << shift)
-    return (prmt or permute_bytes)(m, m, 0x1010 if kq < 2 else 0x3232)
+        body += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
+    # the packed word holds the sign of nibble i < 4 at bit 8i + 7, of nibble i + 4 at
+    # 8i + 3 (cute_fp4.packed.SIGN_BIT): the word and the word << 4 are the sign planes
+    body += ["shl.b32 s4, {$r0}, 4;",
+             "lop3.b32 h0, h0, {$r0}, 0x80808080, 0xF8;",  # h | (q & 0x80808080)
+             "lop3.b32 h1, h1, s4, 0x80808080, 0xF8;"]
+    half = "ph" if kq // 2 else "pl"
+    for reg, src in (("sl", "{$r1}"), ("sh", "{$r2}")):
+        body += [f"mov.b32 {{pl, ph}}, {src};", f"mov.b32 {reg}, {{{half}, {half}}};"]
+    for j in range(4):
+        lo, hi = ("l0", "h0") if j < 2 else ("l1", "h1")
+        sel = 0x5140 if j % 2 == 0 else 0x7362
+        body += [f"prmt.b32 v, {lo}, {hi}, {sel:#x};",
+                 f"{mul} {{$w{j}}}, v, {'sl' if j % 2 == 0 else 'sh'};"]
+    body.append("}")
+    return "\n".join(body)
 
 
-_PTX = {True: fragment_ptx(True), False: fragment_ptx(False)}
+_PTX = {(bf16, kq): fragment_ptx(bf16, kq) for bf16 in (True, False) for kq in range(4)}
+
+# A constant in a per-thread register: the thread index has bit 31 clear, so
+# ``(tid & 2^31) | v`` is ``v``, but ptxas cannot prove it uniform, so it neither keeps the
+# value in a uniform register nor re-materialises it (one IMAD per use) inside the loop.
+def pinned_word(value: int):
+    """``value`` (a 32-bit constant) in a register of its own for the whole kernel."""
+    tid = cute.arch.thread_idx()[0]
+    return cute.arch.inline_ptx(f"lop3.b32 {{$w0}}, {{$r0}}, 0x80000000, {value:#x}, 0xEA;",
+                                write_only_types=[cutlass.Uint32],
+                                read_only_args=[cutlass.Uint32(tid)])  # (tid & 2^31) | v
 
 
-def decode_fragment(q, scale_lo, scale_hi, bf16: bool):
-    """Four A-fragment registers of one K block from their packed word and the scale words
-    of rows ``g`` and ``g + 8``."""
-    return cute.arch.inline_ptx(_PTX[bf16], write_only_types=[cutlass.Uint32] * 4,
-                                read_only_args=[q, scale_lo, scale_hi])
+def decode_tables(bf16: bool) -> tuple:
+    """The first words of the decode's high-byte (and, BF16, low-byte) tables, pinned in
+    registers once per thread; the second words ride PRMT's immediate operand."""
+    (lo0, _), (hi0, _) = _LUT[bf16]
+    return (pinned_word(hi0), pinned_word(lo0)) if bf16 else (pinned_word(hi0),)
+
+
+def decode_fragment(q, s_lo, s_hi, kq: int, tables: tuple, bf16: bool):
+    """Four A-fragment registers of one K block from its packed word, the
+    :func:`scale_halves` words of rows ``g`` and ``g + 8`` and :func:`decode_tables`."""
+    return cute.arch.inline_ptx(_PTX[(bf16, kq)], write_only_types=[cutlass.Uint32] * 4,
+                                read_only_args=[q, s_lo, s_hi, *tables])
 
 
 def sf_word_offset(row, k_units):
@@ -195,6 +221,7 @@ class PackedRegisterMainloop:
         w4a4_sync = pipeline.NamedBarrier(barrier_id=int(Barrier.ALL_MMA),
                                           num_threads=self.num_mma_threads)
         scale = self._scale(p)
+        tables = decode_tables(bf16)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -216,12 +243,12 @@ class PackedRegisterMainloop:
             if w.k_count > 0:
                 mainloop.consumer_wait(read)
                 self._k_tile(mainloop, read, release, s, t, wg, mt, ctid, sf_word, frags, accs,
-                             tCrB, w4a4_sync, bf16, False)
+                             tCrB, w4a4_sync, tables, bf16, False)
                 read.advance()
             for _ in cutlass.range(1, w.k_count, unroll=1):
                 mainloop.consumer_wait(read)
                 self._k_tile(mainloop, read, release, s, t, wg, mt, ctid, sf_word, frags, accs,
-                             tCrB, w4a4_sync, bf16, self.w4a16)
+                             tCrB, w4a4_sync, tables, bf16, self.w4a16)
                 if cutlass.const_expr(self.w4a16):
                     release.advance()
                 read.advance()
@@ -238,7 +265,7 @@ class PackedRegisterMainloop:
 
     @cute.jit
     def _k_tile(self, mainloop, read, release, s, t, wg, mt, ctid, sf_word, frags, accs, tCrB,
-                w4a4_sync, bf16, release_prev: cutlass.Constexpr):
+                w4a4_sync, tables, bf16, release_prev: cutlass.Constexpr):
         """One K tile (stage ``read.index``, already full): fragments -> registers, then the
         WGMMA groups; ``release_prev``: release stage ``release`` (the previous K tile's) once
         its WGMMAs are done (W4A16; W4A4 releases each stage after converting it)."""
@@ -249,7 +276,7 @@ class PackedRegisterMainloop:
         if cutlass.const_expr(not self.w4a16):
             b_idx = 0
             self._convert_activation(s, st, mt, ctid, w4a4_sync)
-        rQ, rS = self._load_fragments(s, st, t, wg * mb_n, sf_word)
+        rQ, rS = self._load_fragments(s, st, t, wg * mb_n, sf_word, bf16)
         if cutlass.const_expr(not self.w4a16):
             mainloop.consumer_release(read)  # everything left is in registers or A16
         for g in cutlass.range_constexpr(n_groups):
@@ -257,7 +284,7 @@ class PackedRegisterMainloop:
             if cutlass.const_expr(release_prev and g == 1):
                 mainloop.consumer_release(release)  # every WGMMA of that tile is done
             for b in cutlass.range_constexpr(mb_n):
-                self._decode_group(rQ, rS, b, g, frags[b][g % 2], bf16)
+                self._decode_group(rQ, rS, b, g, frags[b][g % 2], tables, bf16)
             warpgroup.fence()
             for b in cutlass.range_constexpr(mb_n):
                 for j in cutlass.range_constexpr(GROUP_K_BLOCKS):
@@ -266,10 +293,10 @@ class PackedRegisterMainloop:
             warpgroup.commit_group()
 
     @cute.jit
-    def _load_fragments(self, s, st, t, wg_rows, sf_word):
+    def _load_fragments(self, s, st, t, wg_rows, sf_word, bf16):
         """This thread's packed weight words ``rQ[b][ku][kb, 0]`` (16 bytes per M block and K
-        unit) and scale words ``rS[b, h, ku]`` of stage ``st`` (``wg_rows``: the first
-        64-row block of this warpgroup in the tile)."""
+        unit) and :func:`scale_halves` words ``rS[b, h, ku, kq % 2]`` of stage ``st``
+        (``wg_rows``: the first 64-row block of this warpgroup in the tile)."""
         mb_n = self.rs_m_blocks
         k_units = self.tile_k // UNIT_K
         q32 = cute.recast_tensor(s.sB[(None, None, None, None, st)], cutlass.Uint32)
@@ -278,7 +305,7 @@ class PackedRegisterMainloop:
         sf32 = cute.make_tensor(cute.recast_ptr(sf_stage.iterator, dtype=cutlass.Uint32),
                                 cute.make_layout(n_sf))
         rQ = []  # [M block][K unit]: (4, 1) words
-        rS = cute.make_rmem_tensor((mb_n, 2, k_units), cutlass.Uint32)
+        rS = cute.make_rmem_tensor((mb_n, 2, k_units, 2), cutlass.Uint32)
         for b in cutlass.range_constexpr(mb_n):
             rQ.append([])
             for ku in cutlass.range_constexpr(k_units):
@@ -290,19 +317,20 @@ class PackedRegisterMainloop:
                 rQ[b].append(words)
             for h in cutlass.range_constexpr(2):
                 for ku in cutlass.range_constexpr(k_units):
-                    rS[b, h, ku] = sf32[sf_word[2 * b + h] + ku * (SF_ATOM_BYTES // 4)]
+                    word = sf32[sf_word[2 * b + h] + ku * (SF_ATOM_BYTES // 4)]
+                    for odd in cutlass.range_constexpr(2):
+                        rS[b, h, ku, odd] = scale_halves(word, bool(odd), bf16)
         return rQ, rS
 
     @cute.jit
-    def _decode_group(self, rQ, rS, b, g, frag, bf16):
+    def _decode_group(self, rQ, rS, b, g, frag, tables, bf16):
         """K blocks ``2g, 2g + 1`` of M block ``b`` -> the A fragment ``frag``."""
         f32 = cute.recast_tensor(frag, cutlass.Uint32)
         for j in cutlass.range_constexpr(GROUP_K_BLOCKS):
             kb = g * GROUP_K_BLOCKS + j
             ku, kq = kb // 4, kb % 4
-            s_lo = scale_from_word(rS[b, 0, ku], kq, bf16)
-            s_hi = scale_from_word(rS[b, 1, ku], kq, bf16)
-            o = decode_fragment(rQ[b][ku][kq, 0], s_lo, s_hi, bf16)
+            o = decode_fragment(rQ[b][ku][kq, 0], rS[b, 0, ku, kq % 2], rS[b, 1, ku, kq % 2],
+                                kq, tables, bf16)
             for i in cutlass.range_constexpr(4):
                 f32[j * 4 + i] = o[i]
 
