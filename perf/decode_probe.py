@@ -4,12 +4,12 @@
     python perf/decode_probe.py --launch LABEL M N K     # one variant, for Nsight Compute
 
 The sweep times every variant of :func:`_variants` (rs_packed tiles x warpgroups x split-K,
-non-persistent fewer-stage twins for occupancy, the plain-weight swap-AB kernel) on the model-decode shapes of :data:`SHAPES`, each
-output checked against the exact reference, and writes ``DIR/decode_probe.json`` / ``.md``
-after every shape. ``--launch`` runs one variant (or ``quack``) a few times with
-``cudaProfilerStart/Stop`` around the last launch, for ``ncu --profile-from-start off``.
-Times: ``cute_fp4.bench.Timer`` (CUDA-graph replay, L2 flushed, median); "wTB/s" = weight
-bytes (N K / 2 + N K / 16) / time.
+non-persistent fewer-stage twins for occupancy, the plain-weight swap-AB kernel) on the
+model-decode shapes of :data:`SHAPES`, each output checked against the exact reference,
+and writes ``DIR/decode_probe.json`` / ``.md`` after every shape. ``--launch`` runs one
+variant (or ``quack``) a few times with ``cudaProfilerStart/Stop`` around the last launch,
+for ``ncu --profile-from-start off``. Times: ``cute_fp4.bench.Timer`` (CUDA-graph replay,
+L2 flushed, median); "wTB/s" = weight bytes (N K / 2 + N K / 16) / time.
 """
 
 from __future__ import annotations
