@@ -24,6 +24,7 @@ from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import Mainloop, Problem, Schedule
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
+_TEMPLATES: dict[tuple[int, int], torch.Tensor] = {}  # (device, counter capacity) -> header
 _PRIVATE = threading.local()  # .on: launches get workspaces of their own (private_workspaces)
 
 
@@ -49,28 +50,63 @@ def split_workspace(kernel, m: int, n: int, device: torch.device) -> torch.Tenso
     launches on two streams never do; it is replaced by a larger one (counters and
     partials at least doubled) when a launch needs more (the old one goes back to torch's
     allocator in stream order). No device access unless a buffer is made (so no sync); a
-    launch being captured into a CUDA graph gets a buffer of its own, which the graph
-    zeroes on every replay and which no other launch shares."""
+    launch being captured into a CUDA graph gets a buffer of its own, which no other launch
+    shares and whose header and counters the graph copies in on every replay (its partials
+    need no initialisation)."""
     from cute_fp4.kernels.launch import split_workspace_needs
 
     s = kernel.schedule
     counters, partials = split_workspace_needs(s.split_k, m, n, (s.tile.m, s.tile.n),
                                                kernel.split_slots, kernel.split_values)
-    if getattr(_PRIVATE, "on", False) or (device.type == "cuda"
-                                          and torch.cuda.is_current_stream_capturing()):
-        # a CUDA-graph capture (and a custom op's body) gets its own workspace, zeroed by
+    private = getattr(_PRIVATE, "on", False)
+    if private or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # a CUDA-graph capture (and a custom op's body) gets its own workspace, set up by
         # a node of the graph and not kept here (see private_workspaces)
-        return _new_workspace(counters, partials, device)[0]
+        return _private_workspace(counters, partials, device)
     key = (device.index, kernel.stream_handle(device.index))
     held = _WORKSPACES.get(key)
     if held is not None:
         ws, n_counters, n_partials = held
         if n_counters >= counters and n_partials >= partials:
+            _header_template(n_counters, device)
             return ws
         counters = max(counters, 2 * n_counters)
         partials = max(partials, 2 * n_partials)
     made = _WORKSPACES[key] = _new_workspace(counters, partials, device)
+    _header_template(made[1], device)
     return made[0]
+
+
+def _counter_capacity(counters: int) -> int:
+    """Counters rounded up to a power of two (>= 64): few distinct header templates."""
+    return max(64, 1 << (counters - 1).bit_length())
+
+
+def _header_template(counters: int, device) -> torch.Tensor | None:
+    """The first ``SPLIT_HEADER + capacity`` words of a fresh workspace (word 0 = where the
+    partials start, zero counters), kept per (device, capacity) and made only outside
+    CUDA-graph captures and custom-op bodies (their allocations belong to the graph's
+    pool); None when there is none for that capacity. An eager launch makes the one its
+    own capture would need, as the warm-up run before a capture does."""
+    cap = _counter_capacity(counters)
+    key = (device.index, cap)
+    tpl = _TEMPLATES.get(key)
+    if tpl is None and not getattr(_PRIVATE, "on", False) and not (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        tpl = _TEMPLATES[key] = _new_workspace(cap, 0, device)[0]
+    return tpl
+
+
+def _private_workspace(counters: int, partials: int, device) -> torch.Tensor:
+    """A workspace of its own: its partials uninitialised (the kernel writes them before it
+    reads them), its header and counters copied from the template (one memory-copy node in
+    a CUDA graph instead of two fill kernels), or filled when there is no template."""
+    tpl = _TEMPLATES.get((device.index, _counter_capacity(counters)))
+    if tpl is None:
+        return _new_workspace(counters, partials, device)[0]
+    ws = torch.empty(tpl.numel() + partials, dtype=torch.int32, device=device)
+    ws[:tpl.numel()].copy_(tpl)
+    return ws
 
 
 def _new_workspace(counters: int, partials: int, device) -> tuple[torch.Tensor, int, int]:

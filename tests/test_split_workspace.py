@@ -44,10 +44,40 @@ def test_private_workspaces_are_not_kept():
     dev = torch.device("cpu")
     k = _Kernel(2, stream=21)
     kept = split_workspace(k, 1, 1024, dev)
+    counters, partials = split_workspace_needs(2, 1, 1024, (8, 64), 128, 4)
     with private_workspaces():
         own = split_workspace(k, 1, 1024, dev)
-        assert own.data_ptr() != kept.data_ptr() and int(own[0]) == int(kept[0])
+        again = split_workspace(k, 1, 1024, dev)
+    assert len({own.data_ptr(), again.data_ptr(), kept.data_ptr()}) == 3
+    for ws in (own, again):
+        first = int(ws[0])
+        assert first % 4 == 0 and first - SPLIT_HEADER >= counters
+        assert ws.numel() - first >= partials and not ws[SPLIT_HEADER:first].any()
     assert split_workspace(k, 1, 1024, dev).data_ptr() == kept.data_ptr()
+
+
+def test_private_workspace_copies_the_template_an_eager_launch_made():
+    """A private (captured) workspace is its header and counters copied from the template
+    of its counter capacity, which only an eager launch makes; without one it is zeroed
+    and filled (two kernels in a graph instead of one copy)."""
+    from cute_fp4 import run
+
+    dev = torch.device("cpu")
+    k = _Kernel(3, stream=31)
+    m, n = 5, 64 * 700  # a counter capacity no other test uses
+    counters, partials = split_workspace_needs(3, m, n, (8, 64), 128, 4)
+    cap = run._counter_capacity(counters)
+    run._TEMPLATES.pop((dev.index, cap), None)
+    with run.private_workspaces():
+        bare = split_workspace(k, m, n, dev)  # no template yet: made and filled
+        assert (dev.index, cap) not in run._TEMPLATES
+    split_workspace(k, m, n, dev)  # eager: makes the template
+    tpl = run._TEMPLATES[(dev.index, cap)]
+    assert int(tpl[0]) == tpl.numel() == SPLIT_HEADER + cap and not tpl[1:].any()
+    with run.private_workspaces():
+        own = split_workspace(k, m, n, dev)
+    assert torch.equal(own[:tpl.numel()], tpl) and own.numel() == tpl.numel() + partials
+    assert int(bare[0]) >= SPLIT_HEADER + counters and not bare[SPLIT_HEADER:int(bare[0])].any()
 
 
 def test_partial_layout_fills_the_workspace_past_the_counters():

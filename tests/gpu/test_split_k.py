@@ -99,8 +99,8 @@ def test_split_k_deterministic_and_graph_replay():
         eager = [run_compiled(kern, a, b).clone() for _ in range(4)]
         assert all(torch.equal(eager[0], o) for o in eager[1:]), f"{name}: reruns differ"
         out = torch.empty_like(eager[0])
-        run_compiled(kern, a, b, out=out)  # warm; capture runs on its own stream, whose
-        # workspace is then allocated (zeroed, its header set) inside the capture
+        run_compiled(kern, a, b, out=out)  # warm (makes the header template); the capture
+        # gets a workspace of its own, header and counters copied from the template
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             run_compiled(kern, a, b, out=out)
