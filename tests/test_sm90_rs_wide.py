@@ -28,7 +28,7 @@ from ptx_model import run_ptx
 import cute_fp4 as cf
 from cute_fp4 import catalogue, packed
 from cute_fp4.errors import FormatError, InputError
-from cute_fp4.kernels.sm90_rs_wide import GROUP_K_BLOCKS, fragment_ptx, sf_word_offset
+from cute_fp4.kernels.sm90_rs_wide import fragment_ptx, sf_word_offset
 from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize, sf_atom_offset
 from cute_fp4.schedule import Mainloop, Problem, Schedule, Tile, Warps
 
@@ -190,8 +190,12 @@ def test_scale_word_offsets_match_the_blocked_layout():
 def test_groups_alternate_buffers_across_tiles():
     """The A buffers alternate g % 2: an even group count per tile keeps them alternating
     across the K-tile boundary, which the wait_group(1) reuse argument needs."""
-    for tile_k in (64, 128):
-        assert (tile_k // (16 * GROUP_K_BLOCKS)) % 2 == 0
+    from cute_fp4.kernels.sm90_rs_wide import group_k_blocks
+
+    for tile_k in (64, 128, 192, 256):
+        for m_blocks in (1, 2):
+            assert (tile_k // (16 * group_k_blocks(tile_k, m_blocks))) % 2 == 0
+    assert group_k_blocks(128, 1) == 4 and group_k_blocks(64, 1) == group_k_blocks(128, 2) == 2
 
 
 # ----------------------------------------------------------------------------- decode PTX
@@ -395,20 +399,19 @@ def test_fragment_registers_are_where_the_decode_writes_them(name):
     import cutlass.cute as cute
 
     from cute_fp4.compile import kernel_class
-    from cute_fp4.kernels.sm90_rs_wide import GROUP_K_BLOCKS
-
     s = catalogue.get(name)
     k = kernel_class(s)(s, Problem(a_format="bf16"))
     out = {}
+    group = k.rs_group
 
     def walk():
         k._setup()
         bad = 0
         for t in range(128):
             part = k.tiled_mma.get_slice(t).partition_A(
-                cute.make_identity_tensor((64, 16 * GROUP_K_BLOCKS)))
-            assert cute.size(part) == 8 * GROUP_K_BLOCKS
-            for j in range(GROUP_K_BLOCKS):
+                cute.make_identity_tensor((64, 16 * group)))
+            assert cute.size(part) == 8 * group
+            for j in range(group):
                 for i in range(4):
                     for h in range(2):
                         r, kk = isa_a_fragment(t, i, h)

@@ -75,6 +75,7 @@ from cute_fp4.kernels.sm90_convert import convert_word, scale_word
 from cute_fp4.kernels.sm90_rs import RegisterSourcedMainloop
 from cute_fp4.kernels.sm90_rs_wide import (
     PackedRegisterMainloop,
+    group_k_blocks,
     weight_global_view,
     weight_stage_layout,
 )
@@ -147,6 +148,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         self.wm, self.wn = schedule.warps.mma
         self.num_wg = self.wn if self.swap_ab else self.wm * self.wn
         self.rs_m_blocks = t.n // self.wm // 64  # rs_packed: 64-row M blocks per warpgroup
+        self.rs_group = group_k_blocks(t.k, self.rs_m_blocks)  # rs_packed: K blocks per commit
         self.num_mma_threads = self.num_wg * WARPGROUP
         # split-K arrival counters per output tile: one per consumer thread and accumulator
         # (swap-AB: warpgroup 0 stores the CTA's sum) and accumulator values per thread

@@ -16,7 +16,8 @@ its 128x4 scale atoms. A consumer warpgroup, per K tile:
 
 * loads its fragment bytes (one 16-byte ``ld.shared`` per M block and 64 K elements) and its
   scales (one 32-bit word per row and 64 K elements) into registers;
-* walks the tile in groups of two K blocks (32 K): ``wait_group(1)`` (the WGMMAs of the
+* walks the tile in groups of K blocks (:func:`group_k_blocks`: four, 64 K, with one M
+  block per warpgroup and K tiles of 128; else two): ``wait_group(1)`` (the WGMMAs of the
   group before last are done, so the A buffer of this group is free), decodes the group
   into one of two A-fragment buffers, ``fence``, issues its WGMMAs (``64 x tile.m x 16``
   per M block and K block) and commits. Decoding group g + 1 overlaps the WGMMAs of group
@@ -50,7 +51,16 @@ from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 
-GROUP_K_BLOCKS = 2  # K blocks (16 elements) decoded and issued per WGMMA commit group
+GROUP_K_BLOCKS = 2  # K blocks (16 elements) decoded and issued per WGMMA commit group...
+WIDE_GROUP_K_BLOCKS = 4  # ... or this many with one M block per warpgroup and K tiles of 128
+
+
+def group_k_blocks(tile_k: int, m_blocks: int) -> int:
+    """K blocks per WGMMA commit group: four (four decode chains in flight per thread, one
+    wait and fence per 64 K) where the A buffers stay small (one 64-row M block) and a K
+    tile still holds an even number of groups, else two."""
+    wide = m_blocks == 1 and tile_k % (2 * 16 * WIDE_GROUP_K_BLOCKS) == 0
+    return WIDE_GROUP_K_BLOCKS if wide else GROUP_K_BLOCKS
 
 
 
@@ -206,7 +216,7 @@ class PackedRegisterMainloop:
         gD_t = cute.local_tile(p.gD, (UNIT_ROWS, tm), (None, None, None))
         acc_shape = thr_mma.partition_C(gD_t[(None, None, 0, 0, 0)]).shape
         frag_shape = thr_mma.partition_A(
-            cute.make_identity_tensor((UNIT_ROWS, 16 * GROUP_K_BLOCKS))).shape
+            cute.make_identity_tensor((UNIT_ROWS, 16 * self.rs_group))).shape
         accs = []
         frags = []  # [M block][buffer]: A fragments of one group
         for _ in cutlass.range_constexpr(mb_n):
@@ -270,7 +280,8 @@ class PackedRegisterMainloop:
         WGMMA groups; ``release_prev``: release stage ``release`` (the previous K tile's) once
         its WGMMAs are done (W4A16; W4A4 releases each stage after converting it)."""
         mb_n = self.rs_m_blocks
-        n_groups = self.tile_k // (16 * GROUP_K_BLOCKS)
+        group = self.rs_group
+        n_groups = self.tile_k // (16 * group)
         st = read.index
         b_idx = st
         if cutlass.const_expr(not self.w4a16):
@@ -287,9 +298,9 @@ class PackedRegisterMainloop:
                 self._decode_group(rQ, rS, b, g, frags[b][g % 2], tables, bf16)
             warpgroup.fence()
             for b in cutlass.range_constexpr(mb_n):
-                for j in cutlass.range_constexpr(GROUP_K_BLOCKS):
+                for j in cutlass.range_constexpr(group):
                     cute.gemm(self.tiled_mma, accs[b], frags[b][g % 2][(None, None, j)],
-                              tCrB[(None, None, g * GROUP_K_BLOCKS + j, b_idx)], accs[b])
+                              tCrB[(None, None, g * group + j, b_idx)], accs[b])
             warpgroup.commit_group()
 
     @cute.jit
@@ -324,10 +335,11 @@ class PackedRegisterMainloop:
 
     @cute.jit
     def _decode_group(self, rQ, rS, b, g, frag, tables, bf16):
-        """K blocks ``2g, 2g + 1`` of M block ``b`` -> the A fragment ``frag``."""
+        """K blocks ``G g .. G g + G - 1`` (``G`` = ``self.rs_group``) of M block ``b`` -> the
+        A fragment ``frag``."""
         f32 = cute.recast_tensor(frag, cutlass.Uint32)
-        for j in cutlass.range_constexpr(GROUP_K_BLOCKS):
-            kb = g * GROUP_K_BLOCKS + j
+        for j in cutlass.range_constexpr(self.rs_group):
+            kb = g * self.rs_group + j
             ku, kq = kb // 4, kb % 4
             o = decode_fragment(rQ[b][ku][kq, 0], rS[b, 0, ku, kq % 2], rS[b, 1, ku, kq % 2],
                                 kq, tables, bf16)
@@ -347,5 +359,6 @@ class PackedRegisterMainloop:
         sync.arrive_and_wait()
 
 
-__all__ = ["GROUP_K_BLOCKS", "PackedRegisterMainloop", "decode_fragment", "fragment_ptx",
-           "sf_word_offset", "weight_global_view", "weight_stage_layout"]
+__all__ = ["GROUP_K_BLOCKS", "WIDE_GROUP_K_BLOCKS", "PackedRegisterMainloop", "decode_fragment",
+           "fragment_ptx", "group_k_blocks", "sf_word_offset", "weight_global_view",
+           "weight_stage_layout"]
