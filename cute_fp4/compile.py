@@ -291,7 +291,7 @@ class CompiledGemm:
     def _dsl_args(self, raw: tuple[int, ...]) -> tuple:
         """The DSL call path's arguments for ``raw`` (:func:`kernels.launch.raw_args`): its
         pointer objects, Int32s and a CUstream, each made once per value and kept (making
-        the seven pointers alone took ~15 us per call)."""
+        the pointers alone took ~15 us per call)."""
         made = self._made
         if len(made) >= 4096:  # many distinct addresses: don't grow forever
             made.clear()
@@ -307,10 +307,11 @@ class CompiledGemm:
     def _dsl_object(self, slot: int, value: int, last: int):
         import cutlass
 
-        if slot < 7:
+        slots = self._kernel.pointer_slots()
+        if slot < len(slots):
             from cutlass.cute.runtime import make_ptr
 
-            dtype, align = self._kernel.pointer_slots()[slot]
+            dtype, align = slots[slot]
             return make_ptr(dtype, value, cutlass.AddressSpace.gmem, assumed_align=align)
         if slot < last:
             return cutlass.Int32(value)

@@ -24,7 +24,10 @@ from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import Mainloop, Problem, Schedule
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
-_TEMPLATES: dict[tuple[int, int], torch.Tensor] = {}  # (device, counter capacity) -> header
+# (device, counter capacity) -> zeroed counter blocks ready for captured launches, and the
+# blocks captured launches took (their graphs may replay for the rest of the process)
+_RESERVE: dict[tuple[int, int], list[torch.Tensor]] = {}
+_CAPTURED: list[torch.Tensor] = []
 _PRIVATE = threading.local()  # .on: launches get workspaces of their own (private_workspaces)
 
 
@@ -42,71 +45,81 @@ def private_workspaces():
         _PRIVATE.on = before
 
 
-def split_workspace(kernel, m: int, n: int, device: torch.device) -> torch.Tensor:
+def split_workspace(kernel, m: int, n: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K workspace of ``kernel`` for an ``m x n`` output on ``device``
-    (``epilogue.store_split_k``'s layout): word 0 = where the partials start, then int32
-    arrival counters that every launch leaves at zero, then FP32 partials. One buffer per
-    (device, stream), so that launches on one stream share it in stream order and
-    launches on two streams never do; it is replaced by a larger one (counters and
-    partials at least doubled) when a launch needs more (the old one goes back to torch's
-    allocator in stream order). No device access unless a buffer is made (so no sync); a
-    launch being captured into a CUDA graph gets a buffer of its own, which no other launch
-    shares and whose header and counters the graph copies in on every replay (its partials
-    need no initialisation)."""
+    (``epilogue.store_split_k``'s layout), as the kernel's (counters, partials) pair: the
+    counters' word 0 says where the partials start, then int32 arrival counters that every
+    launch leaves at zero; FP32 partials (as int32 words) need no initialisation.
+
+    Eager launches: one buffer (both of the pair) per (device, stream), so that launches on
+    one stream share it in stream order and launches on two streams never do; replaced by
+    a larger one (counters and partials at least doubled) when a launch needs more (the old
+    one goes back to torch's allocator in stream order). No device access unless a buffer
+    is made (so no sync). A launch being captured into a CUDA graph gets a workspace no
+    other launch shares: zeroed counters taken from a reserve that eager launches fill (no
+    node in the graph; kept for the life of the process, a few hundred bytes each) and
+    partials from the graph's pool; without a reserve (or in a custom op's body,
+    :func:`private_workspaces`), one buffer zeroed by the graph on every replay."""
     from cute_fp4.kernels.launch import split_workspace_needs
 
     s = kernel.schedule
     counters, partials = split_workspace_needs(s.split_k, m, n, (s.tile.m, s.tile.n),
                                                kernel.split_slots, kernel.split_values)
-    private = getattr(_PRIVATE, "on", False)
-    if private or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        # a CUDA-graph capture (and a custom op's body) gets its own workspace, set up by
-        # a node of the graph and not kept here (see private_workspaces)
-        return _private_workspace(counters, partials, device)
+    capturing = _capturing(device)
+    if capturing or getattr(_PRIVATE, "on", False):
+        block = _reserved_counters(counters, device) if capturing else None
+        if block is not None:
+            return block, torch.empty(partials, dtype=torch.int32, device=device)
+        ws = _new_workspace(counters, partials, device)[0]
+        return ws, ws
     key = (device.index, kernel.stream_handle(device.index))
     held = _WORKSPACES.get(key)
-    if held is not None:
-        ws, n_counters, n_partials = held
-        if n_counters >= counters and n_partials >= partials:
-            _header_template(n_counters, device)
-            return ws
-        counters = max(counters, 2 * n_counters)
-        partials = max(partials, 2 * n_partials)
-    made = _WORKSPACES[key] = _new_workspace(counters, partials, device)
-    _header_template(made[1], device)
-    return made[0]
+    if held is None or held[1] < counters or held[2] < partials:
+        if held is not None:
+            counters = max(counters, 2 * held[1])
+            partials = max(partials, 2 * held[2])
+        held = _WORKSPACES[key] = _new_workspace(counters, partials, device)
+    _fill_reserve(held[1], device)
+    return held[0], held[0]
+
+
+_RESERVE_BATCH = 64  # counter blocks made at once when a reserve runs low
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _counter_capacity(counters: int) -> int:
-    """Counters rounded up to a power of two (>= 64): few distinct header templates."""
+    """Counters rounded up to a power of two (>= 64): a few reserves serve every launch."""
     return max(64, 1 << (counters - 1).bit_length())
 
 
-def _header_template(counters: int, device) -> torch.Tensor | None:
-    """The first ``SPLIT_HEADER + capacity`` words of a fresh workspace (word 0 = where the
-    partials start, zero counters), kept per (device, capacity) and made only outside
-    CUDA-graph captures and custom-op bodies (their allocations belong to the graph's
-    pool); None when there is none for that capacity. An eager launch makes the one its
-    own capture would need, as the warm-up run before a capture does."""
-    cap = _counter_capacity(counters)
-    key = (device.index, cap)
-    tpl = _TEMPLATES.get(key)
-    if tpl is None and not getattr(_PRIVATE, "on", False) and not (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        tpl = _TEMPLATES[key] = _new_workspace(cap, 0, device)[0]
-    return tpl
+def _fill_reserve(counters: int, device) -> None:
+    """Eager launches keep :data:`_RESERVE_BATCH` / 2 or more zeroed counter blocks of
+    their capacity ready for captures (made only outside captures and custom-op bodies,
+    whose allocations belong to a graph's pool)."""
+    from cute_fp4.kernels.epilogue import SPLIT_HEADER
+
+    key = (device.index, _counter_capacity(counters))
+    free = _RESERVE.setdefault(key, [])
+    if len(free) >= _RESERVE_BATCH // 2 or getattr(_PRIVATE, "on", False):
+        return
+    width = SPLIT_HEADER + key[1]  # word 0 = 0: the partials are a buffer of their own
+    blocks = torch.zeros(_RESERVE_BATCH, width, dtype=torch.int32, device=device)
+    free.extend(blocks.unbind(0))
 
 
-def _private_workspace(counters: int, partials: int, device) -> torch.Tensor:
-    """A workspace of its own: its partials uninitialised (the kernel writes them before it
-    reads them), its header and counters copied from the template (one memory-copy node in
-    a CUDA graph instead of two fill kernels), or filled when there is no template."""
-    tpl = _TEMPLATES.get((device.index, _counter_capacity(counters)))
-    if tpl is None:
-        return _new_workspace(counters, partials, device)[0]
-    ws = torch.empty(tpl.numel() + partials, dtype=torch.int32, device=device)
-    ws[:tpl.numel()].copy_(tpl)
-    return ws
+def _reserved_counters(counters: int, device) -> torch.Tensor | None:
+    """A zeroed counter block for a captured launch, kept alive from now on (the graph
+    may replay at any time), or None when the reserve is empty."""
+    free = _RESERVE.get((device.index, _counter_capacity(counters)))
+    if not free:
+        return None
+    block = free.pop()
+    _CAPTURED.append(block)
+    return block
 
 
 def _new_workspace(counters: int, partials: int, device) -> tuple[torch.Tensor, int, int]:

@@ -170,6 +170,7 @@ def checks_cost() -> dict:
     the operand checks, building the DSL arguments, the compiled call alone, the whole."""
     from cute_fp4.api import _alpha_tensor, check_operands
     from cute_fp4.bench import Timer
+    from cute_fp4.run import split_workspace
 
     rows = []
     timer = Timer()
@@ -178,7 +179,7 @@ def checks_cost() -> dict:
         a, b = make_operands(16, 8192, 8192)
         out = torch.empty((16, 8192), dtype=torch.bfloat16, device="cuda")
         alpha = _alpha_tensor(a, b, None)
-        ws = torch.empty((s.split_k, 16, 8192), dtype=torch.float32, device="cuda")
+        ws = split_workspace(kern, 16, 8192, out.device) if s.split_k > 1 else None
         from cuda.bindings import driver
 
         stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)

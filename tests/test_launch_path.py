@@ -56,18 +56,20 @@ def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
     a, b = w4a16()
     out = torch.empty(M, N, dtype=torch.bfloat16)
     alpha = torch.ones(1)
-    ws = torch.empty(split_k, M, N) if split_k > 1 else None
+    ws = (torch.zeros(68, dtype=torch.int32), torch.empty(split_k, M, N)) if split_k > 1 \
+        else None
     kern = kernel if split_k == 1 else host._make_kernel(
         catalogue.get("sm90_decode_swapab").replace(split_k=2), Problem(a_format="bf16"))
     raw = kern.raw_args(a, None, b.data, b.scale, out, alpha, ws, 132, 0xABC0)
     dsl = kern.runtime_args(a, None, b.data, b.scale, out, alpha, ws, "stream")
-    assert len(raw) == len(dsl) == 12 and all(type(x) is int for x in raw)
-    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:7]] == list(raw[:7])
-    assert [int(x) for x in dsl[7:10]] == list(raw[7:10]) == [M, N, K]
-    assert raw[10:] == (132, 0xABC0) and dsl[11] == "stream"
+    assert len(raw) == len(dsl) == 13 and all(type(x) is int for x in raw)
+    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:8]] == list(raw[:8])
+    assert [int(x) for x in dsl[8:11]] == list(raw[8:11]) == [M, N, K]
+    assert raw[11:] == (132, 0xABC0) and dsl[12] == "stream"
     sfb, pal = b.scale.data_ptr(), alpha.data_ptr()
     assert raw[:6] == (a.data_ptr(), sfb, b.data.data_ptr(), sfb, out.data_ptr(), pal)
-    assert raw[6] == (ws.data_ptr() if split_k > 1 else pal)
+    # pWork = the partials, pCount = the header and counters
+    assert raw[6:8] == ((ws[1].data_ptr(), ws[0].data_ptr()) if split_k > 1 else (pal, pal))
 
 
 def test_w4a4_raw_args_carry_both_scales(kernel):
@@ -115,11 +117,11 @@ def test_without_tvm_ffi_the_dsl_call_path_gets_its_objects(kernel):
 
     assert int(args[0].__tvm_ffi_opaque_ptr__()) == a.data_ptr()
     assert int(args[4].__tvm_ffi_opaque_ptr__()) == out.data_ptr()
-    assert isinstance(args[11], driver.CUstream) and int(args[11]) == 0x5000
-    assert [int(x) for x in args[7:11]] == [M, N, K, 7]  # max_ctas of compiled_gemm
+    assert isinstance(args[12], driver.CUstream) and int(args[12]) == 0x5000
+    assert [int(x) for x in args[8:12]] == [M, N, K, 7]  # max_ctas of compiled_gemm
     # the same types and alignments as runtime_args makes (what fake_args compiled)
     ref = kernel.runtime_args(a, None, b.data, b.scale, out, torch.ones(1), None, None)
-    for got, want in zip(args[:7], ref[:7]):
+    for got, want in zip(args[:8], ref[:8]):
         assert (got.dtype, got._assumed_align) == (want.dtype, want._assumed_align)
     kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
     assert rec.calls[1][:5] == args[:5]  # made once per address, then reused
@@ -216,10 +218,10 @@ def test_the_tvm_ffi_entry_takes_the_raw_args(ffi_kernel, kernel):
     a, b = w4a16()
     out = torch.empty(M, N, dtype=torch.bfloat16)
     args = list(kernel.raw_args(a, None, b.data, b.scale, out, torch.ones(1), None, 8, 0))
-    with pytest.raises(TypeError, match="Expects 12 parameters"):
+    with pytest.raises(TypeError, match="Expects 13 parameters"):
         loaded(*args[:-1])
-    args[8] = 1.5  # n must be an int
-    with pytest.raises(TypeError, match="argument #8"):
+    args[9] = 1.5  # n must be an int
+    with pytest.raises(TypeError, match="argument #9"):
         loaded(*args)
 
 

@@ -25,16 +25,17 @@ class _Kernel:
 def test_workspace_reuse_growth_and_header():
     dev = torch.device("cpu")
     k = _Kernel(4, stream=11)
-    a = split_workspace(k, 1, 1024, dev)
-    assert split_workspace(k, 1, 1024, dev).data_ptr() == a.data_ptr()
+    a, a_work = split_workspace(k, 1, 1024, dev)
+    assert a_work is a  # eager: one buffer, partials past the counters
+    assert split_workspace(k, 1, 1024, dev)[0].data_ptr() == a.data_ptr()
     counters, partials = split_workspace_needs(4, 1, 1024, (8, 64), 128, 4)
     first = int(a[0])
     assert first % 4 == 0 and first - SPLIT_HEADER >= counters
     assert a.numel() - first >= partials and not a[SPLIT_HEADER:first].any()
-    big = split_workspace(k, 16, 8192, dev)  # more tiles: a new, larger buffer
+    big, _ = split_workspace(k, 16, 8192, dev)  # more tiles: a new, larger buffer
     assert big.data_ptr() != a.data_ptr() and int(big[0]) >= 2 * (first - SPLIT_HEADER)
-    assert split_workspace(k, 1, 1024, dev).data_ptr() == big.data_ptr()  # fits: reused
-    other = split_workspace(_Kernel(4, stream=12), 1, 1024, dev)  # another stream
+    assert split_workspace(k, 1, 1024, dev)[0].data_ptr() == big.data_ptr()  # fits: reused
+    other, _ = split_workspace(_Kernel(4, stream=12), 1, 1024, dev)  # another stream
     assert other.data_ptr() != big.data_ptr()
 
 
@@ -43,23 +44,25 @@ def test_private_workspaces_are_not_kept():
 
     dev = torch.device("cpu")
     k = _Kernel(2, stream=21)
-    kept = split_workspace(k, 1, 1024, dev)
+    kept, _ = split_workspace(k, 1, 1024, dev)
     counters, partials = split_workspace_needs(2, 1, 1024, (8, 64), 128, 4)
     with private_workspaces():
-        own = split_workspace(k, 1, 1024, dev)
-        again = split_workspace(k, 1, 1024, dev)
+        own, own_work = split_workspace(k, 1, 1024, dev)
+        again, _ = split_workspace(k, 1, 1024, dev)
+    assert own_work is own
     assert len({own.data_ptr(), again.data_ptr(), kept.data_ptr()}) == 3
     for ws in (own, again):
         first = int(ws[0])
         assert first % 4 == 0 and first - SPLIT_HEADER >= counters
         assert ws.numel() - first >= partials and not ws[SPLIT_HEADER:first].any()
-    assert split_workspace(k, 1, 1024, dev).data_ptr() == kept.data_ptr()
+    assert split_workspace(k, 1, 1024, dev)[0].data_ptr() == kept.data_ptr()
 
 
-def test_private_workspace_copies_the_template_an_eager_launch_made():
-    """A private (captured) workspace is its header and counters copied from the template
-    of its counter capacity, which only an eager launch makes; without one it is zeroed
-    and filled (two kernels in a graph instead of one copy)."""
+def test_captured_launches_take_zeroed_counters_from_the_reserve(monkeypatch):
+    """Under a capture (modelled: the capture test reads True), each launch takes a zeroed
+    counter block of its own from the reserve eager launches fill, kept alive, with word 0
+    = 0 (its partials are a buffer of their own); an empty reserve falls back to one
+    zeroed buffer."""
     from cute_fp4 import run
 
     dev = torch.device("cpu")
@@ -67,17 +70,21 @@ def test_private_workspace_copies_the_template_an_eager_launch_made():
     m, n = 5, 64 * 700  # a counter capacity no other test uses
     counters, partials = split_workspace_needs(3, m, n, (8, 64), 128, 4)
     cap = run._counter_capacity(counters)
-    run._TEMPLATES.pop((dev.index, cap), None)
-    with run.private_workspaces():
-        bare = split_workspace(k, m, n, dev)  # no template yet: made and filled
-        assert (dev.index, cap) not in run._TEMPLATES
-    split_workspace(k, m, n, dev)  # eager: makes the template
-    tpl = run._TEMPLATES[(dev.index, cap)]
-    assert int(tpl[0]) == tpl.numel() == SPLIT_HEADER + cap and not tpl[1:].any()
-    with run.private_workspaces():
-        own = split_workspace(k, m, n, dev)
-    assert torch.equal(own[:tpl.numel()], tpl) and own.numel() == tpl.numel() + partials
-    assert int(bare[0]) >= SPLIT_HEADER + counters and not bare[SPLIT_HEADER:int(bare[0])].any()
+    run._RESERVE.pop((dev.index, cap), None)
+    monkeypatch.setattr(run, "_capturing", lambda device: True)
+    bare, bare_work = split_workspace(k, m, n, dev)  # no reserve yet: one zeroed buffer
+    assert bare_work is bare and int(bare[0]) >= SPLIT_HEADER + counters
+    monkeypatch.setattr(run, "_capturing", lambda device: False)
+    split_workspace(k, m, n, dev)  # eager: fills the reserve
+    assert len(run._RESERVE[(dev.index, cap)]) == run._RESERVE_BATCH
+    monkeypatch.setattr(run, "_capturing", lambda device: True)
+    got = [split_workspace(k, m, n, dev) for _ in range(3)]
+    assert len({c.data_ptr() for c, _ in got}) == 3
+    for c, w in got:
+        assert c.numel() == SPLIT_HEADER + cap >= SPLIT_HEADER + counters and not c.any()
+        assert w.numel() == partials and w.data_ptr() != c.data_ptr()
+        assert any(c is kept for kept in run._CAPTURED)
+    assert len(run._RESERVE[(dev.index, cap)]) == run._RESERVE_BATCH - 3
 
 
 def test_partial_layout_fills_the_workspace_past_the_counters():

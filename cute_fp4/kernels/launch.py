@@ -2,7 +2,7 @@
 
 Compiled signature (all families)::
 
-    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, m, n, k, max_ctas, stream)
+    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, pCount, m, n, k, max_ctas, stream)
 
 raw global pointers and Int32 sizes, so one compile serves every shape and a launch reads
 only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call). Compiled with
@@ -13,10 +13,12 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
 * ``pSFA``/``pSFB``: UE4M3 scales of A/B in the 128x4 blocked layout, flat bytes (W4A16:
   ``pSFA`` repeats ``pSFB`` and is never read);
 * ``pB``: B, uint8 ``[N, K/2]``; ``pC``: the output ``[M, N]`` row-major;
-* ``pAlpha``: one float32 on the device; ``pWork``: the split-K workspace (without
-  split-K, ``pAlpha`` again, never read): a header word, int32 arrival counters, zero
-  between launches, then FP32 partials (:func:`split_workspace_needs`; the kernel reduces
-  the partials itself and stores D, see ``epilogue.store_split_k``);
+* ``pAlpha``: one float32 on the device; ``pWork`` and ``pCount``: the split-K workspace
+  (without split-K, ``pAlpha`` again, never read): ``pCount`` a header word (where the
+  partials start in ``pWork``) and int32 arrival counters, zero between launches;
+  ``pWork`` the FP32 partials (:func:`split_workspace_needs`; the kernel reduces the
+  partials itself and stores D, see ``epilogue.store_split_k``). The two are one buffer
+  for eager launches and two for a CUDA-graph capture (``cute_fp4.run.split_workspace``);
 * ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count).
 
 The caller (``cute_fp4.api.check_operands``) has checked dtypes, shapes, contiguity and
@@ -41,7 +43,8 @@ _GMEM = cute.AddressSpace.gmem
 
 
 class PointerTypes(NamedTuple):
-    """Element types of the pointer arguments of a kernel (``pWork`` is always FP32)."""
+    """Element types of the pointer arguments of a kernel (``pWork`` is always FP32,
+    ``pCount`` int32)."""
 
     a: type  # Uint8 (packed NVFP4) or the 16-bit activation type
     c: type  # the output element type
@@ -57,7 +60,7 @@ class GemmTensors(NamedTuple):
     mD: cute.Tensor  # (M, N, 1): the output
     mAlpha: cute.Tensor  # (1,) float32
     mWork: cute.Tensor  # split-K: the workspace as flat FP32 (without split-K: unused)
-    mCount: cute.Tensor  # split-K: the workspace as flat int32, counters first (unused)
+    mCount: cute.Tensor  # split-K: the header and counters, flat int32 (without: unused)
 
 
 def out_dtype(schedule: Schedule) -> type:
@@ -83,33 +86,36 @@ def _ptr(dtype, address, align):
     return make_ptr(dtype, address, _GMEM, assumed_align=align)
 
 
+N_POINTERS = 8  # pointer arguments of the launch signature (then m, n, k, max_ctas, stream)
+
+
+def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], ...]:
+    """(element type, assumed alignment in bytes) of the :data:`N_POINTERS` pointer
+    arguments, as :func:`fake_args` compiles them and :func:`runtime_args` makes them."""
+    u8, f32, i32 = cutlass.Uint8, cutlass.Float32, cutlass.Int32
+    work = 16 if split_k > 1 else 4
+    return ((types.a, 16), (u8, 16), (u8, 16), (u8, 16), (types.c, 16), (f32, 4),
+            (f32, work), (i32, work))
+
+
 def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
     """Placeholder arguments for ``cute.compile`` (symbolic M, N, K)."""
     from cutlass.cute.runtime import make_fake_stream
 
-    u8 = cutlass.Uint8
     i32 = cutlass.Int32
-    return (_ptr(types.a, 0, 16), _ptr(u8, 0, 16), _ptr(u8, 0, 16), _ptr(u8, 0, 16),
-            _ptr(types.c, 0, 16), _ptr(cutlass.Float32, 0, 4),
-            _ptr(cutlass.Float32, 0, 16 if split_k > 1 else 4),
-            i32(0), i32(0), i32(0), i32(max_ctas), make_fake_stream())
+    ptrs = tuple(_ptr(dtype, 0, align) for dtype, align in pointer_slots(types, split_k))
+    return (*ptrs, i32(0), i32(0), i32(0), i32(max_ctas), make_fake_stream())
 
 
 def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out, alpha,
                  workspace, stream) -> tuple:
-    """The compiled signature's arguments from checked torch tensors."""
-    m, n = out.shape
-    sfb = b_scale.data_ptr()
-    f32 = cutlass.Float32
-    work = (_ptr(f32, workspace.data_ptr(), 16) if split_k > 1
-            else _ptr(f32, alpha.data_ptr(), 4))
-    u8 = cutlass.Uint8
-    return (_ptr(types.a, a.data_ptr(), 16),
-            _ptr(u8, sfb if a_scale is None else a_scale.data_ptr(), 16),
-            _ptr(u8, b.data_ptr(), 16), _ptr(u8, sfb, 16),
-            _ptr(types.c, out.data_ptr(), 16), _ptr(f32, alpha.data_ptr(), 4), work,
-            cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(b.shape[1] * 2),
-            cutlass.Int32(sm_count(out.device.index) if out.is_cuda else 1), stream)
+    """The compiled signature's arguments from checked torch tensors (``workspace``: the
+    (counters, partials) pair of ``cute_fp4.run.split_workspace``, or None)."""
+    raw = raw_args(split_k, a, a_scale, b, b_scale, out, alpha, workspace,
+                   sm_count(out.device.index) if out.is_cuda else 1, 0)
+    slots = pointer_slots(types, split_k)
+    ptrs = tuple(_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw))
+    return (*ptrs, *(cutlass.Int32(v) for v in raw[N_POINTERS:-1]), stream)
 
 
 def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
@@ -121,17 +127,10 @@ def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ct
     sfb = b_scale.data_ptr()
     pal = alpha.data_ptr()
     m, n = out.shape
+    count, work = ((workspace[0].data_ptr(), workspace[1].data_ptr()) if split_k > 1
+                   else (pal, pal))
     return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(), sfb,
-            out.data_ptr(), pal, workspace.data_ptr() if split_k > 1 else pal,
-            m, n, b.shape[1] * 2, max_ctas, stream)
-
-
-def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], ...]:
-    """(element type, assumed alignment in bytes) of the seven pointer arguments, as
-    :func:`fake_args` compiles them and :func:`runtime_args` makes them."""
-    u8, f32 = cutlass.Uint8, cutlass.Float32
-    return ((types.a, 16), (u8, 16), (u8, 16), (u8, 16), (types.c, 16), (f32, 4),
-            (f32, 16 if split_k > 1 else 4))
+            out.data_ptr(), pal, work, count, m, n, b.shape[1] * 2, max_ctas, stream)
 
 
 @functools.cache
@@ -152,7 +151,7 @@ def _sf_bytes(ptr, rows, half_k):
 
 
 def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pWork,
-                   m, n, k) -> GemmTensors:
+                   pCount, m, n, k) -> GemmTensors:
     """The launch's global tensors over the raw pointers (call while tracing)."""
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
@@ -169,8 +168,7 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
     mWork = mCount = mAlpha
     if split_k > 1:
         mWork = cute.make_tensor(pWork, cute.make_layout((1 << 30,)))
-        mCount = cute.make_tensor(cute.recast_ptr(pWork, dtype=cutlass.Int32),
-                                  cute.make_layout((1 << 30,)))
+        mCount = cute.make_tensor(pCount, cute.make_layout((1 << 30,)))
     return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
                        _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount)
 
@@ -186,11 +184,12 @@ class GemmLaunch:
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
+                 pWork: cute.Pointer, pCount: cute.Pointer, m: cutlass.Int32,
+                 n: cutlass.Int32, k: cutlass.Int32, max_ctas: cutlass.Int32,
+                 stream: cuda.CUstream):
         """Entry point: raw global pointers and sizes (see the module docstring)."""
         self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
-                                    pAlpha, pWork, m, n, k), max_ctas, stream)
+                                    pAlpha, pWork, pCount, m, n, k), max_ctas, stream)
 
     def fake_args(self) -> tuple:
         """Arguments for ``cute.compile`` (M, N, K symbolic)."""
@@ -221,8 +220,8 @@ class NoopLaunch:
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pWork: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 max_ctas: cutlass.Int32, stream):
+                 pWork: cute.Pointer, pCount: cute.Pointer, m: cutlass.Int32,
+                 n: cutlass.Int32, k: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         pass
 
 
@@ -245,7 +244,7 @@ def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlph
     """The grouped launch's global tensors over the raw pointers (call while tracing).
     ``b_row_align``: the weight's stored rows per group are ``n`` rounded up to it (64 for
     the fragment-order packed weight, 1 for the plain one)."""
-    dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, m, n, k)
+    dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, pAlpha, m, n, k)
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
     rows = (n + b_row_align - 1) // b_row_align * b_row_align
@@ -307,6 +306,7 @@ class GroupedLaunch(GemmLaunch):
                 (cutlass.Float32, 4), (cutlass.Int32, 4))
 
 
-__all__ = ["GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors", "NoopLaunch",
-           "PointerTypes", "fake_args", "global_tensors", "grouped_tensors", "out_dtype",
-           "pointer_slots", "raw_args", "runtime_args", "sm_count", "split_workspace_needs"]
+__all__ = ["N_POINTERS", "GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors",
+           "NoopLaunch", "PointerTypes", "fake_args", "global_tensors", "grouped_tensors",
+           "out_dtype", "pointer_slots", "raw_args", "runtime_args", "sm_count",
+           "split_workspace_needs"]

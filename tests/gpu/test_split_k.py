@@ -47,7 +47,7 @@ def _cases():
 
 
 def _counters_zero(kern, m, n) -> bool:
-    ws = split_workspace(kern, m, n, torch.device("cuda", torch.cuda.current_device()))
+    ws, _ = split_workspace(kern, m, n, torch.device("cuda", torch.cuda.current_device()))
     tiles = -(-m // kern.schedule.tile.m) * -(-n // kern.schedule.tile.n)
     return bool((ws[SPLIT_HEADER:SPLIT_HEADER + tiles * kern.split_slots] == 0).all())
 
@@ -99,11 +99,12 @@ def test_split_k_deterministic_and_graph_replay():
         eager = [run_compiled(kern, a, b).clone() for _ in range(4)]
         assert all(torch.equal(eager[0], o) for o in eager[1:]), f"{name}: reruns differ"
         out = torch.empty_like(eager[0])
-        run_compiled(kern, a, b, out=out)  # warm (makes the header template); the capture
-        # gets a workspace of its own, header and counters copied from the template
+        run_compiled(kern, a, b, out=out)  # warm (fills the counter reserve); the capture
+        # takes zeroed counters from the reserve and its partials from the graph's pool
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             run_compiled(kern, a, b, out=out)
+            run_compiled(kern, a, b, out=out)  # a second launch: counters of its own
         for _ in range(3):
             out.fill_(float("nan"))
             g.replay()
@@ -116,13 +117,13 @@ def test_split_k_workspace_per_stream():
     name, fmt = _bases()[0]
     kern = compile(catalogue.get(name).replace(split_k=2), Signature(fmt))
     dev = torch.device("cuda", torch.cuda.current_device())
-    w0 = split_workspace(kern, 16, 1024, dev)
+    w0, _ = split_workspace(kern, 16, 1024, dev)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        w1 = split_workspace(kern, 16, 1024, dev)
+        w1, _ = split_workspace(kern, 16, 1024, dev)
         a, b = make_operands(16, 1024, 4096, fmt, seed=1)
         out = run_compiled(kern, a, b)
     side.synchronize()
     assert w0.data_ptr() != w1.data_ptr()
     assert reference.check(out, a, b).passed
-    assert split_workspace(kern, 16, 1024, dev).data_ptr() == w0.data_ptr()
+    assert split_workspace(kern, 16, 1024, dev)[0].data_ptr() == w0.data_ptr()
