@@ -389,6 +389,37 @@ def test_rs_packed_compiles_pipelined(tmp_path):
     assert row["kloop"]["mma"] == 4
 
 
+# the decode K loop's SASS as measured (sm_90a, 2026-12-01, sm90_rs_packed_decode_128 at
+# M = 1, K tile 128, one WGMMA per K block): 217 instructions per K tile (324 before the
+# decode rework), PRMT 8 and LOP3 4 per K block; the budget leaves a few for ptxas noise
+KLOOP_BUDGET = {"instructions": 232, "PRMT": 8, "LOP3": 4, "HMUL2": 4}
+
+
+@pytest.mark.compile
+def test_decode_kloop_stays_inside_its_instruction_budget(tmp_path):
+    """The decode's K loop is ALU-bound on the H200 (perf/results/2026-12-01-h200-decode*):
+    its size per K tile and its PRMT/LOP3/HMUL2 per K block may not grow, and no decode
+    constant is re-materialised from a uniform register inside it (the pinned tables)."""
+    from collections import Counter
+
+    from cute_fp4.compile import compile_report
+    from cute_fp4.inspect import find_kloop, parse_sass
+
+    row = compile_report("sm90_rs_packed_decode_128", "sm_90a", Problem(1, 8192, 8192, "bf16"),
+                         dump_dir=tmp_path)
+    assert row["ok"] and row["spills"] == 0, row.get("reason")
+    sass = next(tmp_path.glob("*.sass")).read_text()
+    k = find_kloop(sass)
+    body = [i for i in parse_sass(sass)[k.function] if k.head <= i.addr <= k.tail]
+    ops = Counter(i.opcode.split(".")[0] for i in body)
+    assert k.mma == 8 and k.instructions <= KLOOP_BUDGET["instructions"], (k, ops)
+    for op in ("PRMT", "LOP3", "HMUL2"):
+        assert ops[op] <= KLOOP_BUDGET[op] * k.mma, (op, ops)
+    remat = [i for i in body if i.opcode == "IMAD.U32" and i.operands[1:3] == ("RZ", "RZ")
+             and i.operands[3].startswith("UR")]
+    assert len(remat) <= 2, remat
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("name", ["sm90_rs_packed", "sm90_rs_packed_w256"])
 def test_fragment_registers_are_where_the_decode_writes_them(name):
