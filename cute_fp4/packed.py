@@ -33,7 +33,11 @@ word, and in the word shifted left by 4), so no instruction gathers them
 (:func:`move_signs`, :func:`restore_signs`, :func:`fragment_code`). The scale factors keep
 the 128x4 blocked layout of :class:`~cute_fp4.nvfp4.NVFP4Tensor` unchanged (each thread
 reads one 32-bit word per row and 64 K elements). :func:`pack` and :func:`unpack` are exact
-inverses (a permutation of bytes plus zero padding).
+inverses (a permutation of bits plus zero padding).
+
+The layout belongs to this version of the kernels (the sign placement above changed on
+2026-12-01): store the plain NVFP4Tensor, as ``NVFP4Linear.state_dict`` does, and repack
+after loading.
 """
 
 from __future__ import annotations
