@@ -315,7 +315,8 @@ class NVFP4Linear(torch.nn.Module):
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         w = self._stored_weight()
-        if x2.device != w.data.device:
+        dev = w.data.get_device()
+        if x2.get_device() != dev:  # ints: cheaper than comparing torch.device objects
             raise InputError(f"input is on {x2.device} but the layer is on {w.data.device}")
         m = x2.shape[0]
         if m == 0:
@@ -326,10 +327,9 @@ class NVFP4Linear(torch.nn.Module):
         else:
             a, fmt, alpha = x2, _ACT_FORMATS[x2.dtype], self.weight_scale_2
         if self.layout == "packed":
-            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, w.data.get_device(),
-                               packed=True)
+            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=True)
         else:
-            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, w.data.get_device())
+            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev)
         y = _run(kern, a, w, alpha, (m, n, k, fmt))
         if self.bias is not None:
             y.add_(self.bias)

@@ -193,7 +193,10 @@ def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
                 ga = ga.to(dev, torch.float32)
             gs = gs * ga
         return gs if gs.dim() == 0 or gs.shape == (1,) else gs.reshape(1)
-    if (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+    if isinstance(alpha, torch.Tensor):
+        if alpha.dtype == torch.float32 and alpha.numel() == 1 and alpha.device == b.device:
+            return alpha  # the kernels read its data pointer only
+    elif (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
             and not torch.compiler.is_compiling()):
         return _scalar_alpha(float(alpha), b.device)
     return torch.as_tensor(alpha, dtype=torch.float32, device=b.device).reshape(1)

@@ -28,6 +28,10 @@ _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
 # blocks captured launches took (their graphs may replay for the rest of the process)
 _RESERVE: dict[tuple[int, int], list[torch.Tensor]] = {}
 _CAPTURED: list[torch.Tensor] = []
+# eager launches' answers, (stream, kernel, m, n) -> (generation, pair); the generation
+# moves when a workspace is made or a reserve is drawn from, which voids them all
+_EAGER: dict[tuple, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+_GENERATION = [0]
 _PRIVATE = threading.local()  # .on: launches get workspaces of their own (private_workspaces)
 
 
@@ -61,27 +65,43 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     node in the graph; kept for the life of the process, a few hundred bytes each) and
     partials from the graph's pool; without a reserve (or in a custom op's body,
     :func:`private_workspaces`), one buffer zeroed by the graph on every replay."""
-    from cute_fp4.kernels.launch import split_workspace_needs
-
-    s = kernel.schedule
-    counters, partials = split_workspace_needs(s.split_k, m, n, (s.tile.m, s.tile.n),
-                                               kernel.split_slots, kernel.split_values)
-    capturing = _capturing(device)
-    if capturing or getattr(_PRIVATE, "on", False):
-        block = _reserved_counters(counters, device) if capturing else None
-        if block is not None:
-            return block, torch.empty(partials, dtype=torch.int32, device=device)
-        ws = _new_workspace(counters, partials, device)[0]
-        return ws, ws
-    key = (device.index, kernel.stream_handle(device.index))
-    held = _WORKSPACES.get(key)
+    if getattr(_PRIVATE, "on", False) or _capturing(device):
+        return _own_workspace(kernel, m, n, device)
+    stream = (device.index, kernel.stream_handle(device.index))
+    memo = _EAGER.get((stream, kernel, m, n))
+    if memo is not None and memo[0] == _GENERATION[0]:
+        return memo[1]
+    counters, partials = _needs(kernel, m, n)
+    held = _WORKSPACES.get(stream)
     if held is None or held[1] < counters or held[2] < partials:
         if held is not None:
             counters = max(counters, 2 * held[1])
             partials = max(partials, 2 * held[2])
-        held = _WORKSPACES[key] = _new_workspace(counters, partials, device)
-    _fill_reserve(held[1], device)
-    return held[0], held[0]
+        held = _WORKSPACES[stream] = _new_workspace(counters, partials, device)
+        _GENERATION[0] += 1
+    _fill_reserve(_needs(kernel, m, n)[0], device)  # what a capture of this launch takes
+    if len(_EAGER) >= 4096:
+        _EAGER.clear()
+    pair = _EAGER[(stream, kernel, m, n)] = (_GENERATION[0], (held[0], held[0]))
+    return pair[1]
+
+
+def _needs(kernel, m: int, n: int) -> tuple[int, int]:
+    from cute_fp4.kernels.launch import split_workspace_needs
+
+    s = kernel.schedule
+    return split_workspace_needs(s.split_k, m, n, (s.tile.m, s.tile.n), kernel.split_slots,
+                                 kernel.split_values)
+
+
+def _own_workspace(kernel, m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A captured launch's or a custom-op body's workspace (see :func:`split_workspace`)."""
+    counters, partials = _needs(kernel, m, n)
+    block = _reserved_counters(counters, device) if _capturing(device) else None
+    if block is not None:
+        return block, torch.empty(partials, dtype=torch.int32, device=device)
+    ws = _new_workspace(counters, partials, device)[0]
+    return ws, ws
 
 
 _RESERVE_BATCH = 64  # counter blocks made at once when a reserve runs low
@@ -119,6 +139,7 @@ def _reserved_counters(counters: int, device) -> torch.Tensor | None:
         return None
     block = free.pop()
     _CAPTURED.append(block)
+    _GENERATION[0] += 1  # the next eager launch refills the reserve
     return block
 
 

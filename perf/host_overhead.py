@@ -168,6 +168,10 @@ def gpu_main(args) -> dict:
             "cute_fp4 gemm W4A16 out=": lambda: cf.gemm(a16, b, out=out),  # noqa: B023
             "cute_fp4 gemm W4A4": lambda: cf.gemm(a4, b),  # noqa: B023
         }
+        lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
+        calls["torch nn.Linear bf16"] = lambda: lin(a16)  # noqa: B023
+        for layout, layer in linear_layers(b).items():
+            calls[f"cute_fp4 NVFP4Linear {layout}"] = lambda layer=layer: layer(a16)  # noqa: B023
         q = quack_call(a16, b)
         if q is not None:
             calls["quack gemm_w4a16 nvfp4"] = q
@@ -225,6 +229,14 @@ def stub_gemm_path(entry: str):
     host.clear_cache()
 
 
+def linear_layers(b) -> dict:
+    """NVFP4Linear W4A16 layers over ``b``'s tensors, in both weight layouts."""
+    from cute_fp4.nn import NVFP4Linear
+
+    return {layout: NVFP4Linear(b, mode="w4a16", layout=layout)
+            for layout in ("plain", "packed")}
+
+
 def stub_main(args) -> dict:
     from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 
@@ -243,9 +255,14 @@ def stub_main(args) -> dict:
             row = {"entry": entry, "m": m, "gemm(out=out)_us": round(host_us(
                 lambda: cf.gemm(a, b, out=out), args.calls, args.repeats, lambda: None), 2)}  # noqa: B023
             row["breakdown_us"] = breakdown(a, b, out, args.calls, args.repeats, lambda: None)
+            for layout, layer in linear_layers(b).items():
+                layer(a)
+                row[f"NVFP4Linear {layout}_us"] = round(host_us(
+                    lambda: layer(a), args.calls, args.repeats, lambda: None), 2)  # noqa: B023
             res["rows"].append(row)
+            layers = {k: v for k, v in row.items() if k.startswith("NVFP4Linear")}
             print(f"stub {entry} M={m}: gemm(out=out) {row['gemm(out=out)_us']} us; "
-                  f"{row['breakdown_us']}", flush=True)
+                  f"{layers}; {row['breakdown_us']}", flush=True)
     return res
 
 

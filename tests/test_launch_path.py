@@ -381,3 +381,15 @@ def test_gemm_on_the_stubbed_path_still_checks(monkeypatch, kernel):
     with pytest.raises(InputError, match="a's data pointer"):
         cf.gemm(misaligned(a), b, out=out)
     assert len(rec.calls) == 3
+
+
+def test_alpha_tensor_passes_a_float32_scalar_through_and_converts_the_rest():
+    """A one-element float32 alpha on the weight's device is used as it is (the kernels
+    read its data pointer; no per-call conversion op); any other alpha is converted."""
+    a, b = w4a16()
+    gs = torch.tensor(0.5)
+    assert operands.alpha_tensor(a, b, gs) is gs
+    one = torch.tensor([0.25])
+    assert operands.alpha_tensor(a, b, one) is one
+    f64 = operands.alpha_tensor(a, b, torch.tensor(0.5, dtype=torch.float64))
+    assert f64.dtype == torch.float32 and f64.shape == (1,) and float(f64) == 0.5
