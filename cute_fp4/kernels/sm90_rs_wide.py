@@ -27,11 +27,15 @@ its 128x4 scale atoms. A consumer warpgroup, per K tile:
 
 Decode (exact, :func:`fragment_ptx`): fragment register ``a_j`` of a K block is one packed
 byte; byte ``j`` of the 32-bit word ``4 kb .. 4 kb + 3`` (see cute_fp4.packed) becomes two
-16-bit values looked up by PRMT in 8-entry tables of ``v * 2^e``, its signs set by one LOP3,
-times the row's raw scale ``s * 2^-e`` (one HMUL2, BF16 or FP16 as the activation): ``v * s``
-exactly, in the true units (no offset in the accumulator; W4A4's activation conversion
-leaves its ``2^-7``, which the epilogue multiplies back with alpha). Rows ``g`` (``j``
-even) and ``g + 8`` (``j`` odd) take their own scale.
+16-bit values looked up by PRMT in 8-entry tables of ``v * 2^e`` (table words pinned in
+registers, :func:`decode_tables`), their signs merged from where the repack put them (on
+the table bytes' sign bits, ``cute_fp4.packed.SIGN_BIT``: one LOP3 per four codes), times
+the row's raw scale ``s * 2^-e`` (one HMUL2, BF16 or FP16 as the activation, the scale
+broadcast from one half of a :func:`scale_halves` word): ``v * s`` exactly, in the true
+units (no offset in the accumulator; W4A4's activation conversion leaves its ``2^-7``,
+which the epilogue multiplies back with alpha). Rows ``g`` (``j`` even) and ``g + 8``
+(``j`` odd) take their own scale. Per K block and thread (8 codes): 13 integer
+instructions and 4 HMUL2 (BF16), plus 2 per row and 64 K for the scale words.
 
 W4A4: the packed activation stage is converted once per stage by every consumer thread
 into one FP16 buffer (Sm90Gemm.convert, the shared-memory sourced mainloop's conversion)
