@@ -150,8 +150,8 @@ class NVFP4Linear(torch.nn.Module):
             bias = torch.nn.Parameter(bias.detach().clone().to(dev), requires_grad=False)
         self.mode, self.schedule = mode, schedule
         self.layout = _resolve_layout(layout, mode, weight)
-        data = pack(weight.data.contiguous()) if self.layout == "packed" else weight.data
-        self.register_buffer("weight_packed", data, persistent=False)
+        self.register_buffer("weight_packed", self._layout_bytes(weight.data),
+                             persistent=False)
         self.register_buffer("weight_scale", weight.scale, persistent=False)
         self.register_buffer("weight_scale_2", _scalar(weight.global_scale, "weight global "
                                                        "scale", dev), persistent=False)
@@ -195,8 +195,7 @@ class NVFP4Linear(torch.nn.Module):
         dev = self.weight_packed.device
         gs = _scalar(w.global_scale, "weight_scale_2", dev)
         with torch.no_grad():
-            self.weight_packed.copy_(pack(w.data.contiguous()) if self.layout == "packed"
-                                     else w.data)
+            self.weight_packed.copy_(self._layout_bytes(w.data))
             self.weight_scale.copy_(w.scale)
             self.weight_scale_2.copy_(gs)
         if input_scale is not None:
@@ -238,6 +237,10 @@ class NVFP4Linear(torch.nn.Module):
             return NVFP4Tensor._unchecked(unpack(d, self.out_features), s, g,
                                           (self.out_features, self.in_features))
         return self._stored_weight()
+
+    def _layout_bytes(self, data: torch.Tensor) -> torch.Tensor:
+        """Plain weight bytes ``[N, K/2]`` as this layer stores them (packed: repacked)."""
+        return pack(data.contiguous()) if self.layout == "packed" else data
 
     def _stored_weight(self) -> NVFP4Tensor | PackedNVFP4Weight:
         """The weight as stored (NVFP4Tensor or PackedNVFP4Weight over the buffers), built

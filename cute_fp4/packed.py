@@ -88,23 +88,28 @@ def _bytes(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8).reshape(like.shape)
 
 
+_NIBBLE_SIGN = tuple(4 * i + 3 for i in range(8))  # a nibble's own sign bit (plain layout)
+
+
+def _move_sign_bits(data: torch.Tensor, src: tuple[int, ...], dst: tuple[int, ...]
+                    ) -> torch.Tensor:
+    """Each 32-bit word's sign bits from positions ``src`` to ``dst`` (magnitudes kept)."""
+    w = _words(data)
+    out = w & _MAGNITUDES
+    for a, b in zip(src, dst):
+        out |= ((w >> a) & 1) << b
+    return _bytes(out, data)
+
+
 def move_signs(data: torch.Tensor) -> torch.Tensor:
     """Each fragment word's sign bits from their nibbles to :data:`SIGN_BIT` (bytes in,
     bytes out; the shape is kept)."""
-    w = _words(data)
-    out = w & _MAGNITUDES
-    for i, bit in enumerate(SIGN_BIT):
-        out |= ((w >> (4 * i + 3)) & 1) << bit
-    return _bytes(out, data)
+    return _move_sign_bits(data, _NIBBLE_SIGN, SIGN_BIT)
 
 
 def restore_signs(data: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`move_signs`."""
-    w = _words(data)
-    out = w & _MAGNITUDES
-    for i, bit in enumerate(SIGN_BIT):
-        out |= ((w >> bit) & 1) << (4 * i + 3)
-    return _bytes(out, data)
+    return _move_sign_bits(data, SIGN_BIT, _NIBBLE_SIGN)
 
 
 def fragment_code(word: int, i: int) -> int:

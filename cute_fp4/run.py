@@ -65,8 +65,9 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     node in the graph; kept for the life of the process, a few hundred bytes each) and
     partials from the graph's pool; without a reserve (or in a custom op's body,
     :func:`private_workspaces`), one buffer zeroed by the graph on every replay."""
-    if getattr(_PRIVATE, "on", False) or _capturing(device):
-        return _own_workspace(kernel, m, n, device)
+    capturing = _capturing(device)
+    if capturing or getattr(_PRIVATE, "on", False):
+        return _own_workspace(kernel, m, n, device, capturing)
     stream = (device.index, kernel.stream_handle(device.index))
     memo = _EAGER.get((stream, kernel, m, n))
     if memo is not None and memo[0] == _GENERATION[0]:
@@ -74,12 +75,11 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     counters, partials = _needs(kernel, m, n)
     held = _WORKSPACES.get(stream)
     if held is None or held[1] < counters or held[2] < partials:
-        if held is not None:
-            counters = max(counters, 2 * held[1])
-            partials = max(partials, 2 * held[2])
-        held = _WORKSPACES[stream] = _new_workspace(counters, partials, device)
+        grown = (counters, partials) if held is None else (
+            max(counters, 2 * held[1]), max(partials, 2 * held[2]))
+        held = _WORKSPACES[stream] = _new_workspace(*grown, device)
         _GENERATION[0] += 1
-    _fill_reserve(_needs(kernel, m, n)[0], device)  # what a capture of this launch takes
+    _fill_reserve(counters, device)  # what a capture of this launch takes
     if len(_EAGER) >= 4096:
         _EAGER.clear()
     pair = _EAGER[(stream, kernel, m, n)] = (_GENERATION[0], (held[0], held[0]))
@@ -94,10 +94,11 @@ def _needs(kernel, m: int, n: int) -> tuple[int, int]:
                                  kernel.split_values)
 
 
-def _own_workspace(kernel, m: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_workspace(kernel, m: int, n: int, device, capturing: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A captured launch's or a custom-op body's workspace (see :func:`split_workspace`)."""
     counters, partials = _needs(kernel, m, n)
-    block = _reserved_counters(counters, device) if _capturing(device) else None
+    block = _reserved_counters(counters, device) if capturing else None
     if block is not None:
         return block, torch.empty(partials, dtype=torch.int32, device=device)
     ws = _new_workspace(counters, partials, device)[0]

@@ -170,11 +170,13 @@ def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
     order and stores ``sum * scale`` (``op``-ed, converted) into ``gD_tile``, masked to
     ``rows x cols``. ``acc`` is overwritten (with the sum, in the last split).
 
-    Workspace (``mWork`` flat FP32, ``mCount`` the same memory as int32): word 0 holds
-    ``first``, where the partials start (a multiple of 4, set by the host when it
-    allocates the buffer); the counters are words ``SPLIT_HEADER ..``, zero between
-    launches, ``tile * slots + slot``; the partials lie past every counter any launch on
-    this buffer uses, so no launch's partials ever sit where another's counters are. They
+    Workspace (``mWork`` flat FP32 partials, ``mCount`` flat int32: one buffer for eager
+    launches, two for a captured one, see ``cute_fp4.run.split_workspace``): ``mCount``
+    word 0 holds ``first``, where the partials start in ``mWork`` (a multiple of 4, set
+    by the host when it allocates; 0 for a buffer of their own); the counters are words
+    ``SPLIT_HEADER ..`` of ``mCount``, zero between launches, ``tile * slots + slot``; in
+    one buffer the partials lie past every counter any launch on it uses, so no launch's
+    partials ever sit where another's counters are. They
     are kept in the accumulator's own register order, not the output's: value ``i`` of
     slot ``q`` of (split, tile) at ``first + ((split * tiles + tile) * V / v + i / v) *
     slots * v + q * v + i % v`` (``V`` values per slot, ``v`` = :func:`split_vector`), so

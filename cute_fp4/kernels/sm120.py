@@ -34,8 +34,8 @@ Constraints
   same layout and arrive, no-inc, on the stage's full barrier, whose count is then 1 + 32).
 * Accumulation FP32; output BF16, FP16 or FP32 with alpha (1-element float32 device
   tensor) applied. ``split_k > 1``: each split stores its FP32 partial from registers into
-  the workspace [split_k, M, N], and the last split of a tile to arrive adds them in
-  split order and stores the output (``epilogue.store_split_k``; no host reduction).
+  the split-K workspace, and the last split of a tile to arrive adds them in split order
+  and stores the output (``epilogue.store_split_k``; no host reduction).
 * Shared memory: exactly ``plan(schedule, problem).smem_bytes`` (regions barriers | A | B |
   SFA | SFB | C, each 1024-byte aligned); at most 101,376 B. Cluster 1x1x1 (SM120 has no
   multicast).

@@ -105,7 +105,7 @@ class Sm90Params(NamedTuple):
     n: cutlass.Int32
     mOffsets: cute.Tensor  # grouped: int32 [groups + 1] row offsets (dense: mAlpha, unused)
     mWork: cute.Tensor  # split-K: the workspace (launch.global_tensors), flat FP32
-    mCount: cute.Tensor  # split-K: the same workspace as int32 (its counters first)
+    mCount: cute.Tensor  # split-K: the header and counters, flat int32
 
 
 class SmemTensors(NamedTuple):
