@@ -29,14 +29,21 @@ for spec in "${specs[@]}"; do
   set -- $spec
   timeout 120 $NCU python3 perf/decode_probe.py --launch "$@" > "$OUT/ncu_$1_$3x$4.txt" 2>&1
 done
+# QSPECS: ';'-separated QuantSpec field lists ("staging=regs order=atoms"), one profile each
 if [ "${QPROF:-1}" = 1 ]; then
-  timeout 120 $NCU python3 -c "
-import torch, cute_fp4.quant as q
-x = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)
-gs = torch.tensor([2 / 2688], device='cuda')
-for _ in range(3): q.quantize_activation(x, gs)
-torch.cuda.synchronize(); torch.cuda.profiler.start(); q.quantize_activation(x, gs)
-torch.cuda.synchronize(); torch.cuda.profiler.stop()" > "$OUT/ncu_quantize_4096x4096.txt" 2>&1
+  IFS=';' read -ra qspecs <<< "${QSPECS:-}"
+  [ ${#qspecs[@]} -eq 0 ] && qspecs=("")
+  i=0
+  for q in "${qspecs[@]}"; do
+    timeout 120 $NCU python3 perf/profile_quantize.py 4096 4096 $q \
+      > "$OUT/ncu_quantize_4096x4096_$i.txt" 2>&1
+    i=$((i + 1))
+  done
+fi
+if [ -n "${QBENCH:-}" ]; then
+  timeout "${QBENCH_S:-200}" python3 perf/quantize_bench.py "$OUT/quant.json" $QBENCH \
+    > "$OUT/quant.txt" 2>&1
+  tail -5 "$OUT/quant.txt"
 fi
 if [ -n "${MODEL:-}" ]; then
   timeout "${MODEL_S:-260}" python3 perf/model_decode.py --out "$OUT" $MODEL > "$OUT/model.txt" 2>&1

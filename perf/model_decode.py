@@ -31,13 +31,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -231,6 +234,9 @@ def decode_step(model: nn.Module, st: DecodeState, feedback: bool = True) -> tor
 
 # ----------------------------------------------------------------------------- timing
 
+STEP_KINDS = ("torch", "compiled")
+
+
 def _per_token_ms(run_steps, reset, steps: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -243,17 +249,41 @@ def _per_token_ms(run_steps, reset, steps: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def step_function(model: nn.Module, st: DecodeState, compiled: bool,
+                  backend: str = "inductor") -> Callable[[], Any]:
+    """The decode step of ``model`` on ``st``: eager torch, or ``torch.compile``d whole
+    (Inductor fuses the norms, rotary, softmax and residual adds; the projections stay
+    cuBLAS or cute_fp4 custom ops). The same for every model, so the comparison is fair."""
+    def step():
+        return decode_step(model, st)
+
+    if not compiled:
+        return step
+    return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+
+
 @torch.no_grad()
-def measure(model: nn.Module, st: DecodeState, steps: int, repeats: int, warmup: int
-            ) -> dict:
-    """Eager and CUDA-graph latency per token (ms) of ``model`` on ``st``."""
+def measure(model: nn.Module, st: DecodeState, steps: int, repeats: int, warmup: int,
+            compiled: bool = False) -> dict:
+    """Eager and CUDA-graph latency per token (ms) of ``model``'s decode step on ``st``
+    (with ``compiled``, of its ``torch.compile``d step, whose first logits are also
+    compared with the eager step's)."""
+    step = step_function(model, st, compiled)
+    out = {}
+    if compiled:  # the compiled step computes what the eager one does
+        st.reset()
+        ref = decode_step(model, st).float()
+        st.reset()
+        got = step().float()
+        out["vs_eager_rel_err"] = float((got - ref).norm() / ref.norm())
+
     def eager(n):
         for _ in range(n):
-            decode_step(model, st)
+            step()
 
     st.reset()
     eager(warmup)  # compiles kernels, resolves schedules
-    eager_ms = _per_token_ms(eager, st.reset, steps, repeats)
+    out["eager_ms"] = _per_token_ms(eager, st.reset, steps, repeats)
     st.reset()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -263,7 +293,7 @@ def measure(model: nn.Module, st: DecodeState, steps: int, repeats: int, warmup:
     st.reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_step(model, st)
+        step()
     st.reset()
 
     def replay(n):
@@ -271,8 +301,8 @@ def measure(model: nn.Module, st: DecodeState, steps: int, repeats: int, warmup:
             graph.replay()
 
     replay(warmup)
-    graph_ms = _per_token_ms(replay, st.reset, steps, repeats)
-    return {"eager_ms": eager_ms, "graph_ms": graph_ms}
+    out["graph_ms"] = _per_token_ms(replay, st.reset, steps, repeats)
+    return out
 
 
 @torch.no_grad()
@@ -365,15 +395,18 @@ def environment() -> dict:
 
 
 def bars(rows: list[dict]) -> list[dict]:
-    by = {(r["model"], r["batch"]): r for r in rows if "error" not in r}
+    """Issue 12's bars, for each decode-step kind measured."""
+    by = {(r["model"], r["batch"], r["step"]): r for r in rows if "error" not in r}
     out = []
-    base, w = by.get(("bf16", 1)), by.get(("w4a16", 1))
-    if base and w:
+    for kind in STEP_KINDS:
+        base, w = by.get(("bf16", 1, kind)), by.get(("w4a16", 1, kind))
+        if not (base and w):
+            continue
         sp = base["graph_ms"] / w["graph_ms"]
-        out.append({"bar": "W4A16 batch 1, CUDA graphs: >= 1.4x BF16 tokens/s",
+        out.append({"bar": f"W4A16 batch 1, {kind} step, CUDA graphs: >= 1.4x BF16 tokens/s",
                     "value": round(sp, 3), "passed": sp >= 1.4})
         ratio = base["eager_ms"] / w["eager_ms"]
-        out.append({"bar": "W4A16 batch 1, eager: no slower than BF16",
+        out.append({"bar": f"W4A16 batch 1, {kind} step, eager: no slower than BF16",
                     "value": round(ratio, 3), "passed": ratio >= 1.0})
     return out
 
@@ -388,19 +421,28 @@ def markdown(res: dict) -> str:
              f"heads of {cfg['head_dim']}, vocab {cfg['vocab']} (BF16 lm_head), KV cache "
              f"{cfg['context']} (prefix {res['prefix']}); {res['steps']} steps x "
              f"{res['repeats']} repeats, median; W4A4 input scale: {res['w4a4_scale']}.", "",
-             "| model | batch | eager ms/token | graph ms/token | graph tokens/s | "
-             "graph vs BF16 | eager vs BF16 |", "|---|---|---|---|---|---|---|"]
-    base = {r["batch"]: r for r in res["results"] if r["model"] == "bf16" and "error" not in r}
+             "Step: `torch` runs the decode step's ops one by one; `compiled` is the same "
+             "step through `torch.compile(fullgraph=True)` (Inductor), for every model.", "",
+             "| model | step | batch | eager ms/token | graph ms/token | graph tokens/s | "
+             "graph vs BF16 | eager vs BF16 |", "|---|---|---|---|---|---|---|---|"]
+    base = {(r["batch"], r["step"]): r for r in res["results"]
+            if r["model"] == "bf16" and "error" not in r}
     for r in res["results"]:
+        head = f"| {r['model']} | {r['step']} | {r['batch']} |"
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | error: {r['error'][:150]} | | | | |")
+            lines.append(f"{head} error: {r['error'][:150]} | | | | |")
             continue
-        b = base.get(r["batch"])
+        b = base.get((r["batch"], r["step"]))
         tok = r["batch"] * 1e3 / r["graph_ms"]
         sg = f"{b['graph_ms'] / r['graph_ms']:.2f}x" if b else "-"
         se = f"{b['eager_ms'] / r['eager_ms']:.2f}x" if b else "-"
-        lines.append(f"| {r['model']} | {r['batch']} | {r['eager_ms']:.3f} | "
-                     f"{r['graph_ms']:.3f} | {tok:,.0f} | {sg} | {se} |")
+        lines.append(f"{head} {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | {tok:,.0f} | "
+                     f"{sg} | {se} |")
+    compiled = [r for r in res["results"] if "vs_eager_rel_err" in r]
+    if compiled:
+        worst = max(r["vs_eager_rel_err"] for r in compiled)
+        lines += ["", f"Compiled step vs eager step, first logits, worst relative "
+                  f"difference: {worst:.2e}."]
     lines += ["", "| model | projection weights | logits rel. err vs BF16 (mean / max) | "
               "top-1 agreement |", "|---|---|---|---|",
               f"| bf16 | {res['weight_bytes'].get('bf16', 0) / 2**20:,.0f} MiB | reference | "
@@ -423,6 +465,14 @@ def markdown(res: dict) -> str:
 
 # ----------------------------------------------------------------------------- main
 
+def _measured(model, st, steps, repeats, warmup, kind: str) -> dict:
+    """:func:`measure`, a failure recorded rather than raised (the other rows go on)."""
+    try:
+        return measure(model, st, steps, repeats, warmup, compiled=kind == "compiled")
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for model_decode.json and .md")
@@ -440,6 +490,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512, help="KV-cache length")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per timing")
     ap.add_argument("--repeats", type=int, default=None, help="timings per measure")
+    ap.add_argument("--step", default="torch", help="comma-separated decode-step kinds: "
+                    "torch (op by op), compiled (torch.compile of the whole step)")
     ap.add_argument("--budget-s", type=float, default=220.0, help="skip the modes not "
                     "started after this many seconds (the run must fit ~4 minutes)")
     args = ap.parse_args(argv)
@@ -459,6 +511,9 @@ def main(argv=None) -> int:
     modes = (args.modes.split(",") if args.modes else
              ["w4a16", "w4a4"] if sm90 else ["w4a4"])
     batches = [int(b) for b in args.batches.split(",")]
+    kinds = args.step.split(",")
+    if unknown := set(kinds) - set(STEP_KINDS):
+        ap.error(f"--step: unknown kinds {sorted(unknown)} (choose from {STEP_KINDS})")
 
     model, impl = build_model(c, args.impl)
     build_s = time.perf_counter() - t_start
@@ -472,10 +527,10 @@ def main(argv=None) -> int:
         args.w4a4_scale == "static" else None
 
     results, acc, convert_info, wbytes = [], {}, {}, {"bf16": weight_bytes(model)}
-    for b in batches:
-        r = measure(model, states[b], steps, repeats, warmup)
-        results.append({"model": "bf16", "batch": b, **r})
-        print(f"bf16 batch {b}: {r}", flush=True)
+    for b, kind in itertools.product(batches, kinds):
+        r = _measured(model, states[b], steps, repeats, warmup, kind)
+        results.append({"model": "bf16", "batch": b, "step": kind, **r})
+        print(f"bf16 {kind} batch {b}: {r}", flush=True)
     for mode in modes:
         if time.perf_counter() - t_start > args.budget_s:
             acc[mode] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
@@ -494,13 +549,10 @@ def main(argv=None) -> int:
             acc[mode] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{mode}: {acc[mode]['error']}", flush=True)
             continue
-        for b in batches:
-            try:
-                r = measure(q, states[b], steps, repeats, warmup)
-            except Exception as e:
-                r = {"error": f"{type(e).__name__}: {e}"}
-            results.append({"model": mode, "batch": b, **r})
-            print(f"{mode} batch {b}: {r}", flush=True)
+        for b, kind in itertools.product(batches, kinds):
+            r = _measured(q, states[b], steps, repeats, warmup, kind)
+            results.append({"model": mode, "batch": b, "step": kind, **r})
+            print(f"{mode} {kind} batch {b}: {r}", flush=True)
         del q
         torch.cuda.empty_cache()
 

@@ -156,9 +156,10 @@ def block_model(h: np.ndarray, gs: float, half: str = "bf16", hw: bool = False,
 
 def quantize_model(x16: torch.Tensor, gs: float | None = None, hw: bool = False,
                    general: bool | None = None, div6: str = "recip", threads: int = 256,
-                   items: int = 2, poison: int = 0xAB):
+                   items: int = 2, poison: int = 0xAB, order: str = "rows"):
     """The whole kernel on a bf16/fp16 [M, K] tensor: returns (data uint8 [M, K/2], scale
-    uint8 flat blocked, gs) with the kernel's addressing; unwritten bytes keep ``poison``."""
+    uint8 flat blocked, gs) with the kernel's addressing (``order`` as ``QuantSpec.order``);
+    unwritten bytes keep ``poison``."""
     half = "bf16" if x16.dtype == torch.bfloat16 else "f16"
     m, k = x16.shape
     h = x16.contiguous().view(torch.int16).numpy().view(np.uint16)
@@ -172,19 +173,33 @@ def quantize_model(x16: torch.Tensor, gs: float | None = None, hw: bool = False,
     scale = np.full(rp * cp, poison, dtype=np.uint8)
     blocks = h.reshape(m * kb, 16)
     words, sfb = block_model(blocks, gs, half, hw, general, div6)
-    # items: every (row, padded column); grid order only changes who writes what
-    n_items = m * kbp
-    g = np.arange(n_items)
-    r, c = g // kbp, g % kbp
-    gd = g - r * (kbp - kb)
-    has = c < kb
-    off = ((r >> 7) * kbp * 128 + ((c >> 2) << 9) + ((r & 31) << 4) + (((r >> 5) & 3) << 2)
-           + (c & 3))
-    assert np.array_equal(off, scale_offset(r, c, k)), "kernel offsets != nvfp4.scale_offset"
+    if order == "atoms":
+        # item g writes scale byte g: g >> 9 = (row block, column group), g & 511 the byte
+        n_items = rp * cp
+        g = np.arange(n_items)
+        a = g & 511
+        rb, cg = np.divmod(g >> 9, kbp // 4)
+        r = rb * 128 + ((a >> 2) & 3) * 32 + (a >> 4)
+        c = cg * 4 + (a & 3)
+        has = (c < kb) & (r < m)
+        gd = r * kb + c
+        off = g
+        assert np.array_equal(off, scale_offset(r, c, k)), "atom order != nvfp4.scale_offset"
+    else:
+        # items: every (row, padded column); grid order only changes who writes what
+        n_items = m * kbp
+        g = np.arange(n_items)
+        r, c = g // kbp, g % kbp
+        gd = g - r * (kbp - kb)
+        has = c < kb
+        off = ((r >> 7) * kbp * 128 + ((c >> 2) << 9) + ((r & 31) << 4)
+               + (((r >> 5) & 3) << 2) + (c & 3))
+        assert np.array_equal(off, scale_offset(r, c, k)), "kernel offsets != nvfp4.scale_offset"
     scale[off] = np.where(has, sfb[np.minimum(gd, len(sfb) - 1)], 0).astype(np.uint8)
     dw = data.view(np.uint32).reshape(-1, 2)
     dw[gd[has]] = words[gd[has]]
-    _pad_rows(scale.view(np.uint32), m, kbp)
+    if order != "atoms":
+        _pad_rows(scale.view(np.uint32), m, kbp)
     return data.reshape(m, k // 2), scale, gs
 
 

@@ -556,11 +556,17 @@ def test_model_decode_hf_tree_and_conversion():
 
 def test_model_decode_bars_and_report():
     md = _model_decode()
-    rows = [{"model": "bf16", "batch": 1, "eager_ms": 3.0, "graph_ms": 1.0},
-            {"model": "w4a16", "batch": 1, "eager_ms": 3.5, "graph_ms": 0.5},
-            {"model": "w4a4", "batch": 1, "error": "DeviceError: no kernel"}]
+    rows = [{"model": "bf16", "batch": 1, "step": "torch", "eager_ms": 3.0, "graph_ms": 1.0},
+            {"model": "w4a16", "batch": 1, "step": "torch", "eager_ms": 3.5, "graph_ms": 0.5},
+            {"model": "bf16", "batch": 1, "step": "compiled", "eager_ms": 2.0,
+             "graph_ms": 0.6, "vs_eager_rel_err": 1e-3},
+            {"model": "w4a16", "batch": 1, "step": "compiled", "eager_ms": 1.0,
+             "graph_ms": 0.5, "vs_eager_rel_err": 2e-3},
+            {"model": "w4a4", "batch": 1, "step": "torch", "error": "DeviceError: no kernel"}]
     bars = md.bars(rows)
-    assert [(b["value"], b["passed"]) for b in bars] == [(2.0, True), (0.857, False)]
+    assert [(b["value"], b["passed"]) for b in bars] == [
+        (2.0, True), (0.857, False), (1.2, False), (2.0, True)]
+    assert "compiled step" in bars[2]["bar"]
     res = {"config": dataclasses.asdict(md.Config()), "impl": "local", "prefix": 470,
            "environment": {"gpu": "H200", "date": "today", "torch": "2", "cuda": "13",
                            "cutlass_dsl": "4.8.1", "transformers": None},
@@ -570,10 +576,29 @@ def test_model_decode_bars_and_report():
            "weight_bytes": {"bf16": 2**30, "w4a16": 2**28}, "bars": bars,
            "convert": {"w4a16": {"converted": 56}}, "wall_s": 100.0, "build_s": 5.0}
     text = md.markdown(res)
-    assert "| w4a16 | 1 | 3.500 | 0.500 | 2,000 | 2.00x | 0.86x |" in text
-    assert "| w4a4 | 1 | error: DeviceError: no kernel" in text
+    assert "| w4a16 | torch | 1 | 3.500 | 0.500 | 2,000 | 2.00x | 0.86x |" in text
+    assert "| w4a16 | compiled | 1 | 1.000 | 0.500 | 2,000 | 1.20x | 2.00x |" in text
+    assert "| w4a4 | torch | 1 | error: DeviceError: no kernel" in text
+    assert "worst relative difference: 2.00e-03" in text
     assert "| w4a16 | 256 MiB | 0.1000 / 0.2000 | 0.900 |" in text
-    assert "eager: no slower than BF16: 0.857x, FAIL" in text
+    assert "torch step, eager: no slower than BF16: 0.857x, FAIL" in text
+
+
+def test_model_decode_step_traces_whole_for_compile():
+    """The compiled step kind is one graph (``fullgraph``) computing the eager step."""
+    md = _model_decode()
+    c = _tiny(md)
+    model, _ = md.build_model(c, "local", device="cpu", dtype=torch.float32)
+    st = md.DecodeState(c, 2, prefix=3, device="cpu", dtype=torch.float32)
+    torch._dynamo.reset()
+    step = md.step_function(model, st, compiled=True, backend="eager")
+    with torch.no_grad():
+        st.reset()
+        ref = md.decode_step(model, st)
+        st.reset()
+        got = step()
+    torch.testing.assert_close(got, ref)
+    assert int(st.pos) == 4  # the compiled step advanced the position too
 
 
 # ----------------------------------------------------------------------------- layout

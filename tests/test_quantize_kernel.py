@@ -58,6 +58,7 @@ def test_model_matches_quantize(dtype, m, k):
     assert _same(x, 3e-3, general=True)
     assert _same(x, 1e-30, hw=True)
     assert _same(x, 300.0)
+    assert _same(x, 3e-3, order="atoms")  # the other item order writes the same bytes
 
 
 def test_model_detects_wrong_codes():
@@ -137,6 +138,22 @@ def test_kernel_compiles(target, dtype, scale):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+def test_register_staged_atom_order_compiles(target):
+    """The other input path and item order: 16-byte loads into registers (no cp.async, no
+    shared memory) and no pad-row CTAs (no 16-byte zero stores)."""
+    spec = QuantSpec(target=target, staging="regs", order="atoms")
+    rep = quant.quantize_compile_report(spec)
+    ops = rep["opcodes"]
+    assert rep["spills"] == 0 and rep["registers"] <= 128, rep
+    assert ops["LDGSTS.E.BYPASS.LTC128B.128"] == 0 and ops["LDS.128"] == 0, ops
+    assert ops["LDG.E.128"] >= 8, ops  # 2 per block, 2 blocks, both register sets
+    assert ops["STG.E.128"] == 0, ops
+    assert ops["STG.E.64"] >= 4 and ops["STG.E.U8"] >= 4, ops
+    assert "-regs-atoms" in spec.label()
+
+
+@pytest.mark.compile
 def test_spec_validation():
     with pytest.raises(ValueError, match="in_dtype"):
         QuantSpec(in_dtype="fp32")
@@ -144,6 +161,10 @@ def test_spec_validation():
         QuantSpec(scale="per_row")
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantSpec(threads=100)
+    with pytest.raises(ValueError, match="staging"):
+        QuantSpec(staging="tma")
+    with pytest.raises(ValueError, match="order"):
+        QuantSpec(order="cols")
 
 
 # ----------------------------------------------------------------------------- host checks

@@ -70,6 +70,8 @@ _PAD_CTAS_MAX = 16
 _FAST_GS_MIN = 2.0 ** -80  # global scales outside [min, max] take the general path
 _FAST_GS_MAX = 64.0
 SCALES = ("static", "dynamic", "dynamic_fused")
+STAGINGS = ("smem", "regs")
+ORDERS = ("rows", "atoms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,11 @@ class QuantSpec:
     ctas_per_sm: int = 4  # a persistent grid of this many CTAs per SM looping over chunks of
     # threads * items blocks (the host passes max_ctas = n * SMs); 0: one CTA per chunk
     force_general: bool = False  # always take the general (div.rn) path: tests, benchmarks
+    staging: str = "smem"  # input path: "smem" (cp.async one chunk ahead into shared memory)
+    # or "regs" (16-byte loads one chunk ahead into registers, two register sets in turn)
+    order: str = "rows"  # item order: "rows" (row-major over the padded scale columns, pad
+    # rows zeroed by extra CTAs) or "atoms" (item g writes scale byte g: a warp writes one
+    # 32-byte sector of the 128x4 layout; pad rows are items of their own)
 
     def __post_init__(self):
         if self.in_dtype not in ("bf16", "fp16"):
@@ -97,6 +104,10 @@ class QuantSpec:
             raise ValueError(f"threads ({self.threads}) and {PARTIALS_MAX} must divide")
         if not 0 <= self.ctas_per_sm <= 32:
             raise ValueError(f"ctas_per_sm must be 0..32, got {self.ctas_per_sm}")
+        if self.staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if not 1 <= self.items <= 8 or not 1 <= self.amax_vectors <= 8:
             raise ValueError(f"items and amax_vectors must be 1..8, got {self.items}, "
                              f"{self.amax_vectors}")
@@ -108,8 +119,10 @@ class QuantSpec:
     def label(self) -> str:
         general = "-general" if self.force_general else ""
         grid = f"p{self.ctas_per_sm}"
+        path = ("" if self.staging == "smem" else "-regs") + (
+            "" if self.order == "rows" else "-atoms")
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
-                f"v{self.amax_vectors}{grid}{general}@{self.target}")
+                f"v{self.amax_vectors}{grid}{path}{general}@{self.target}")
 
     def max_ctas(self, sm_count: int) -> int:
         """The ``max_ctas`` launch argument for a GPU of ``sm_count`` SMs."""
@@ -275,6 +288,21 @@ def _ptxf(code: str, outs: int, *args):
 # ----------------------------------------------------------------------------- kernel
 
 
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """The launch-time sizes every quantize thread reads: M, K / 16 and its multiple of 4,
+    the item and chunk counts, the chunk stride (CTAs quantizing) and the divisor of
+    :meth:`QuantizeKernel._coords`."""
+
+    m: object
+    kb: object
+    kbp: object
+    n_items: object
+    n_chunks: object
+    stride: object
+    fdd: object
+
+
 class QuantizeKernel:
     """BF16/FP16 -> NVFP4 quantization; see the module docstring.
 
@@ -291,6 +319,7 @@ class QuantizeKernel:
         self.threads, self.items = spec.threads, spec.items
         self.dynamic = spec.scale != "static"
         self.fused = spec.scale == "dynamic_fused"
+        self.atoms = spec.order == "atoms"
         self._fast = _block_ptx(self.half, spec.hw_e2m1, False)
         self._general = _block_ptx(self.half, spec.hw_e2m1, True)
 
@@ -342,18 +371,23 @@ class QuantizeKernel:
                                 cute.make_layout((cute.assume(sf_len // 4, divby=128),)))
         mGS = cute.make_tensor(pGS, cute.make_layout((1,)))
         mPart = cute.make_tensor(pPart, cute.make_layout((PARTIALS_MAX,)))
-        n_items = m * kbp
+        n_items = (mp if cutlass.const_expr(self.atoms) else m) * kbp
         n_chunks = (n_items + t * u - 1) // (t * u)
         n_item_ctas = cutlass.min(n_chunks, max_ctas)
-        has_pad = (mp - m + 127) // 128
-        n_pad_ctas = has_pad * cutlass.min((kbp * 8 + t - 1) // t, _PAD_CTAS_MAX)
+        n_pad_ctas = 0  # "atoms": the pad rows are items
+        if cutlass.const_expr(not self.atoms):
+            has_pad = (mp - m + 127) // 128
+            n_pad_ctas = has_pad * cutlass.min((kbp * 8 + t - 1) // t, _PAD_CTAS_MAX)
         n_vec = words // 4
         per_amax_cta = t * self.spec.amax_vectors
         n_amax = cutlass.min((n_vec + per_amax_cta - 1) // per_amax_cta, PARTIALS_MAX)
         if cutlass.const_expr(self.spec.scale == "dynamic"):
             self.amax_kernel(mX, mPart, n_vec).launch(
                 grid=[n_amax, 1, 1], block=[t, 1, 1], stream=stream)
-        fdd = cute.fast_divmod_create_divisor_v2(kbp)
+        # rows: g -> (row, column) = divmod(g, kbp); atoms: g >> 9 -> (row block, column
+        # group) = divmod(g >> 9, kbp / 4)
+        fdd = cute.fast_divmod_create_divisor_v2(kbp // 4 if cutlass.const_expr(self.atoms)
+                                                 else kbp)
         self.quant_kernel(mX, mQ, mSF, mSF4, mGS, mPart, m, kb, kbp, n_items, n_chunks,
                           n_item_ctas, n_pad_ctas, n_amax, n_vec, fdd).launch(
             grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[t, 1, 1], stream=stream)
@@ -420,47 +454,75 @@ class QuantizeKernel:
         bid, _, _ = cute.arch.block_idx()
         if bid < n_item_ctas:
             gs = self._global_scale(mX, mGS, mPart, n_amax, n_vec, bid, tidx)
-            sX = cutlass.memory.SmemAllocator().allocate_tensor(  # 2 stages of input
-                _U32, cute.make_layout(2 * self.items * 2 * self.threads * 4), byte_alignment=16)
-            args = (mX, sX, mQ, mSF, gs, kb, kbp, n_items, n_chunks, n_item_ctas, fdd, bid,
-                    tidx)
+            sX = None
+            if cutlass.const_expr(self.spec.staging == "smem"):
+                sX = cutlass.memory.SmemAllocator().allocate_tensor(  # 2 stages of input
+                    _U32, cute.make_layout(2 * self.items * 2 * self.threads * 4),
+                    byte_alignment=16)
+            grid = _Grid(m, kb, kbp, n_items, n_chunks, n_item_ctas, fdd)
+            chunks = (self._quantize_chunks if cutlass.const_expr(sX is not None)
+                      else self._quantize_chunks_regs)
             if cutlass.const_expr(self.spec.force_general):
-                self._quantize_chunks(self._general, *args)
+                chunks(self._general, mX, sX, mQ, mSF, gs, grid, bid, tidx)
             else:
                 if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):  # uniform: one loop or other
-                    self._quantize_chunks(self._fast, *args)
+                    chunks(self._fast, mX, sX, mQ, mSF, gs, grid, bid, tidx)
                 else:
-                    self._quantize_chunks(self._general, *args)
-        else:
+                    chunks(self._general, mX, sX, mQ, mSF, gs, grid, bid, tidx)
+        elif cutlass.const_expr(not self.atoms):  # "atoms" launches no pad CTAs
             self._pad_rows(mSF4, m, kbp, (bid - n_item_ctas) * self.threads + tidx,
                            n_pad_ctas * self.threads)
 
     @cute.jit
-    def _quantize_chunks(self, code: str, mX, sX, mQ, mSF, gs, kb, kbp, n_items, n_chunks,
-                         stride, fdd, first, tidx):
+    def _quantize_chunks(self, code: str, mX, sX, mQ, mSF, gs, grid, first, tidx):
         """Chunks ``first, first + stride, ...``. Each thread's input goes through shared
         memory by cp.async one chunk ahead of the chunk it quantizes: the loads hold no
         registers, so they are all in flight while the previous chunk computes. (A thread
         reads back only what it copied itself: no CTA barrier.)"""
-        u = self.items
+        u, stride = self.items, grid.stride
         consts = _ptxf(_CONSTS_PTX, 2, gs)
         cur = cute.make_rmem_tensor((u, 2), _I32)  # (row, padded column) of each item
         nxt = cute.make_rmem_tensor((u, 2), _I32)
-        self._prefetch(mX, sX, cur, first, 0, tidx, kb, kbp, n_items, fdd)
+        rW = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
+        self._prefetch(mX, sX, cur, first, 0, tidx, grid)
         cute.arch.cp_async_commit_group()
         it = _I32(0)
-        for chunk in cutlass.range(first, n_chunks, stride, unroll=1):
-            if chunk + stride < n_chunks:
-                self._prefetch(mX, sX, nxt, chunk + stride, (it + 1) & 1, tidx, kb, kbp,
-                               n_items, fdd)
+        for chunk in cutlass.range(first, grid.n_chunks, stride, unroll=1):
+            if chunk + stride < grid.n_chunks:
+                self._prefetch(mX, sX, nxt, chunk + stride, (it + 1) & 1, tidx, grid)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
-            self._items(code, mQ, mSF, sX, cur, it & 1, gs, consts[0], consts[1], kb, kbp,
-                        n_items, chunk, tidx)
+            for j in cutlass.range_constexpr(u):
+                for h in cutlass.range_constexpr(2):
+                    cute.autovec_copy(
+                        cute.local_tile(sX, (4,), (self._slot(it & 1, j, h, tidx),)),
+                        cute.local_tile(rW[j], (4,), (h,)))
+            self._items(code, mQ, mSF, rW, cur, gs, consts, grid, chunk, tidx)
             for j in cutlass.range_constexpr(u):
                 cur[j, 0] = nxt[j, 0]
                 cur[j, 1] = nxt[j, 1]
             it = it + 1
+
+    @cute.jit
+    def _quantize_chunks_regs(self, code: str, mX, sX, mQ, mSF, gs, grid, first, tidx):
+        """Chunks ``first, first + stride, ...`` with the input loaded straight into
+        registers one chunk ahead: two register sets (A, B) in turn, so that chunk i + 1's
+        loads are in flight while chunk i computes, with no copies between the sets."""
+        u, stride, n = self.items, grid.stride, grid.n_chunks
+        consts = _ptxf(_CONSTS_PTX, 2, gs)
+        iA = cute.make_rmem_tensor((u, 2), _I32)
+        iB = cute.make_rmem_tensor((u, 2), _I32)
+        rA = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
+        rB = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
+        self._load(mX, rA, iA, first, tidx, grid)
+        for chunk in cutlass.range(first, n, 2 * stride, unroll=1):
+            if chunk + stride < n:
+                self._load(mX, rB, iB, chunk + stride, tidx, grid)
+            self._items(code, mQ, mSF, rA, iA, gs, consts, grid, chunk, tidx)
+            if chunk + stride < n:
+                if chunk + 2 * stride < n:
+                    self._load(mX, rA, iA, chunk + 2 * stride, tidx, grid)
+                self._items(code, mQ, mSF, rB, iB, gs, consts, grid, chunk + stride, tidx)
 
     def _slot(self, stage, j: int, h: int, tidx):
         """Index (in 16-byte units) in shared memory of half ``h`` of item ``j``: a warp's
@@ -468,29 +530,59 @@ class QuantizeKernel:
         return ((stage * self.items + j) * 2 + h) * self.threads + tidx
 
     @cute.jit
-    def _item_flags(self, chunk, j: int, r, c, tidx, kb, kbp, n_items):
-        """(in range, has data, data block index) of item ``j`` at (row ``r``, column
-        ``c``) of the scale columns padded to ``kbp``."""
+    def _coords(self, chunk, j: int, tidx, grid):
+        """(item index g, row, padded column) of item ``j`` of ``chunk`` (see ``order``)."""
         g = (chunk * self.items + j) * self.threads + tidx
-        ok = g < n_items
-        return ok, ok & (c < kb), g - r * (kbp - kb)
+        if cutlass.const_expr(self.atoms):
+            a = g & 511  # the byte in a 512-byte atom: (row % 32) * 16 + (row / 32 % 4) * 4
+            rb, cg = divmod(g >> 9, grid.fdd)  # + column % 4 (nvfp4.scale_offset)
+            return g, rb * 128 + ((a >> 2) & 3) * 32 + (a >> 4), cg * 4 + (a & 3)
+        r, c = divmod(g, grid.fdd)
+        return g, r, c
 
     @cute.jit
-    def _prefetch(self, mX, sX, idx, chunk, stage, tidx, kb, kbp, n_items, fdd):
+    def _item_flags(self, g, r, c, grid):
+        """(in range, has data, data block index, scale byte offset) of item ``g`` at (row
+        ``r``, column ``c``) of the scale columns padded to ``kbp``."""
+        ok = g < grid.n_items
+        if cutlass.const_expr(self.atoms):
+            return ok, ok & (c < grid.kb) & (r < grid.m), r * grid.kb + c, g
+        # nvfp4.sf_offset(r, c, kbp // 4) in shifts and masks (the DSL divides Int32
+        # signed); tests/quantize_model.py checks the two agree
+        off = ((r >> 7) * (grid.kbp * 128) + ((c >> 2) << 9) + ((r & 31) << 4)
+               + (((r >> 5) & 3) << 2) + (c & 3))
+        return ok, ok & (c < grid.kb), g - r * (grid.kbp - grid.kb), off
+
+    @cute.jit
+    def _prefetch(self, mX, sX, idx, chunk, stage, tidx, grid):
         """cp.async of this thread's blocks of ``chunk`` into ``stage``, their (row, column)
         into ``idx``; items without data copy block 0 instead (their codes are not stored,
         their scale byte is zeroed)."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    _U32, num_bits_per_copy=128)
         for j in cutlass.range_constexpr(self.items):
-            r, c = divmod((chunk * self.items + j) * self.threads + tidx, fdd)
+            g, r, c = self._coords(chunk, j, tidx, grid)
             idx[j, 0] = r
             idx[j, 1] = c
-            _, data, gd = self._item_flags(chunk, j, r, c, tidx, kb, kbp, n_items)
+            _, data, gd, _ = self._item_flags(g, r, c, grid)
             src_block = cutlass.select_(data, gd, 0)
             for h in cutlass.range_constexpr(2):
                 cute.copy(atom, cute.local_tile(mX, (4,), (src_block * 2 + h,)),
                           cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)))
+
+    @cute.jit
+    def _load(self, mX, rW, idx, chunk, tidx, grid):
+        """16-byte loads of this thread's blocks of ``chunk`` into ``rW``, their (row,
+        column) into ``idx`` (items without data load block 0, as in :meth:`_prefetch`)."""
+        for j in cutlass.range_constexpr(self.items):
+            g, r, c = self._coords(chunk, j, tidx, grid)
+            idx[j, 0] = r
+            idx[j, 1] = c
+            _, data, gd, _ = self._item_flags(g, r, c, grid)
+            src_block = cutlass.select_(data, gd, 0)
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(cute.local_tile(mX, (4,), (src_block * 2 + h,)),
+                                  cute.local_tile(rW[j], (4,), (h,)))
 
     @cute.jit
     def _global_scale(self, mX, mGS, mPart, n_amax, n_vec, bid, tidx) -> cutlass.Float32:
@@ -515,38 +607,22 @@ class QuantizeKernel:
         return gs
 
     @cute.jit
-    def _items(self, code: str, mQ, mSF, sX, idx, stage, gs, rgs, tlim, kb, kbp, n_items,
-               chunk, tidx):
-        """Quantize the ``threads * items`` blocks of ``chunk`` from shared memory."""
+    def _items(self, code: str, mQ, mSF, rW, idx, gs, consts, grid, chunk, tidx):
+        """Quantize this thread's ``items`` blocks of ``chunk`` (input words in ``rW``)."""
         u = self.items
-        rW = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
         rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(u)]
-        valid, has, gds, offs = [], [], [], []
-        row_block_bytes = kbp * 128
         for j in cutlass.range_constexpr(u):
-            r, c = idx[j, 0], idx[j, 1]
-            ok, data, gd = self._item_flags(chunk, j, r, c, tidx, kb, kbp, n_items)
-            # nvfp4.sf_offset(r, c, kbp // 4) in shifts and masks (the DSL divides Int32
-            # signed); tests/quantize_model.py checks the two agree
-            off = ((r >> 7) * row_block_bytes + ((c >> 2) << 9) + ((r & 31) << 4)
-                   + (((r >> 5) & 3) << 2) + (c & 3))
-            valid.append(ok)
-            has.append(data)
-            gds.append(gd)
-            offs.append(off)
-            for h in cutlass.range_constexpr(2):
-                cute.autovec_copy(cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)),
-                                  cute.local_tile(rW[j], (4,), (h,)))
-        for j in cutlass.range_constexpr(u):
-            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, rgs, tlim)
+            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, consts[0], consts[1])
             for i in cutlass.range_constexpr(3):
                 rO[j][i] = out[i]
         for j in cutlass.range_constexpr(u):
-            if has[j]:
+            g = (chunk * u + j) * self.threads + tidx
+            ok, data, gd, off = self._item_flags(g, idx[j, 0], idx[j, 1], grid)
+            if data:
                 cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
-                                  cute.local_tile(mQ, (2,), (gds[j],)))
-            if valid[j]:
-                mSF[offs[j]] = cutlass.Uint8(cutlass.select_(has[j], rO[j][2], _U32(0)))
+                                  cute.local_tile(mQ, (2,), (gd,)))
+            if ok:
+                mSF[off] = cutlass.Uint8(cutlass.select_(data, rO[j][2], _U32(0)))
 
     @cute.jit
     def _pad_rows(self, mSF4, m, kbp, first, stride):

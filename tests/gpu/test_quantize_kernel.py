@@ -104,31 +104,43 @@ def test_fast_and_general_paths_agree(dtype):
     assert_identical(outs[1], quantize(x, gs), "general path")
 
 
-@pytest.mark.parametrize("threads, items, per_sm", [(128, 1, 1), (256, 4, 2), (512, 2, 1),
-                                                    (256, 2, 0), (64, 1, 1)])
-def test_other_thread_splits(threads, items, per_sm):
-    """Other splits, including one CTA in all (every CTA loops over many chunks) and no
-    persistent loop (one chunk per CTA)."""
-    m, k = 131, 1072
+SPLITS = [(128, 1, 1, "smem", "rows"), (256, 4, 2, "smem", "rows"),
+          (512, 2, 1, "smem", "rows"), (256, 2, 0, "smem", "rows"), (64, 1, 1, "smem", "rows"),
+          (256, 2, 3, "regs", "rows"), (256, 1, 1, "regs", "atoms"),
+          (128, 2, 2, "smem", "atoms"), (256, 2, 0, "regs", "atoms"),
+          (64, 4, 1, "regs", "atoms")]
+
+
+@pytest.mark.parametrize("threads, items, per_sm, staging, order", SPLITS)
+@pytest.mark.parametrize("m, k", [(131, 1072), (1, 4096), (300, 2080)])
+def test_other_thread_splits(threads, items, per_sm, staging, order, m, k):
+    """Other splits, input paths and item orders, including one CTA in all (every CTA
+    loops over many chunks, both register sets in turn) and no persistent loop (one chunk
+    per CTA)."""
     x = awkward_input(m, k, torch.bfloat16, seed=5).cuda()
     gs = torch.full((1,), 2.0**-5, dtype=torch.float32, device="cuda")
     spec = QuantSpec(target=quant._spec_for(x, "static").target, threads=threads, items=items,
-                     ctas_per_sm=per_sm)
+                     ctas_per_sm=per_sm, staging=staging, order=order)
     out = _poisoned_out(m, k)
     quant.compile_quantize(spec).launch(x, out.data, out.scale, gs, None)
     got = NVFP4Tensor._unchecked(out.data, out.scale, gs.reshape(()), (m, k))
-    assert_identical(got, quantize(x, gs), f"threads={threads} items={items} per_sm={per_sm}")
+    assert_identical(got, quantize(x, gs), spec.label())
 
 
 @pytest.mark.parametrize("max_ctas", [1, 3])
-def test_few_ctas_loop_over_every_chunk(max_ctas):
-    """One (or three) CTAs quantize all chunks: the cp.async pipeline's stage reuse."""
+@pytest.mark.parametrize("path", [{}, {"staging": "regs", "order": "atoms"},
+                                  {"staging": "regs", "order": "rows"}])
+def test_few_ctas_loop_over_every_chunk(max_ctas, path):
+    """One (or three) CTAs quantize all chunks: the cp.async pipeline's stage reuse, the
+    register path's two sets in turn."""
     import copy
+    import dataclasses
 
     m, k = 300, 2080
     x = awkward_input(m, k, torch.float16, seed=9).cuda()
     gs = torch.full((1,), 1e-2, dtype=torch.float32, device="cuda")
-    kern = copy.copy(quant.compile_quantize(quant._spec_for(x, "static")))
+    spec = dataclasses.replace(quant._spec_for(x, "static"), **path)
+    kern = copy.copy(quant.compile_quantize(spec))
     kern.max_ctas = max_ctas
     out = _poisoned_out(m, k)
     kern.launch(x, out.data, out.scale, gs, None)
