@@ -55,15 +55,16 @@ LARGE = [(4096, 4096), (8192, 4096), (4096, 14336), (16384, 4096)]
 DECODE = [(m, k) for k in (4096, 8192) for m in (1, 2, 4, 8, 16)]
 # (threads, items, ctas_per_sm, staging, order); 0 CTAs per SM: one CTA per chunk, no
 # persistent loop. The register path takes ~76 registers at 2 items (3 CTAs of 256 per SM)
-SWEEP = [(256, 2, 0, "smem", "rows"), (256, 1, 6, "smem", "rows"),
-         (256, 2, 4, "smem", "atoms"),
-         (256, 2, 3, "regs", "rows"), (256, 1, 4, "regs", "rows"), (256, 2, 0, "regs", "rows"),
-         (256, 2, 3, "regs", "atoms"), (256, 1, 4, "regs", "atoms"),
+SWEEP = [(256, 2, 0, "smem", "rows"), (256, 2, 4, "smem", "atoms"),
+         (256, 2, 3, "regs", "rows"), (256, 2, 0, "regs", "rows"),
+         (256, 2, 3, "regs", "atoms"), (128, 2, 6, "regs", "atoms"),
          (256, 1, 0, "regs", "atoms"), (256, 2, 0, "regs", "atoms"),
-         (128, 2, 6, "regs", "atoms"), (512, 1, 2, "regs", "atoms"),
-         (256, 4, 1, "regs", "atoms")]
-DECODE_SWEEP = [(256, 2, 4, "smem", "atoms"), (256, 2, 3, "regs", "rows"),
-                (256, 2, 3, "regs", "atoms"), (256, 1, 0, "regs", "atoms")]
+         (256, 4, 0, "regs", "atoms"), (128, 2, 0, "regs", "atoms"),
+         (512, 2, 0, "regs", "atoms"), (128, 4, 0, "regs", "atoms"),
+         (256, 3, 0, "regs", "atoms")]
+DECODE_SWEEP = [(256, 2, 3, "regs", "rows"), (256, 2, 0, "regs", "atoms"),
+                (256, 2, 3, "regs", "atoms"), (256, 1, 0, "regs", "atoms"),
+                (128, 1, 0, "regs", "atoms")]
 GRAPH_N = 10
 DEFAULT_GS = 2.0 / 2688  # an arbitrary float: SM90's approximate path on almost every block
 POW2_GS = 2.0**-7  # a power of two: SM90 runs its exact loop on every block

@@ -507,14 +507,24 @@ class QuantizeKernel:
     def _quantize_chunks_regs(self, code: str, mX, sX, mQ, mSF, gs, grid, first, tidx):
         """Chunks ``first, first + stride, ...`` with the input loaded straight into
         registers one chunk ahead: two register sets (A, B) in turn, so that chunk i + 1's
-        loads are in flight while chunk i computes, with no copies between the sets."""
-        u, stride, n = self.items, grid.stride, grid.n_chunks
+        loads are in flight while chunk i computes, with no copies between the sets. With
+        ``ctas_per_sm == 0`` (one chunk per CTA) one set, and more CTAs fit per SM."""
+        u = self.items
         consts = _ptxf(_CONSTS_PTX, 2, gs)
         iA = cute.make_rmem_tensor((u, 2), _I32)
-        iB = cute.make_rmem_tensor((u, 2), _I32)
         rA = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
-        rB = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
         self._load(mX, rA, iA, first, tidx, grid)
+        if cutlass.const_expr(self.spec.ctas_per_sm == 0):  # one chunk per CTA: one set
+            self._items(code, mQ, mSF, rA, iA, gs, consts, grid, first, tidx)
+        else:
+            self._chunk_pairs(code, mX, mQ, mSF, rA, iA, gs, consts, grid, first, tidx)
+
+    @cute.jit
+    def _chunk_pairs(self, code: str, mX, mQ, mSF, rA, iA, gs, consts, grid, first, tidx):
+        """The persistent loop of :meth:`_quantize_chunks_regs`, set A loaded."""
+        u, stride, n = self.items, grid.stride, grid.n_chunks
+        iB = cute.make_rmem_tensor((u, 2), _I32)
+        rB = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
         for chunk in cutlass.range(first, n, 2 * stride, unroll=1):
             if chunk + stride < n:
                 self._load(mX, rB, iB, chunk + stride, tidx, grid)
