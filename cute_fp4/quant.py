@@ -230,25 +230,37 @@ def _build(spec, sm_count: int) -> CompiledQuantize:
     return CompiledQuantize(spec, fn, kernel, time.perf_counter() - t0, how, sm_count)
 
 
-def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static", **changes):
-    """The ``QuantSpec`` that ``quantize_activation`` uses on ``target`` (``changes``
-    override fields: benchmarks and tests)."""
+SMALL_ELEMENTS = 1 << 17  # inputs up to this many elements (decode) take 1 block per thread
+
+
+def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static",
+                 small: bool = False, **changes):
+    """The ``QuantSpec`` that ``quantize_activation`` uses on ``target`` for an input of at
+    most :data:`SMALL_ELEMENTS` elements (``small``) or more (``changes`` override fields:
+    benchmarks and tests).
+
+    Measured on an H200 (2026-12-01, ``perf/quantize_bench.py --sweep``, 4096^2 and decode
+    sizes, CUDA-graph device time): one CTA per chunk in the atom order, 128 threads x 4
+    blocks, 14.6 us at 4096^2 (61% of 4.8 TB/s; 256 x 2 16.0 us); for M <= 16, 1 block per
+    thread, 2.3-2.6 us. The fused dynamic variant reads the whole input in every CTA, so it
+    takes the row order (few CTAs for few rows)."""
     from cute_fp4.kernels.quantize import QuantSpec
     from cute_fp4.targets import get_target
 
-    # 32 KiB of staged input per CTA (256 threads x 2 blocks x 2 stages): 4 CTAs use 128 KiB
-    # of an SM90 SM's 228 KiB (and 4 x 53 registers x 256 threads fit); SM12x SMs have
-    # 100 KiB, so 3
-    per_sm = 3 if get_target(target).family == "sm120" else 4
+    if scale == "dynamic_fused":
+        fields = {"threads": 256, "items": 2, "order": "rows"}
+    else:
+        fields = {"threads": 128, "items": 1 if small else 4, "order": "atoms"}
     fields = {"target": get_target(target).name, "in_dtype": in_dtype, "scale": scale,
-              "ctas_per_sm": per_sm, **changes}
+              "ctas_per_sm": 0, **fields, **changes}
     return QuantSpec(**fields)
 
 
 def _spec_for(x: torch.Tensor, scale: str):
     from cute_fp4.targets import require_device
 
-    return default_spec(require_device().target.name, _DTYPES[x.dtype], scale)
+    return default_spec(require_device().target.name, _DTYPES[x.dtype], scale,
+                        small=x.numel() <= SMALL_ELEMENTS)
 
 
 _KERNELS: dict[tuple, CompiledQuantize] = {}
@@ -261,7 +273,7 @@ def _kernel_for(x: torch.Tensor, scale: str) -> CompiledQuantize:
     if x.device.index != cur:
         raise InputError(f"x is on {x.device} but the current CUDA device is cuda:{cur}; "
                          f"call under torch.cuda.device({x.device.index})")
-    key = (cur, x.dtype, scale)
+    key = (cur, x.dtype, scale, x.numel() <= SMALL_ELEMENTS)
     kern = _KERNELS.get(key)
     if kern is None:
         kern = _KERNELS[key] = compile_quantize(_spec_for(x, scale))

@@ -1,7 +1,7 @@
 """One activation-quantizer launch for Nsight Compute: the kernel of a ``QuantSpec`` (fields
 from the command line) on a BF16 ``[M, K]`` input, bracketed by ``cudaProfilerStart/Stop``.
 
-    ncu --profile-from-start off ... python perf/profile_quantize.py 4096 4096 staging=regs
+    ncu --profile-from-start off ... python perf/profile_quantize.py 4096 4096 items=2 order=rows
 
 Fields are ``name=value`` (ints as ints); the target is the present GPU's.
 """

@@ -7,10 +7,9 @@ Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
 for the large ones), for the static scale, the dynamic scale two-pass and fused, and the
 static scale forced through the general (div.rn) path, and the static scale 2^-7 (a power
 of two, a "short" scale: SM90 then runs its exact loop on every block, the kernel as it was
-before the approximate path; the other static rows use 2 / 2688). ``--sweep`` adds thread / item /
-CTAs-per-SM splits, input paths (``staging``) and item orders of the static kernel on the
-large sizes. Every row is checked bit for bit against
-``cute_fp4.quantize`` before it is timed.
+before the approximate path; the other static rows use 2 / 2688). ``--sweep`` adds thread /
+item / CTAs-per-SM splits and item orders of the static kernel on the large and decode sizes.
+Every row is checked bit for bit against ``cute_fp4.quantize`` before it is timed.
 
 Timing (device time, CUDA events):
 * ``graph1_us``: ``cute_fp4.bench.Timer``: one call captured in a CUDA graph, L2 flushed
@@ -53,18 +52,14 @@ from cute_fp4.targets import detect_device  # noqa: E402
 
 LARGE = [(4096, 4096), (8192, 4096), (4096, 14336), (16384, 4096)]
 DECODE = [(m, k) for k in (4096, 8192) for m in (1, 2, 4, 8, 16)]
-# (threads, items, ctas_per_sm, staging, order); 0 CTAs per SM: one CTA per chunk, no
-# persistent loop. The register path takes ~76 registers at 2 items (3 CTAs of 256 per SM)
-SWEEP = [(256, 2, 0, "smem", "rows"), (256, 2, 4, "smem", "atoms"),
-         (256, 2, 3, "regs", "rows"), (256, 2, 0, "regs", "rows"),
-         (256, 2, 3, "regs", "atoms"), (128, 2, 6, "regs", "atoms"),
-         (256, 1, 0, "regs", "atoms"), (256, 2, 0, "regs", "atoms"),
-         (256, 4, 0, "regs", "atoms"), (128, 2, 0, "regs", "atoms"),
-         (512, 2, 0, "regs", "atoms"), (128, 4, 0, "regs", "atoms"),
-         (256, 3, 0, "regs", "atoms")]
-DECODE_SWEEP = [(256, 2, 3, "regs", "rows"), (256, 2, 0, "regs", "atoms"),
-                (256, 2, 3, "regs", "atoms"), (256, 1, 0, "regs", "atoms"),
-                (128, 1, 0, "regs", "atoms")]
+# (threads, items, ctas_per_sm, order); 0 CTAs per SM: one CTA per chunk, no persistent
+# loop (one register set: 42 registers at 2 items); a persistent grid takes two sets
+# (~74 registers at 2 items: 3 CTAs of 256 per SM)
+SWEEP = [(256, 2, 3, "rows"), (256, 2, 0, "rows"), (256, 2, 3, "atoms"), (128, 2, 6, "atoms"),
+         (256, 1, 0, "atoms"), (256, 2, 0, "atoms"), (256, 4, 0, "atoms"),
+         (128, 2, 0, "atoms"), (128, 4, 0, "atoms"), (128, 8, 0, "atoms"), (64, 4, 0, "atoms")]
+DECODE_SWEEP = [(256, 2, 3, "rows"), (256, 2, 0, "atoms"), (128, 4, 0, "atoms"),
+                (128, 1, 0, "rows"), (64, 1, 0, "atoms")]
 GRAPH_N = 10
 DEFAULT_GS = 2.0 / 2688  # an arbitrary float: SM90's approximate path on almost every block
 POW2_GS = 2.0**-7  # a power of two: SM90 runs its exact loop on every block
@@ -154,7 +149,7 @@ def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
     row = {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": spec.label(),
            "scale": spec.scale, "gs": None if dynamic else gs,
            "general": spec.force_general, "threads": spec.threads,
-           "items": spec.items, "ctas_per_sm": spec.ctas_per_sm, "staging": spec.staging,
+           "items": spec.items, "ctas_per_sm": spec.ctas_per_sm,
            "order": spec.order,
            "compile_s": round(kern.compile_s, 2), "source": kern.source}
     row["bit_identical"] = _check(kern, buf, dynamic, two_pass)
@@ -217,19 +212,19 @@ def main(argv=None) -> int:
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
             add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, POW2_GS))
             if args.sweep:
-                for threads, items, per_sm, staging, order in SWEEP:
+                for threads, items, per_sm, order in SWEEP:
                     spec = default_spec(target, dt, threads=threads, items=items,
-                                        ctas_per_sm=per_sm, staging=staging, order=order)
+                                        ctas_per_sm=per_sm, order=order)
                     add(bench_row(spec, m, k, dtype, timer, bw, with_torch=False))
         if dtype == torch.float16 and not args.quick:
             continue  # decode sizes: BF16 only
         for m, k in DECODE:
             for scale in ("static", "dynamic", "dynamic_fused"):
-                spec = default_spec(target, dt, scale)
+                spec = default_spec(target, dt, scale, small=True)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=scale == "static"))
-            for threads, items, per_sm, staging, order in (DECODE_SWEEP if args.sweep else ()):
-                spec = default_spec(target, dt, threads=threads, items=items,
-                                    ctas_per_sm=per_sm, staging=staging, order=order)
+            for threads, items, per_sm, order in (DECODE_SWEEP if args.sweep else ()):
+                spec = default_spec(target, dt, small=True, threads=threads, items=items,
+                                    ctas_per_sm=per_sm, order=order)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=False))
     env = {"gpu": dev.name, "target": target, "datasheet_gbs": bw, "torch": torch.__version__,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),

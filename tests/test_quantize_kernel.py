@@ -118,16 +118,20 @@ COMPILE_CASES = [(t, dt, sc) for t in ("sm_90a", "sm_120a", "sm_121a")
 @pytest.mark.parametrize("target, dtype, scale", COMPILE_CASES,
                          ids=[f"{t}-{d}-{s}" for t, d, s in COMPILE_CASES])
 def test_kernel_compiles(target, dtype, scale):
-    rep = quant.quantize_compile_report(QuantSpec(target=target, in_dtype=dtype, scale=scale))
+    """The kernels ``quantize_activation`` runs: compiled for every target, no spills, the
+    input by 16-byte loads into registers, hardware conversions where the target has them."""
+    spec = quant.default_spec(target, dtype, scale)
+    rep = quant.quantize_compile_report(spec)
     ops = rep["opcodes"]
     assert rep["spills"] == 0, rep
     assert rep["kernels"] == (2 if scale == "dynamic" else 1), rep
     assert rep["registers"] <= 128, rep
-    # per block: 2 x 16 B cp.async into shared memory and back, 8 B of codes out
-    assert ops["LDGSTS.E.BYPASS.LTC128B.128"] >= 4 and ops["LDS.128"] >= 4, ops
-    assert ops["STG.E.64"] >= 2, ops
-    assert (ops["LDG.E.128"] > 0) == (scale != "static"), ops  # the amax loops
-    assert ops["STG.E.128"] >= 1, ops  # the pad rows' 16-byte zero stores
+    # per block: 2 x 16 B loads into registers, 8 B of codes and one scale byte out
+    assert ops["LDGSTS.E.BYPASS.LTC128B.128"] == 0 and ops["LDS.128"] == 0, ops
+    assert ops["LDG.E.128"] >= 2 * spec.items, ops
+    assert ops["STG.E.64"] >= spec.items and ops["STG.E.U8"] >= spec.items, ops
+    # the 16-byte zero stores of pad-row CTAs: the row order only
+    assert (ops["STG.E.128"] > 0) == (spec.order == "rows"), ops
     assert ops["F2FP.SATFINITE.E4M3"] >= 2, ops  # UE4M3 scales by hardware conversion
     if target.startswith("sm_12"):
         assert ops["F2FP.SATFINITE.E2M1"] >= 16, ops  # hardware E2M1: 8 per block
@@ -139,18 +143,27 @@ def test_kernel_compiles(target, dtype, scale):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
-def test_register_staged_atom_order_compiles(target):
-    """The other input path and item order: 16-byte loads into registers (no cp.async, no
-    shared memory) and no pad-row CTAs (no 16-byte zero stores)."""
-    spec = QuantSpec(target=target, staging="regs", order="atoms")
+def test_persistent_row_order_compiles(target):
+    """The other grid and item order: a persistent loop over two register sets in turn."""
+    spec = QuantSpec(target=target, ctas_per_sm=3, order="rows", items=2)
     rep = quant.quantize_compile_report(spec)
     ops = rep["opcodes"]
     assert rep["spills"] == 0 and rep["registers"] <= 128, rep
-    assert ops["LDGSTS.E.BYPASS.LTC128B.128"] == 0 and ops["LDS.128"] == 0, ops
     assert ops["LDG.E.128"] >= 8, ops  # 2 per block, 2 blocks, both register sets
-    assert ops["STG.E.128"] == 0, ops
-    assert ops["STG.E.64"] >= 4 and ops["STG.E.U8"] >= 4, ops
-    assert "-regs-atoms" in spec.label()
+    assert ops["STG.E.128"] >= 1 and ops["STG.E.64"] >= 4, ops
+    assert "p3" in spec.label() and "atoms" not in spec.label()
+
+
+def test_default_specs():
+    """Decode-sized inputs take 1 block per thread, larger ones 4; the fused dynamic
+    variant the row order; every default is one CTA per chunk."""
+    small = quant.default_spec("sm_90a", "bf16", "static", small=True)
+    large = quant.default_spec("sm_90a", "bf16", "static")
+    fused = quant.default_spec("sm_120a", "fp16", "dynamic_fused", small=True)
+    assert (small.items, large.items) == (1, 4) and small.order == large.order == "atoms"
+    assert fused.order == "rows" and fused.target == "sm_120a"
+    assert {s.ctas_per_sm for s in (small, large, fused)} == {0}
+    assert quant.default_spec("sm_90a", threads=64).threads == 64  # changes override
 
 
 @pytest.mark.compile
@@ -161,8 +174,6 @@ def test_spec_validation():
         QuantSpec(scale="per_row")
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantSpec(threads=100)
-    with pytest.raises(ValueError, match="staging"):
-        QuantSpec(staging="tma")
     with pytest.raises(ValueError, match="order"):
         QuantSpec(order="cols")
 

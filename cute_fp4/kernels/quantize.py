@@ -11,16 +11,27 @@ scale (``gs``, the decode form ``amax / 2688``), per 16-element block::
     code  = e2m1_rne(x / d) (saturating), sign = x / d < 0; all codes 0 when d == 0
 
 Work split. One thread owns whole 16-element blocks ("items", ``QuantSpec.items`` of them,
-``threads`` apart so that a warp's 16-byte accesses are consecutive): two 16-byte cp.async
-copies into shared memory and two 16-byte reads back (the input is staged one chunk of
-``threads * items`` blocks ahead of the chunk being quantized, so loads are in flight while
-the previous chunk computes, holding no registers), one 8-byte store of packed codes, one
-scale byte written straight into the 128x4 blocked layout
-(:func:`cute_fp4.nvfp4.scale_offset`). A persistent grid of ``ctas_per_sm`` CTAs per SM
-loops over the chunks. Items enumerate the scale columns padded to a multiple of 4, so
-padding columns get their zero bytes from the thread of that column. Padding rows (``M`` up
-to a multiple of 128) are zeroed by separate CTAs at the end of the grid, 16 bytes per
-thread where a 16-byte chunk of an atom holds only padding rows, 4 bytes otherwise.
+``threads`` apart so that a warp's accesses are consecutive): two 16-byte loads straight
+into registers, one 8-byte store of packed codes, one scale byte written straight into the
+128x4 blocked layout (:func:`cute_fp4.nvfp4.scale_offset`). ``ctas_per_sm = 0``: one CTA
+per chunk of ``threads * items`` blocks, one register set (42 registers at 2 items), so
+many CTAs fit per SM and their loads overlap each other's arithmetic. Otherwise a
+persistent grid of ``ctas_per_sm`` CTAs per SM loops over the chunks with two register
+sets in turn, chunk i + 1's loads in flight while chunk i computes. (An earlier version
+staged the input through shared memory by cp.async: 25.2 us against 14.6 us for this one
+on 4096^2 BF16 on an H200, its MIO queue the top stall.)
+
+Item order (``QuantSpec.order``):
+* ``"atoms"``: item g writes scale byte g of the padded scale buffer, so a warp writes one
+  whole 32-byte sector of a 512-byte atom, reads 8 rows x 128 bytes and writes 8 rows x 32
+  bytes of codes; items of padding rows or columns write their zero scale byte and nothing
+  else. Every item of a decode-sized input is mostly padding (128 rows per atom).
+* ``"rows"``: items enumerate (row, padded column) row-major over the ``M`` rows, padding
+  columns get their zero bytes from the thread of that column, and padding rows (``M`` up to
+  a multiple of 128) are zeroed by extra CTAs at the end of the grid, 16 bytes per thread
+  where a 16-byte chunk of an atom holds only padding rows, 4 bytes otherwise. Fewer CTAs
+  for small ``M``: the order of the dynamic "fused" variant, whose every CTA reads the whole
+  input first.
 
 Arithmetic (float32, every rounding explicit in PTX: the DSL would contract ``a * b + c``).
 The block scale divides by ``gs`` with two Markstein corrections of ``t * RN(1/gs)``; each
@@ -59,7 +70,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_ptr
 
 _GMEM = cute.AddressSpace.gmem
@@ -70,7 +80,6 @@ _PAD_CTAS_MAX = 16
 _FAST_GS_MIN = 2.0 ** -80  # global scales outside [min, max] take the general path
 _FAST_GS_MAX = 64.0
 SCALES = ("static", "dynamic", "dynamic_fused")
-STAGINGS = ("smem", "regs")
 ORDERS = ("rows", "atoms")
 
 
@@ -87,8 +96,6 @@ class QuantSpec:
     ctas_per_sm: int = 4  # a persistent grid of this many CTAs per SM looping over chunks of
     # threads * items blocks (the host passes max_ctas = n * SMs); 0: one CTA per chunk
     force_general: bool = False  # always take the general (div.rn) path: tests, benchmarks
-    staging: str = "smem"  # input path: "smem" (cp.async one chunk ahead into shared memory)
-    # or "regs" (16-byte loads one chunk ahead into registers, two register sets in turn)
     order: str = "rows"  # item order: "rows" (row-major over the padded scale columns, pad
     # rows zeroed by extra CTAs) or "atoms" (item g writes scale byte g: a warp writes one
     # 32-byte sector of the 128x4 layout; pad rows are items of their own)
@@ -104,8 +111,6 @@ class QuantSpec:
             raise ValueError(f"threads ({self.threads}) and {PARTIALS_MAX} must divide")
         if not 0 <= self.ctas_per_sm <= 32:
             raise ValueError(f"ctas_per_sm must be 0..32, got {self.ctas_per_sm}")
-        if self.staging not in STAGINGS:
-            raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if not 1 <= self.items <= 8 or not 1 <= self.amax_vectors <= 8:
@@ -119,8 +124,7 @@ class QuantSpec:
     def label(self) -> str:
         general = "-general" if self.force_general else ""
         grid = f"p{self.ctas_per_sm}"
-        path = ("" if self.staging == "smem" else "-regs") + (
-            "" if self.order == "rows" else "-atoms")
+        path = "" if self.order == "rows" else "-atoms"
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
                 f"v{self.amax_vectors}{grid}{path}{general}@{self.target}")
 
@@ -454,57 +458,20 @@ class QuantizeKernel:
         bid, _, _ = cute.arch.block_idx()
         if bid < n_item_ctas:
             gs = self._global_scale(mX, mGS, mPart, n_amax, n_vec, bid, tidx)
-            sX = None
-            if cutlass.const_expr(self.spec.staging == "smem"):
-                sX = cutlass.memory.SmemAllocator().allocate_tensor(  # 2 stages of input
-                    _U32, cute.make_layout(2 * self.items * 2 * self.threads * 4),
-                    byte_alignment=16)
             grid = _Grid(m, kb, kbp, n_items, n_chunks, n_item_ctas, fdd)
-            chunks = (self._quantize_chunks if cutlass.const_expr(sX is not None)
-                      else self._quantize_chunks_regs)
             if cutlass.const_expr(self.spec.force_general):
-                chunks(self._general, mX, sX, mQ, mSF, gs, grid, bid, tidx)
+                self._quantize_chunks(self._general, mX, mQ, mSF, gs, grid, bid, tidx)
             else:
                 if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):  # uniform: one loop or other
-                    chunks(self._fast, mX, sX, mQ, mSF, gs, grid, bid, tidx)
+                    self._quantize_chunks(self._fast, mX, mQ, mSF, gs, grid, bid, tidx)
                 else:
-                    chunks(self._general, mX, sX, mQ, mSF, gs, grid, bid, tidx)
+                    self._quantize_chunks(self._general, mX, mQ, mSF, gs, grid, bid, tidx)
         elif cutlass.const_expr(not self.atoms):  # "atoms" launches no pad CTAs
             self._pad_rows(mSF4, m, kbp, (bid - n_item_ctas) * self.threads + tidx,
                            n_pad_ctas * self.threads)
 
     @cute.jit
-    def _quantize_chunks(self, code: str, mX, sX, mQ, mSF, gs, grid, first, tidx):
-        """Chunks ``first, first + stride, ...``. Each thread's input goes through shared
-        memory by cp.async one chunk ahead of the chunk it quantizes: the loads hold no
-        registers, so they are all in flight while the previous chunk computes. (A thread
-        reads back only what it copied itself: no CTA barrier.)"""
-        u, stride = self.items, grid.stride
-        consts = _ptxf(_CONSTS_PTX, 2, gs)
-        cur = cute.make_rmem_tensor((u, 2), _I32)  # (row, padded column) of each item
-        nxt = cute.make_rmem_tensor((u, 2), _I32)
-        rW = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
-        self._prefetch(mX, sX, cur, first, 0, tidx, grid)
-        cute.arch.cp_async_commit_group()
-        it = _I32(0)
-        for chunk in cutlass.range(first, grid.n_chunks, stride, unroll=1):
-            if chunk + stride < grid.n_chunks:
-                self._prefetch(mX, sX, nxt, chunk + stride, (it + 1) & 1, tidx, grid)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
-            for j in cutlass.range_constexpr(u):
-                for h in cutlass.range_constexpr(2):
-                    cute.autovec_copy(
-                        cute.local_tile(sX, (4,), (self._slot(it & 1, j, h, tidx),)),
-                        cute.local_tile(rW[j], (4,), (h,)))
-            self._items(code, mQ, mSF, rW, cur, gs, consts, grid, chunk, tidx)
-            for j in cutlass.range_constexpr(u):
-                cur[j, 0] = nxt[j, 0]
-                cur[j, 1] = nxt[j, 1]
-            it = it + 1
-
-    @cute.jit
-    def _quantize_chunks_regs(self, code: str, mX, sX, mQ, mSF, gs, grid, first, tidx):
+    def _quantize_chunks(self, code: str, mX, mQ, mSF, gs, grid, first, tidx):
         """Chunks ``first, first + stride, ...`` with the input loaded straight into
         registers one chunk ahead: two register sets (A, B) in turn, so that chunk i + 1's
         loads are in flight while chunk i computes, with no copies between the sets. With
@@ -521,7 +488,7 @@ class QuantizeKernel:
 
     @cute.jit
     def _chunk_pairs(self, code: str, mX, mQ, mSF, rA, iA, gs, consts, grid, first, tidx):
-        """The persistent loop of :meth:`_quantize_chunks_regs`, set A loaded."""
+        """The persistent loop of :meth:`_quantize_chunks`, set A loaded."""
         u, stride, n = self.items, grid.stride, grid.n_chunks
         iB = cute.make_rmem_tensor((u, 2), _I32)
         rB = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
@@ -533,11 +500,6 @@ class QuantizeKernel:
                 if chunk + 2 * stride < n:
                     self._load(mX, rA, iA, chunk + 2 * stride, tidx, grid)
                 self._items(code, mQ, mSF, rB, iB, gs, consts, grid, chunk + stride, tidx)
-
-    def _slot(self, stage, j: int, h: int, tidx):
-        """Index (in 16-byte units) in shared memory of half ``h`` of item ``j``: a warp's
-        16-byte accesses are consecutive (no bank conflicts)."""
-        return ((stage * self.items + j) * 2 + h) * self.threads + tidx
 
     @cute.jit
     def _coords(self, chunk, j: int, tidx, grid):
@@ -564,26 +526,10 @@ class QuantizeKernel:
         return ok, ok & (c < grid.kb), g - r * (grid.kbp - grid.kb), off
 
     @cute.jit
-    def _prefetch(self, mX, sX, idx, chunk, stage, tidx, grid):
-        """cp.async of this thread's blocks of ``chunk`` into ``stage``, their (row, column)
-        into ``idx``; items without data copy block 0 instead (their codes are not stored,
-        their scale byte is zeroed)."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   _U32, num_bits_per_copy=128)
-        for j in cutlass.range_constexpr(self.items):
-            g, r, c = self._coords(chunk, j, tidx, grid)
-            idx[j, 0] = r
-            idx[j, 1] = c
-            _, data, gd, _ = self._item_flags(g, r, c, grid)
-            src_block = cutlass.select_(data, gd, 0)
-            for h in cutlass.range_constexpr(2):
-                cute.copy(atom, cute.local_tile(mX, (4,), (src_block * 2 + h,)),
-                          cute.local_tile(sX, (4,), (self._slot(stage, j, h, tidx),)))
-
-    @cute.jit
     def _load(self, mX, rW, idx, chunk, tidx, grid):
         """16-byte loads of this thread's blocks of ``chunk`` into ``rW``, their (row,
-        column) into ``idx`` (items without data load block 0, as in :meth:`_prefetch`)."""
+        column) into ``idx``; items without data load block 0 instead (their codes are not
+        stored, their scale byte is zeroed)."""
         for j in cutlass.range_constexpr(self.items):
             g, r, c = self._coords(chunk, j, tidx, grid)
             idx[j, 0] = r

@@ -104,23 +104,21 @@ def test_fast_and_general_paths_agree(dtype):
     assert_identical(outs[1], quantize(x, gs), "general path")
 
 
-SPLITS = [(128, 1, 1, "smem", "rows"), (256, 4, 2, "smem", "rows"),
-          (512, 2, 1, "smem", "rows"), (256, 2, 0, "smem", "rows"), (64, 1, 1, "smem", "rows"),
-          (256, 2, 3, "regs", "rows"), (256, 1, 1, "regs", "atoms"),
-          (128, 2, 2, "smem", "atoms"), (256, 2, 0, "regs", "atoms"),
-          (64, 4, 1, "regs", "atoms")]
+SPLITS = [(128, 1, 1, "rows"), (256, 4, 2, "rows"), (512, 2, 1, "rows"), (256, 2, 0, "rows"),
+          (64, 1, 1, "rows"), (256, 2, 3, "atoms"), (256, 1, 1, "atoms"), (128, 4, 0, "atoms"),
+          (256, 2, 0, "atoms"), (64, 4, 1, "atoms")]
 
 
-@pytest.mark.parametrize("threads, items, per_sm, staging, order", SPLITS)
+@pytest.mark.parametrize("threads, items, per_sm, order", SPLITS)
 @pytest.mark.parametrize("m, k", [(131, 1072), (1, 4096), (300, 2080)])
-def test_other_thread_splits(threads, items, per_sm, staging, order, m, k):
-    """Other splits, input paths and item orders, including one CTA in all (every CTA
+def test_other_thread_splits(threads, items, per_sm, order, m, k):
+    """Other splits and item orders, including one CTA in all (every CTA
     loops over many chunks, both register sets in turn) and no persistent loop (one chunk
     per CTA)."""
     x = awkward_input(m, k, torch.bfloat16, seed=5).cuda()
     gs = torch.full((1,), 2.0**-5, dtype=torch.float32, device="cuda")
     spec = QuantSpec(target=quant._spec_for(x, "static").target, threads=threads, items=items,
-                     ctas_per_sm=per_sm, staging=staging, order=order)
+                     ctas_per_sm=per_sm, order=order)
     out = _poisoned_out(m, k)
     quant.compile_quantize(spec).launch(x, out.data, out.scale, gs, None)
     got = NVFP4Tensor._unchecked(out.data, out.scale, gs.reshape(()), (m, k))
@@ -128,11 +126,11 @@ def test_other_thread_splits(threads, items, per_sm, staging, order, m, k):
 
 
 @pytest.mark.parametrize("max_ctas", [1, 3])
-@pytest.mark.parametrize("path", [{}, {"staging": "regs", "order": "atoms"},
-                                  {"staging": "regs", "order": "rows"}])
+@pytest.mark.parametrize("path", [{"ctas_per_sm": 4, "order": "atoms"},
+                                  {"ctas_per_sm": 4, "order": "rows", "items": 2}])
 def test_few_ctas_loop_over_every_chunk(max_ctas, path):
-    """One (or three) CTAs quantize all chunks: the cp.async pipeline's stage reuse, the
-    register path's two sets in turn."""
+    """One (or three) CTAs of the persistent grid quantize all chunks: the two register
+    sets in turn, each reused many times."""
     import copy
     import dataclasses
 
