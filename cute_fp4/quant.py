@@ -240,17 +240,20 @@ def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static",
     benchmarks and tests).
 
     Measured on an H200 (2026-12-01, ``perf/quantize_bench.py --sweep``, 4096^2 and decode
-    sizes, CUDA-graph device time): one CTA per chunk in the atom order, 128 threads x 4
-    blocks, 14.6 us at 4096^2 (61% of 4.8 TB/s; 256 x 2 16.0 us); for M <= 16, 1 block per
-    thread, 2.3-2.6 us. The fused dynamic variant reads the whole input in every CTA, so it
-    takes the row order (few CTAs for few rows)."""
+    sizes, CUDA-graph device time), every default one CTA per chunk: large inputs in the
+    atom order, 128 threads x 4 blocks, 14.6 us at 4096^2 (61% of 4.8 TB/s; 256 x 2: 16.0
+    us); decode sizes (M <= 16) in the row order (no items for the 127 padding rows), 128
+    threads x 1 block, 2.0-2.2 us at K = 4096 (the atom order 2.3-2.5 us). The fused
+    dynamic variant reads the whole input in every CTA, so it takes few CTAs (256 x 2)."""
     from cute_fp4.kernels.quantize import QuantSpec
     from cute_fp4.targets import get_target
 
     if scale == "dynamic_fused":
         fields = {"threads": 256, "items": 2, "order": "rows"}
+    elif small:
+        fields = {"threads": 128, "items": 1, "order": "rows"}
     else:
-        fields = {"threads": 128, "items": 1 if small else 4, "order": "atoms"}
+        fields = {"threads": 128, "items": 4, "order": "atoms"}
     fields = {"target": get_target(target).name, "in_dtype": in_dtype, "scale": scale,
               "ctas_per_sm": 0, **fields, **changes}
     return QuantSpec(**fields)

@@ -155,12 +155,14 @@ def test_persistent_row_order_compiles(target):
 
 
 def test_default_specs():
-    """Decode-sized inputs take 1 block per thread, larger ones 4; the fused dynamic
-    variant the row order; every default is one CTA per chunk."""
+    """Decode-sized inputs take 1 block per thread in the row order, larger ones 4 in the
+    atom order; the fused dynamic variant the row order; every default is one CTA per
+    chunk."""
     small = quant.default_spec("sm_90a", "bf16", "static", small=True)
     large = quant.default_spec("sm_90a", "bf16", "static")
     fused = quant.default_spec("sm_120a", "fp16", "dynamic_fused", small=True)
-    assert (small.items, large.items) == (1, 4) and small.order == large.order == "atoms"
+    assert (small.items, large.items) == (1, 4)
+    assert (small.order, large.order) == ("rows", "atoms")
     assert fused.order == "rows" and fused.target == "sm_120a"
     assert {s.ctas_per_sm for s in (small, large, fused)} == {0}
     assert quant.default_spec("sm_90a", threads=64).threads == 64  # changes override

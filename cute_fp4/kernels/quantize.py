@@ -29,9 +29,9 @@ Item order (``QuantSpec.order``):
 * ``"rows"``: items enumerate (row, padded column) row-major over the ``M`` rows, padding
   columns get their zero bytes from the thread of that column, and padding rows (``M`` up to
   a multiple of 128) are zeroed by extra CTAs at the end of the grid, 16 bytes per thread
-  where a 16-byte chunk of an atom holds only padding rows, 4 bytes otherwise. Fewer CTAs
-  for small ``M``: the order of the dynamic "fused" variant, whose every CTA reads the whole
-  input first.
+  where a 16-byte chunk of an atom holds only padding rows, 4 bytes otherwise. Fewer items
+  for small ``M``: the order of decode-sized inputs and of the dynamic "fused" variant, whose
+  every CTA reads the whole input first.
 
 Arithmetic (float32, every rounding explicit in PTX: the DSL would contract ``a * b + c``).
 The block scale divides by ``gs`` with two Markstein corrections of ``t * RN(1/gs)``; each
