@@ -580,7 +580,7 @@ def test_model_decode_bars_and_report():
     assert "| w4a16 | compiled | 1 | 1.000 | 0.500 | 2,000 | 1.20x | 2.00x |" in text
     assert "| w4a4 | torch | 1 | error: DeviceError: no kernel" in text
     assert "worst relative difference: 2.00e-03" in text
-    assert "| w4a16 | 256 MiB | 0.1000 / 0.2000 | 0.900 |" in text
+    assert "| w4a16 | 256 MiB | - | 0.1000 / 0.2000 | 0.900 |" in text
     assert "torch step, eager: no slower than BF16: 0.857x, FAIL" in text
 
 
