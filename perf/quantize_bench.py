@@ -206,7 +206,7 @@ def main(argv=None) -> int:
             add(copy_row(m, k, dtype, bw))
             for scale, general in (("static", False), ("static", True), ("dynamic", False),
                                    ("dynamic_fused", False)):
-                if scale == "dynamic_fused" and m * k > 4 * quant.FUSED_MAX_ELEMENTS:
+                if scale == "dynamic_fused" and m * k > 16 * quant.FUSED_MAX_ELEMENTS:
                     continue
                 spec = default_spec(target, dt, scale, force_general=general)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))

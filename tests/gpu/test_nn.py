@@ -163,6 +163,29 @@ def test_forward_has_no_host_sync(mode, static):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+@pytest.mark.parametrize("n, k", [(1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_decoder_shapes_have_no_host_sync(mode, static, n, k, m):
+    """A Llama layer's projection shapes at decode batch sizes, where the heuristics pick
+    split-K (the eager workspace memo and the capture reserve run) and, on SM90, the
+    fragment-order weight: no synchronising call, output against the reference."""
+    _skip_unsupported(mode)
+    _, layer = _layer(mode, static, k=k, n=n, bias=False)
+    x = _x(m, k, seed=n + m)
+    layer(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x)
+        y2 = layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y, y2)
+    res = reference.check(y, _activation(layer, x), layer.weight)
+    assert res.passed, str(res)
+
+
 @pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 3),
                                                 ("w4a4", False, 5)], ids=IDS)
 def test_forward_allocates_only_its_outputs(mode, static, most):
