@@ -11,8 +11,9 @@ synchronisation and no allocation beyond the outputs, so it can be captured in a
   kernel and the quantize kernel ("two_pass") or by one kernel whose CTAs each reduce the
   whole input ("fused", for decode-sized inputs up to :data:`FUSED_MAX_ELEMENTS`).
 
-Kernels compile once per (target, dtype, variant) with symbolic M and K and go through the
-package's disk cache (``cute_fp4.cache``) like the GEMMs.
+Kernels compile once per (target, dtype, variant, decode-sized or not: :func:`default_spec`)
+with symbolic M and K and go through the package's disk cache (``cute_fp4.cache``) like the
+GEMMs.
 """
 
 from __future__ import annotations
