@@ -141,6 +141,37 @@ def test_kernel_compiles(target, dtype, scale):
     assert (ops["REDUX"] > 0) == (scale != "static"), ops
 
 
+def _fast_path_ops(spec: QuantSpec, tmp_path) -> list[str]:
+    """Opcodes of the fast path of ``spec``'s kernel: the longest stretch between two EXITs
+    with at most one MUFU per block (the general path divides each element by MUFU)."""
+    from cute_fp4.inspect import cubin_sass
+
+    quant.cross_compile_quantize(spec, dump_dir=str(tmp_path))
+    sass = cubin_sass(sorted(tmp_path.glob("*.cubin"))[-1])
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass)
+    cuts = [i for i, op in enumerate(ops) if op == "EXIT"]
+    segments = [ops[a + 1:b + 1] for a, b in zip([-1, *cuts], cuts, strict=False)]
+    fast = [seg for seg in segments if seg.count("MUFU") <= spec.items + 1]
+    return max(fast, key=len)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target, budget", [("sm_90a", 16.5), ("sm_120a", 12.0)])
+def test_default_large_kernel_stays_inside_its_budget(target, budget, tmp_path):
+    """What the H200 measurements rest on (perf/results/2026-12-01-h200-quantizer-model.md):
+    at most 64 registers (8 CTAs of 128 threads per SM) and at most ``budget`` SASS
+    instructions per element on the fast path (sm_90a measured 16.1: the software E2M1
+    encoding; sm_120a converts in hardware)."""
+    spec = quant.default_spec(target, "bf16", "static")
+    rep = quant.quantize_compile_report(spec)
+    assert rep["registers"] <= 64 and rep["spills"] == 0, rep
+    ops = _fast_path_ops(spec, tmp_path)
+    per_element = len(ops) / (16 * spec.items)
+    assert ops.count("LDG") == 2 * spec.items + 1, ops  # 2 per block, and the global scale
+    assert per_element <= budget, (per_element, len(ops))
+    assert per_element >= budget - 6, (per_element, len(ops))  # the segment is the kernel
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
 def test_persistent_row_order_compiles(target):
