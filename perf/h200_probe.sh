@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Decode and quantizer probe on the lent H200 (one device call): the decode variant sweep
 # (perf/decode_probe.py) and Nsight Compute profiles of the decode kernels, QuACK's, and the
-# activation quantizer, with warp stall reasons. Writes under $OUT.
+# activation quantizer, with warp stall reasons. Writes under $OUT. Environment (all optional):
+#   PYTEST="tests/gpu/..." PYTEST_K=expr PYTEST_S=240   pytest first, under a timeout
+#   SWEEP=1 (0: none) MS="1 16" ONLY=labels SHAPES=...  perf/decode_probe.py
+#   PROFILES="name m n k;..." ("": none)                 ncu of decode_probe launches
+#   QPROF=1 QSPECS="field=value ...;..."               ncu of quantizer specs at 4096^2
+#   QBENCH="--quick --sweep" QBENCH_S=200              perf/quantize_bench.py
+#   MODEL="--modes w4a16 --step torch,compiled" MODEL_S perf/model_decode.py
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/activate.sh >/dev/null
