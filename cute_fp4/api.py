@@ -33,7 +33,7 @@ from cute_fp4.operands import (
     make_operands,
     out_dtype_of,
 )
-from cute_fp4.oplib import LazyOp, while_tracing
+from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.run import poisoned_check, private_workspaces, run_checked, run_compiled
 from cute_fp4.schedule import Mainloop, OutDtype, Schedule
@@ -381,51 +381,43 @@ def register_op():
     return _OP.register()
 
 
+def _mm_op(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
+    with private_workspaces():
+        return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
+
+
+def _mm_packed_op(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule):
+    with private_workspaces():
+        return _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
+
+
+def _quantize_static_op(x, global_scale):
+    from cute_fp4.quant import quantize_activation
+
+    t = quantize_activation(x, global_scale)
+    return t.data, t.scale
+
+
+def _quantize_dynamic_op(x):
+    from cute_fp4.quant import quantize_activation
+
+    t = quantize_activation(x, None)
+    return t.data, t.scale, t.global_scale
+
+
 def _define_op() -> None:
-    @torch.library.custom_op("cute_fp4::mm", mutates_args=())
-    def mm_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
-              b_scale: torch.Tensor, alpha: torch.Tensor, k: int, out_dtype: torch.dtype,
-              schedule: str) -> torch.Tensor:
-        with private_workspaces():
-            return _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
-
-    @mm_op.register_fake
-    def _(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
-        return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
-
-    @torch.library.custom_op("cute_fp4::mm_packed", mutates_args=())
-    def mm_packed_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
-                     b_scale: torch.Tensor, alpha: torch.Tensor, n: int, k: int,
-                     out_dtype: torch.dtype, schedule: str) -> torch.Tensor:
-        with private_workspaces():
-            return _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
-
-    @mm_packed_op.register_fake
-    def _(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule):
-        return a.new_empty((a.shape[0], n), dtype=out_dtype)
-
-    @torch.library.custom_op("cute_fp4::quantize", mutates_args=())
-    def quantize_static(x: torch.Tensor, global_scale: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        from cute_fp4.quant import quantize_activation
-
-        t = quantize_activation(x, global_scale)
-        return t.data, t.scale
-
-    @quantize_static.register_fake
-    def _(x, global_scale):
-        return _fake_nvfp4(x)
-
-    @torch.library.custom_op("cute_fp4::quantize_dynamic", mutates_args=())
-    def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from cute_fp4.quant import quantize_activation
-
-        t = quantize_activation(x, None)
-        return t.data, t.scale, t.global_scale
-
-    @quantize_dynamic.register_fake
-    def _(x):
-        return (*_fake_nvfp4(x), x.new_empty((), dtype=torch.float32))
+    define("mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor alpha, SymInt k, "
+           "ScalarType out_dtype, str schedule) -> Tensor", _mm_op,
+           lambda a, a_scale, b, b_scale, alpha, k, out_dtype, schedule:
+           a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype))
+    define("mm_packed(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor alpha, "
+           "SymInt n, SymInt k, ScalarType out_dtype, str schedule) -> Tensor", _mm_packed_op,
+           lambda a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule:
+           a.new_empty((a.shape[0], n), dtype=out_dtype))
+    define("quantize(Tensor x, Tensor global_scale) -> (Tensor, Tensor)",
+           _quantize_static_op, lambda x, global_scale: _fake_nvfp4(x))
+    define("quantize_dynamic(Tensor x) -> (Tensor, Tensor, Tensor)", _quantize_dynamic_op,
+           lambda x: (*_fake_nvfp4(x), x.new_empty((), dtype=torch.float32)))
 
 
 def _fake_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

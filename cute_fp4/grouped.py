@@ -35,7 +35,7 @@ from cute_fp4.compile import compile as compile_schedule
 from cute_fp4.errors import DeviceError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.operands import _a_format, _check_tensor, as_e4m3
-from cute_fp4.oplib import LazyOp, while_tracing
+from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
@@ -497,17 +497,11 @@ def register_op():
 
 
 def _define_op() -> None:
-    @torch.library.custom_op("cute_fp4::grouped_mm", mutates_args=())
-    def grouped_mm_op(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
-                      b_scale: torch.Tensor, offsets: torch.Tensor, alpha: torch.Tensor,
-                      k: int, out_dtype: torch.dtype, schedule: str,
-                      n: int = 0) -> torch.Tensor:
-        return _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
-                                schedule, n)
-
-    @grouped_mm_op.register_fake
-    def _(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n=0):
-        return a.new_empty((a.shape[0], n or b.shape[1]), dtype=out_dtype)
+    define("grouped_mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offsets, "
+           "Tensor alpha, SymInt k, ScalarType out_dtype, str schedule, SymInt n=0) -> Tensor",
+           _grouped_mm_impl,
+           lambda a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n=0:
+           a.new_empty((a.shape[0], n or b.shape[1]), dtype=out_dtype))
 
 
 # ----------------------------------------------------------------------------- validation

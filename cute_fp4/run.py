@@ -63,12 +63,20 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     is made (so no sync). A launch being captured into a CUDA graph gets a workspace no
     other launch shares: zeroed counters taken from a reserve that eager launches fill (no
     node in the graph; kept for the life of the process, a few hundred bytes each) and
-    partials from the graph's pool; without a reserve (or in a custom op's body,
-    :func:`private_workspaces`), one buffer zeroed by the graph on every replay."""
+    partials from the graph's pool; without a reserve, one buffer zeroed by the graph on
+    every replay. In a custom op's body (:func:`private_workspaces`, not capturing) the
+    stream's buffer when one made outside is large enough (allocated outside any graph
+    pool, shared in stream order as eagerly), else a zeroed buffer of its own."""
     capturing = _capturing(device)
-    if capturing or getattr(_PRIVATE, "on", False):
-        return _own_workspace(kernel, m, n, device, capturing)
     stream = (device.index, kernel.stream_handle(device.index))
+    if capturing:
+        return _own_workspace(kernel, m, n, device, True)
+    if getattr(_PRIVATE, "on", False):  # reuse the stream's buffer, never make one to keep
+        counters, partials = _needs(kernel, m, n)
+        held = _WORKSPACES.get(stream)
+        if held is not None and held[1] >= counters and held[2] >= partials:
+            return held[0], held[0]
+        return _own_workspace(kernel, m, n, device, False)
     memo = _EAGER.get((stream, kernel, m, n))
     if memo is not None and memo[0] == _GENERATION[0]:
         return memo[1]

@@ -39,22 +39,29 @@ def test_workspace_reuse_growth_and_header():
     assert other.data_ptr() != big.data_ptr()
 
 
-def test_private_workspaces_are_not_kept():
+def test_private_workspaces_reuse_but_never_keep():
+    """A custom op's body reuses the stream's buffer made outside when it is large enough,
+    and otherwise gets a zeroed buffer of its own, which is not kept."""
     from cute_fp4.run import private_workspaces
 
     dev = torch.device("cpu")
     k = _Kernel(2, stream=21)
-    kept, _ = split_workspace(k, 1, 1024, dev)
     counters, partials = split_workspace_needs(2, 1, 1024, (8, 64), 128, 4)
-    with private_workspaces():
+    with private_workspaces():  # no buffer on this stream yet
         own, own_work = split_workspace(k, 1, 1024, dev)
         again, _ = split_workspace(k, 1, 1024, dev)
-    assert own_work is own
-    assert len({own.data_ptr(), again.data_ptr(), kept.data_ptr()}) == 3
+    assert own_work is own and own.data_ptr() != again.data_ptr()
     for ws in (own, again):
         first = int(ws[0])
         assert first % 4 == 0 and first - SPLIT_HEADER >= counters
         assert ws.numel() - first >= partials and not ws[SPLIT_HEADER:first].any()
+    kept, _ = split_workspace(k, 1, 1024, dev)  # eager: the stream's buffer
+    assert kept.data_ptr() not in (own.data_ptr(), again.data_ptr())
+    with private_workspaces():
+        reused, reused_work = split_workspace(k, 1, 1024, dev)
+        larger, _ = split_workspace(k, 16, 8192, dev)  # does not fit: its own, not kept
+    assert reused.data_ptr() == kept.data_ptr() and reused_work is reused
+    assert larger.data_ptr() != kept.data_ptr()
     assert split_workspace(k, 1, 1024, dev)[0].data_ptr() == kept.data_ptr()
 
 
