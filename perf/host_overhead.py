@@ -23,7 +23,9 @@ Stub mode (no GPU): the same ``gemm`` path on CPU tensors, with the device descr
 an H200 and the compiled kernel replaced by a host-only CuTe DSL function of the same
 signature (``kernels.launch.NoopLaunch``): its TVM-FFI entry, or the DSL's own call path,
 decodes the arguments as the real one does and launches nothing. Also the pure-Python floor (a no-op
-callable). Stub timings keep the fastest loop (other processes on a CPU only add time).
+callable), and ``torch.ops.cute_fp4.mm_packed`` called as compiled code calls it (the
+custom op's dispatch and body). Stub timings keep the fastest loop (other processes on a
+CPU only add time).
 
 Writes ``host_overhead.json`` under ``--out`` and prints one line per measure. Exit status
 1 if a graph replay differs from eager.
@@ -259,8 +261,15 @@ def stub_main(args) -> dict:
                 layer(a)
                 row[f"NVFP4Linear {layout}_us"] = round(host_us(
                     lambda: layer(a), args.calls, args.repeats, lambda: None), 2)  # noqa: B023
+            packed = linear_layers(b)["packed"]
+            op_args = (a, None, packed.weight_packed, packed.weight_scale,
+                       packed.weight_scale_2, N, K, torch.bfloat16, "auto")
+            op = api.register_op().mm_packed
+            op(*op_args)
+            row["cute_fp4::mm_packed op_us"] = round(host_us(  # what compiled code calls
+                lambda: op(*op_args), args.calls, args.repeats, lambda: None), 2)  # noqa: B023
             res["rows"].append(row)
-            layers = {k: v for k, v in row.items() if k.startswith("NVFP4Linear")}
+            layers = {k: v for k, v in row.items() if k.startswith(("NVFP4Linear", "cute_fp4::"))}
             print(f"stub {entry} M={m}: gemm(out=out) {row['gemm(out=out)_us']} us; "
                   f"{layers}; {row['breakdown_us']}", flush=True)
     return res
