@@ -87,10 +87,10 @@ def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor) -> str:
     return "packed" if mode == "w4a16" and sm90 and k % UNIT_K == 0 else "plain"
 
 
-def _run(kern, a, w: NVFP4Tensor, alpha, dims) -> torch.Tensor:
+def _run(kern, a, w: NVFP4Tensor, alpha, dims, out=None) -> torch.Tensor:
     from cute_fp4.run import run_checked
 
-    return run_checked(kern, a, w, None, alpha, dims)
+    return run_checked(kern, a, w, out, alpha, dims)
 
 
 def _scalar(value, name: str, device) -> torch.Tensor:
@@ -314,29 +314,34 @@ class NVFP4Linear(torch.nn.Module):
             return self._forward_traced(x)
         k, n = self.in_features, self.out_features
         flat = x.dim() == 2
-        x2 = x if flat else x.reshape(-1, k)  # a view op costs ~2 us of host time
-        if not x2.is_contiguous() or x2.data_ptr() % 16:
-            x2 = x2.clone(memory_format=torch.contiguous_format)
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.clone(memory_format=torch.contiguous_format)
         w = self._stored_weight()
         dev = w.data.get_device()
-        if x2.get_device() != dev:  # ints: cheaper than comparing torch.device objects
-            raise InputError(f"input is on {x2.device} but the layer is on {w.data.device}")
-        m = x2.shape[0]
+        if x.get_device() != dev:  # ints: cheaper than comparing torch.device objects
+            raise InputError(f"input is on {x.device} but the layer is on {w.data.device}")
+        m = x.shape[0] if flat else x.numel() // k
         if m == 0:
             return x.new_empty((*x.shape[:-1], n))
-        if self.mode == "w4a4":
+        out = None
+        if self.mode == "w4a4":  # the quantizer takes [M, K]
+            x2 = x if flat else x.reshape(-1, k)
             a, fmt = quantize_activation(x2, self.input_scale), "nvfp4"
             alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
         else:
-            a, fmt, alpha = x2, _ACT_FORMATS[x2.dtype], self.weight_scale_2
+            # the kernel reads A's and writes C's memory only: an N-D contiguous input and
+            # an output of the final shape need no reshape or view (~2 us of host each)
+            a, fmt, alpha = x, _ACT_FORMATS[x.dtype], self.weight_scale_2
+            if not flat:
+                out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
         if self.layout == "packed":
-            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=True)
+            kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev, packed=True)
         else:
-            kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev)
-        y = _run(kern, a, w, alpha, (m, n, k, fmt))
+            kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev)
+        y = _run(kern, a, w, alpha, (m, n, k, fmt), out)
         if self.bias is not None:
             y.add_(self.bias)
-        return y if flat else y.view(*x.shape[:-1], n)
+        return y if flat or out is not None else y.view(*x.shape[:-1], n)
 
     def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
         """The forward torch.compile traces: plain tensors into the custom ops."""

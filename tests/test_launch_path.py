@@ -72,6 +72,16 @@ def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
     assert raw[6:8] == ((ws[1].data_ptr(), ws[0].data_ptr()) if split_k > 1 else (pal, pal))
 
 
+def test_raw_args_of_an_n_d_input_and_output(kernel):
+    """NVFP4Linear passes a contiguous [..., K] input and its [..., N] output as they are:
+    the kernel reads and writes their memory as [M, K] and [M, N]."""
+    a, b = w4a16()
+    lead = (M // 2, 2) if M % 2 == 0 else (M, 1)
+    a3, out3 = a.reshape(*lead, K), torch.empty(*lead, N, dtype=torch.bfloat16)
+    raw = kernel.raw_args(a3, None, b.data, b.scale, out3, torch.ones(1), None, 8, 0)
+    assert raw[8:11] == (M, N, K) and raw[0] == a3.data_ptr() and raw[4] == out3.data_ptr()
+
+
 def test_w4a4_raw_args_carry_both_scales(kernel):
     a, b = cf.quantize(torch.randn(M, K)), cf.quantize(torch.randn(N, K))
     out, alpha = torch.empty(M, N, dtype=torch.bfloat16), torch.ones(1)

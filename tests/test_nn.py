@@ -130,10 +130,21 @@ def fake_kernels(monkeypatch):
         calls.append(("kernel", schedule, m, n, k, a_format, out_dtype))
         return types.SimpleNamespace(out_dtype=out_dtype)
 
-    def run(kern, a, w, alpha, dims):
+    def run(kern, a, w, alpha, dims, out=None):
+        """As the kernel: reads A's memory as [M, K], writes C's as [M, N] (``out``, of any
+        contiguous shape, when given)."""
         calls.append(("run", dims, alpha))
         assert isinstance(w, NVFP4Tensor)
-        return reference.gemm(a, w, alpha, out_dtype=kern.out_dtype)
+        m, n, k, _ = dims
+        if not isinstance(a, NVFP4Tensor):
+            assert a.is_contiguous() and a.numel() == m * k
+            a = a.view(m, k)
+        y = reference.gemm(a, w, alpha, out_dtype=kern.out_dtype)
+        if out is None:
+            return y
+        assert out.is_contiguous() and out.numel() == m * n and out.dtype == y.dtype
+        out.view(m, n).copy_(y)
+        return out
 
     def quant(x, global_scale=None):
         calls.append(("quantize", tuple(x.shape), global_scale))

@@ -126,7 +126,8 @@ def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ct
     and the same aliasing as :func:`runtime_args`."""
     sfb = b_scale.data_ptr()
     pal = alpha.data_ptr()
-    m, n = out.shape
+    n = out.shape[-1]  # out: [M, N], or [..., N] contiguous (NVFP4Linear's N-D outputs)
+    m = out.numel() // n if out.dim() != 2 else out.shape[0]
     count, work = ((workspace[0].data_ptr(), workspace[1].data_ptr()) if split_k > 1
                    else (pal, pal))
     return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(), sfb,
