@@ -67,22 +67,21 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     every replay. In a custom op's body (:func:`private_workspaces`, not capturing) the
     stream's buffer when one made outside is large enough (allocated outside any graph
     pool, shared in stream order as eagerly), else a zeroed buffer of its own."""
-    capturing = _capturing(device)
+    if _capturing(device):
+        return _own_workspace(*_needs(kernel, m, n), device, True)
     stream = (device.index, kernel.stream_handle(device.index))
-    if capturing:
-        return _own_workspace(kernel, m, n, device, True)
     if getattr(_PRIVATE, "on", False):  # reuse the stream's buffer, never make one to keep
         counters, partials = _needs(kernel, m, n)
         held = _WORKSPACES.get(stream)
-        if held is not None and held[1] >= counters and held[2] >= partials:
+        if _fits(held, counters, partials):
             return held[0], held[0]
-        return _own_workspace(kernel, m, n, device, False)
+        return _own_workspace(counters, partials, device, False)
     memo = _EAGER.get((stream, kernel, m, n))
     if memo is not None and memo[0] == _GENERATION[0]:
         return memo[1]
     counters, partials = _needs(kernel, m, n)
     held = _WORKSPACES.get(stream)
-    if held is None or held[1] < counters or held[2] < partials:
+    if not _fits(held, counters, partials):
         grown = (counters, partials) if held is None else (
             max(counters, 2 * held[1]), max(partials, 2 * held[2]))
         held = _WORKSPACES[stream] = _new_workspace(*grown, device)
@@ -102,10 +101,14 @@ def _needs(kernel, m: int, n: int) -> tuple[int, int]:
                                  kernel.split_values)
 
 
-def _own_workspace(kernel, m: int, n: int, device, capturing: bool
+def _fits(held, counters: int, partials: int) -> bool:
+    """Whether a held (buffer, counters, partials) workspace serves a launch's needs."""
+    return held is not None and held[1] >= counters and held[2] >= partials
+
+
+def _own_workspace(counters: int, partials: int, device, capturing: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A captured launch's or a custom-op body's workspace (see :func:`split_workspace`)."""
-    counters, partials = _needs(kernel, m, n)
     block = _reserved_counters(counters, device) if capturing else None
     if block is not None:
         return block, torch.empty(partials, dtype=torch.int32, device=device)

@@ -257,11 +257,12 @@ def stub_main(args) -> dict:
             row = {"entry": entry, "m": m, "gemm(out=out)_us": round(host_us(
                 lambda: cf.gemm(a, b, out=out), args.calls, args.repeats, lambda: None), 2)}  # noqa: B023
             row["breakdown_us"] = breakdown(a, b, out, args.calls, args.repeats, lambda: None)
-            for layout, layer in linear_layers(b).items():
+            by_layout = linear_layers(b)
+            for layout, layer in by_layout.items():
                 layer(a)
                 row[f"NVFP4Linear {layout}_us"] = round(host_us(
                     lambda: layer(a), args.calls, args.repeats, lambda: None), 2)  # noqa: B023
-            packed = linear_layers(b)["packed"]
+            packed = by_layout["packed"]
             op_args = (a, None, packed.weight_packed, packed.weight_scale,
                        packed.weight_scale_2, N, K, torch.bfloat16, "auto")
             op = api.register_op().mm_packed

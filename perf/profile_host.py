@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import io
 import pstats
 import sys
@@ -20,16 +19,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _model_decode():
-    spec = importlib.util.spec_from_file_location("model_decode", ROOT / "perf" / "model_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["model_decode"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+import model_decode as md  # noqa: E402
 
 
 def per_call_us(fn, x, calls: int = 200, repeats: int = 5) -> float:
@@ -52,7 +45,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="profiled eager steps per model")
     ap.add_argument("--out", type=Path, help="folder for profile_host.txt")
     args = ap.parse_args(argv)
-    md = _model_decode()
     c = md.Config(layers=args.layers, context=128)
     model, impl = md.build_model(c, "auto")
     q, _ = md.quantized_copy(model, "w4a16", None)

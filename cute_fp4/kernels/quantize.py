@@ -501,10 +501,14 @@ class QuantizeKernel:
                     self._load(mX, rA, iA, chunk + 2 * stride, tidx, grid)
                 self._items(code, mQ, mSF, rB, iB, gs, consts, grid, chunk + stride, tidx)
 
+    def _item_index(self, chunk, j: int, tidx):
+        """The index g of this thread's item ``j`` of ``chunk``: items ``threads`` apart."""
+        return (chunk * self.items + j) * self.threads + tidx
+
     @cute.jit
     def _coords(self, chunk, j: int, tidx, grid):
         """(item index g, row, padded column) of item ``j`` of ``chunk`` (see ``order``)."""
-        g = (chunk * self.items + j) * self.threads + tidx
+        g = self._item_index(chunk, j, tidx)
         if cutlass.const_expr(self.atoms):
             a = g & 511  # the byte in a 512-byte atom: (row % 32) * 16 + (row / 32 % 4) * 4
             rb, cg = divmod(g >> 9, grid.fdd)  # + column % 4 (nvfp4.scale_offset)
@@ -572,7 +576,7 @@ class QuantizeKernel:
             for i in cutlass.range_constexpr(3):
                 rO[j][i] = out[i]
         for j in cutlass.range_constexpr(u):
-            g = (chunk * u + j) * self.threads + tidx
+            g = self._item_index(chunk, j, tidx)
             ok, data, gd, off = self._item_flags(g, idx[j, 0], idx[j, 1], grid)
             if data:
                 cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
