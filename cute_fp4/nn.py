@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_schedule
-from cute_fp4.compile import kernel_for
+from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
@@ -160,6 +162,7 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("alpha", None, persistent=False)
         self.bias = bias
         self._view: NVFP4Tensor | None = None
+        self._bound: dict[tuple, object] = {}  # (M, dtype) -> run.BoundLaunch (forward)
         self._refresh_alpha()
 
     # ------------------------------------------------------------------ construction
@@ -255,6 +258,11 @@ class NVFP4Linear(torch.nn.Module):
             self._view = v
         return v
 
+    def __getstate__(self):
+        state = super().__getstate__().copy()
+        state["_bound"] = {}  # launches bound to this process's kernels and addresses
+        return state
+
     def _apply(self, fn, recurse=True):
         return keep_format_dtypes(self, super()._apply, fn, recurse, _FORMAT_BUFFERS)
 
@@ -313,35 +321,61 @@ class NVFP4Linear(torch.nn.Module):
         if torch.compiler.is_compiling():
             return self._forward_traced(x)
         k, n = self.in_features, self.out_features
-        flat = x.dim() == 2
         if not x.is_contiguous() or x.data_ptr() % 16:
             x = x.clone(memory_format=torch.contiguous_format)
         w = self._stored_weight()
         dev = w.data.get_device()
         if x.get_device() != dev:  # ints: cheaper than comparing torch.device objects
             raise InputError(f"input is on {x.device} but the layer is on {w.data.device}")
-        m = x.shape[0] if flat else x.numel() // k
+        m = x.shape[0] if x.dim() == 2 else x.numel() // k
         if m == 0:
             return x.new_empty((*x.shape[:-1], n))
-        out = None
-        if self.mode == "w4a4":  # the quantizer takes [M, K]
-            x2 = x if flat else x.reshape(-1, k)
-            a, fmt = quantize_activation(x2, self.input_scale), "nvfp4"
-            alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
-        else:
-            # the kernel reads A's and writes C's memory only: an N-D contiguous input and
-            # an output of the final shape need no reshape or view (~2 us of host each)
-            a, fmt, alpha = x, _ACT_FORMATS[x.dtype], self.weight_scale_2
-            if not flat:
-                out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        if self.layout == "packed":
-            kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev, packed=True)
-        else:
-            kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev)
-        y = _run(kern, a, w, alpha, (m, n, k, fmt), out)
+        if self.mode == "w4a4":
+            return self._forward_w4a4(x, w, m, dev)
+        # the kernel reads A's and writes C's memory only: an N-D contiguous input and an
+        # output of the final shape need no reshape or view (~2 us of host each)
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        bound = self._bound.get((m, x.dtype))
+        if (bound is None or bound.key[0] is not w or bound.key[1] is not self.schedule
+                or not bound.launch(x, w, out)):
+            self._launch_w4a16(x, w, m, dev, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def _launch_w4a16(self, x, w, m: int, dev: int, out: torch.Tensor) -> None:
+        """The full launch (kernel lookup, checks, workspace), then a binding of it that
+        the next calls at this M and dtype launch through (``run.bind``)."""
+        from cute_fp4.run import bind
+
+        k, n = self.in_features, self.out_features
+        fmt, alpha = _ACT_FORMATS[x.dtype], self.weight_scale_2
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev,
+                           packed=self.layout == "packed")
+        dims = (m, n, k, fmt)
+        _run(kern, x, w, alpha, dims, out)
+        if getattr(kern, "_ffi", None) is None:  # the DSL call path (or a test's stand-in)
+            return
+        auto = isinstance(self.schedule, str) and self.schedule == "auto"
+        expires = time.monotonic() + AUTO_RECHECK_S if auto else math.inf
+        bound = bind(kern, w, alpha, dims, (w, self.schedule), expires)
+        if len(self._bound) >= 64:  # many distinct M (prefill): don't grow forever
+            self._bound.clear()
+        if bound is not None:
+            self._bound[(m, x.dtype)] = bound
+
+    def _forward_w4a4(self, x, w, m: int, dev: int) -> torch.Tensor:
+        """Quantize the activation (the fused kernel), then the W4A4 kernel."""
+        k, n = self.in_features, self.out_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
+        a = quantize_activation(x2, self.input_scale)
+        alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
+        kern = _kernel_for(self.schedule, m, n, k, "nvfp4", x.dtype, dev,
+                           packed=self.layout == "packed")
+        y = _run(kern, a, w, alpha, (m, n, k, "nvfp4"))
         if self.bias is not None:
             y.add_(self.bias)
-        return y if flat or out is not None else y.view(*x.shape[:-1], n)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
     def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
         """The forward torch.compile traces: plain tensors into the custom ops."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 
 import torch
 
@@ -205,6 +206,83 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
     ws = split_workspace(kernel, m, n, dev) if kernel.schedule.split_k > 1 else None
     kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
     return result
+
+
+class BoundLaunch:
+    """A W4A16 kernel's launch with its weight, alpha, sizes and split-K workspace fixed:
+    :func:`run_checked`'s checks and argument building done once, so a repeated call
+    (a module's forward at one M) pays one validity test and the TVM-FFI call
+    (:func:`bind`). The caller checks the activation and allocates the output as before;
+    :meth:`launch` returns False, launching nothing, when the binding no longer holds: its
+    time is up (``expires``, ``schedule="auto"`` is resolved again), or, for a split-K
+    kernel, the stream differs, the stream's workspace was replaced or a reserve block was
+    taken (:data:`_GENERATION`), a CUDA graph is being captured or a custom op's body is
+    running (those take workspaces of their own)."""
+
+    __slots__ = ("kernel", "key", "_ffi", "_b", "_sfb", "_alpha", "_work", "_count", "_m",
+                 "_n", "_k", "_ctas", "_stream", "_stream_of", "_dev", "_split",
+                 "_generation", "_expires")
+
+    def __init__(self, kernel, key, b, alpha_t, work, count, dims, ctas, stream, dev,
+                 expires):
+        self.kernel, self.key = kernel, key
+        self._ffi, self._stream_of, self._dev = kernel._ffi, kernel._stream_of, dev
+        self._b, self._sfb = b.data.data_ptr(), b.scale.data_ptr()
+        self._alpha = alpha_t.data_ptr()  # the caller's own tensor (bind): read per launch
+        self._work, self._count = work, count
+        self._m, self._n, self._k = dims[0], dims[1], 2 * b.data.shape[1]
+        self._ctas, self._stream = ctas, stream
+        self._split = kernel.schedule.split_k > 1
+        self._generation, self._expires = _GENERATION[0], expires
+
+    def launch(self, a: torch.Tensor, b, out: torch.Tensor) -> bool:
+        """Launch on ``a`` (the checked activation, [M, K] memory) and ``b`` (the weight it
+        was bound to: its data must still be where it was) into ``out`` ([M, N] memory)
+        on the current stream, or return False (nothing launched)."""
+        if b.data.data_ptr() != self._b:
+            return False
+        stream = self._stream_of(self._dev)
+        if self._split and (stream != self._stream or self._generation != _GENERATION[0]
+                            or _capturing_now() or getattr(_PRIVATE, "on", False)):
+            return False
+        if time.monotonic() >= self._expires:
+            return False
+        pal = self._alpha
+        self._ffi(a.data_ptr(), self._sfb, self._b, self._sfb, out.data_ptr(), pal,
+                  self._work or pal, self._count or pal, self._m, self._n, self._k,
+                  self._ctas, stream)
+        return True
+
+
+def _capturing_now() -> bool:
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def bind(kernel, b, alpha, dims, key, expires: float) -> BoundLaunch | None:
+    """A :class:`BoundLaunch` of ``kernel`` for B = ``b`` and ``dims`` (= (M, N, K,
+    a_format), the activation's, as :func:`run_checked` takes them), after
+    :func:`run_checked` launched the same call once; None where there is nothing to fix
+    (no TVM-FFI entry; W4A4: A's scales change per call; an alpha that is not already a
+    float32 device scalar, whose copy would not follow the original) or, for split-K, while
+    capturing. ``key``: what
+    the caller matches it on (kept as ``.key``)."""
+    if kernel._ffi is None or dims[3] == "nvfp4":
+        return None
+    dev = b.data.device
+    split = kernel.schedule.split_k > 1
+    if split and (_capturing(dev) or getattr(_PRIVATE, "on", False)):
+        return None
+    alpha_t = alpha_tensor(None, b, alpha)
+    if alpha_t is not alpha and alpha_t is not b.global_scale:
+        return None  # a converted copy: the binding would not see the scale change
+    stream = kernel.stream_handle(dev.index)
+    work = count = 0
+    if split:
+        ws = split_workspace(kernel, dims[0], dims[1], dev)
+        count, work = ws[0].data_ptr(), ws[1].data_ptr()
+    ctas = kernel.max_ctas or kernel._ctas.get(dev.index) or kernel._sm_count(dev.index)
+    return BoundLaunch(kernel, key, b, alpha_t, work, count, dims, ctas, stream, dev.index,
+                       expires)
 
 
 @functools.lru_cache(maxsize=4096)

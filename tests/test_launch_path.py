@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -403,3 +404,125 @@ def test_alpha_tensor_passes_a_float32_scalar_through_and_converts_the_rest():
     assert operands.alpha_tensor(a, b, one) is one
     f64 = operands.alpha_tensor(a, b, torch.tensor(0.5, dtype=torch.float64))
     assert f64.dtype == torch.float32 and f64.shape == (1,) and float(f64) == 0.5
+
+
+# ----------------------------------------------------------------------------- bound launch
+
+@pytest.fixture
+def stub_layer_path(monkeypatch):
+    """NVFP4Linear on the CPU with the device and the launch stubbed: every kernel is a
+    CompiledGemm of its own schedule whose TVM-FFI entry is a Recorder (so forward binds);
+    returns (recorder, built kernels, [current stream handle])."""
+    from cute_fp4 import run, targets
+
+    h200 = targets.Device(0, "H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"), 4800.)
+    monkeypatch.setattr(targets, "require_device", lambda family=None: h200)
+    monkeypatch.setattr(run, "_capturing_now", lambda: False)
+    rec, built, stream = Recorder(), [], [0x5000]
+
+    def build(s, sig, kernel=None, tag=""):
+        kern = host.CompiledGemm(s, sig, rec, host._make_kernel(s, Problem(
+            a_format=sig.a_format)), 0.0, max_ctas=7)
+        kern._stream_of = lambda index: stream[0]
+        kern._ffi, kern.call_path = rec, "tvm-ffi"
+        built.append(kern)
+        return kern
+
+    monkeypatch.setattr(host, "_build", build)
+    run._WORKSPACES.clear()
+    run._EAGER.clear()
+    yield rec, built, stream
+    run._WORKSPACES.clear()
+    run._EAGER.clear()
+
+
+def _layer(schedule):
+    from cute_fp4.nn import NVFP4Linear
+
+    return NVFP4Linear(cf.quantize(torch.randn(N, K)), mode="w4a16", schedule=schedule,
+                       layout="plain")
+
+
+@pytest.mark.parametrize("schedule", ["sm90_decode_swapab", "sm90_decode_64x128_splitk2"])
+@pytest.mark.parametrize("shape", [(3, K), (2, 1, K)])
+def test_forward_binds_its_launch_and_passes_the_same_arguments(stub_layer_path, schedule,
+                                                                 shape):
+    """The first forward at an M launches through run_checked and binds; the next ones
+    launch through the binding with the arguments run_checked would build (only A's and
+    the output's addresses differ), for plain and split-K kernels and N-D inputs."""
+    rec, built, _ = stub_layer_path
+    layer = _layer(schedule)
+    xs = [torch.randn(*shape).to(torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    assert len(built) == 1 and len(rec.calls) == 3
+    assert list(layer._bound) == [(xs[0].numel() // K, torch.bfloat16)]
+    first, *rest = rec.calls
+    for x, y, args in zip(xs[1:], ys[1:], rest):
+        assert y.shape == (*shape[:-1], N) and y.dtype == torch.bfloat16
+        assert args[0] == x.data_ptr() and args[4] == y.data_ptr()
+        assert args[1:4] + args[5:] == first[1:4] + first[5:]
+    if built[0].schedule.split_k > 1:  # the stream's workspace, as run_checked found it
+        assert first[6] == first[7] != first[5]
+
+
+def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkeypatch):
+    """Each condition the binding holds on sends the call back to the full path (which
+    binds again): new weight buffers, another schedule, time up, another stream or a new
+    workspace (split-K), a capture; a deep copy never launches on the original's weight."""
+    import copy
+
+    from cute_fp4 import run
+
+    rec, built, stream = stub_layer_path
+    layer = _layer("sm90_decode_64x128_splitk2")
+    x = torch.randn(2, K).to(torch.bfloat16)
+
+    def bound_after_call():
+        layer(x)
+        return layer._bound[(2, torch.bfloat16)]
+
+    b0 = bound_after_call()
+    assert bound_after_call() is b0
+    layer.weight_packed = layer.weight_packed.clone()  # new buffer: a new view, rebound
+    b1 = bound_after_call()
+    assert b1 is not b0 and rec.calls[-1][2] == layer.weight_packed.data_ptr()
+    run._GENERATION[0] += 1  # the stream's workspace replaced (or a reserve drawn)
+    assert bound_after_call() is not b1
+    b2 = layer._bound[(2, torch.bfloat16)]
+    stream[0] = 0x6000  # another stream: its own workspace
+    b3 = bound_after_call()
+    assert b3 is not b2 and rec.calls[-1][-1] == 0x6000
+    with monkeypatch.context() as capture:
+        capture.setattr(run, "_capturing_now", lambda: True)
+        capture.setattr(run, "_capturing", lambda device: True)
+        n = len(rec.calls)
+        layer(x)  # a capture takes the full path (a workspace of its own), binds nothing
+        assert len(rec.calls) == n + 1 and layer._bound[(2, torch.bfloat16)] is b3
+        assert rec.calls[-1][7] != rec.calls[-2][7]
+    b3._expires = 0.0  # time up ("auto" is resolved again)
+    assert bound_after_call() is not b3
+    layer.schedule = "sm90_decode_swapab"
+    assert bound_after_call().kernel.schedule.name == "sm90_decode_swapab"
+    twin = copy.deepcopy(layer)
+    assert twin._bound == {}
+    twin(x)
+    assert rec.calls[-1][2] == twin.weight_packed.data_ptr() != layer.weight_packed.data_ptr()
+
+
+def test_bind_refuses_what_it_cannot_fix(stub_layer_path):
+    """No binding for the DSL call path, W4A4 (A's scales change per call) or an alpha
+    that had to be converted (the copy would not follow the original)."""
+    from cute_fp4 import run
+
+    _, built, _ = stub_layer_path
+    layer = _layer("sm90_decode_swapab")
+    x = torch.randn(2, K).to(torch.bfloat16)
+    layer(x)
+    kern, w = built[0], layer._stored_weight()
+    dims = (2, N, K, "bf16")
+    assert run.bind(kern, w, layer.weight_scale_2, dims, None, math.inf) is not None
+    assert run.bind(kern, w, torch.tensor(1.0, dtype=torch.float64), dims, None,
+                    math.inf) is None
+    assert run.bind(kern, w, layer.weight_scale_2, (2, N, K, "nvfp4"), None, math.inf) is None
+    kern._ffi = None
+    assert run.bind(kern, w, layer.weight_scale_2, dims, None, math.inf) is None
