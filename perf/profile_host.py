@@ -1,6 +1,7 @@
 """Where the host time of an eager decode step goes: ``perf/model_decode.py``'s model (BF16
 and W4A16, a few layers), eager decode steps under ``cProfile``, the functions with the
-most own time, and the host time per call of one converted layer against ``nn.Linear``.
+most own time, and the host time per call of a layer's converted projections (3-D
+inputs, as the model passes them) against ``nn.Linear``.
 
     python perf/profile_host.py [--layers 2] [--steps 20] [--out DIR]
 
@@ -68,12 +69,15 @@ def main(argv=None) -> int:
                   f"under cProfile\n")
         stats = pstats.Stats(prof, stream=out)
         stats.sort_stats("tottime").print_stats(25)
-    lin = model.model.layers[0].mlp.gate_proj
-    qlin = q.model.layers[0].mlp.gate_proj
+    layer, qlayer = model.model.layers[0], q.model.layers[0]
     for m in (1, 16):
-        x = torch.randn(m, c.hidden, device="cuda", dtype=torch.bfloat16)
-        out.write(f"M={m}: host us/call nn.Linear {per_call_us(lin, x):.1f}, "
-                  f"NVFP4Linear {per_call_us(qlin, x):.1f} ({qlin.layout}, {qlin.mode})\n")
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.down_proj"):
+            lin, qlin = layer.get_submodule(name), qlayer.get_submodule(name)
+            x = torch.randn(m, 1, lin.in_features, device="cuda", dtype=torch.bfloat16)
+            out.write(f"M={m} {name} [{lin.out_features} x {lin.in_features}]: host us/call "
+                      f"nn.Linear {per_call_us(lin, x):.1f}, NVFP4Linear "
+                      f"{per_call_us(qlin, x):.1f} ({qlin.layout}, {qlin.mode})\n")
     text = out.getvalue()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
