@@ -130,6 +130,14 @@ def sf_offset(r, c, col_blocks):
             + sf_atom_offset(r % SF_ATOM_ROWS, c % SF_ATOM_COLS))
 
 
+def sf_offset_shifts(r, c, padded_cols):
+    """:func:`sf_offset` for non-negative ``r`` and ``c`` in shifts and masks, with
+    ``padded_cols`` the scale columns rounded up to a multiple of 4: what the kernels use
+    (the DSL divides Int32 signed, so ``//`` and ``%`` cost more there)."""
+    return ((r >> 7) * (padded_cols * 128) + ((c >> 2) << 9) + ((r & 31) << 4)
+            + (((r >> 5) & 3) << 2) + (c & 3))
+
+
 def scale_offset(r, c, k: int, block: int = SF_BLOCK):
     """Byte offset of the scale of (row r, scale column c) for ``k`` elements per row in
     the 128x4 blocked layout (:func:`sf_offset`). Works on ints and integer tensors."""

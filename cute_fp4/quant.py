@@ -113,16 +113,16 @@ def _check_out(out, m: int, k: int, device: torch.device, dynamic: bool) -> None
 
 # ----------------------------------------------------------------------------- compile
 
-class CompiledQuantize:
-    """One compiled quantization kernel; ``launch`` takes checked torch tensors."""
+class _Compiled:
+    """A compiled element-wise kernel (quantize or dequantize): the DSL function, the kernel
+    object that builds its arguments, and the CUstream object of each torch stream."""
 
-    def __init__(self, spec, fn, kernel, compile_s: float, source: str, sm_count: int):
+    def __init__(self, spec, fn, kernel, compile_s: float, source: str):
         self.spec, self._fn, self._kernel = spec, fn, kernel
-        self.max_ctas = spec.max_ctas(sm_count)
         self.compile_s, self.source = compile_s, source  # source: built / loaded / uncached
         self._streams: dict[int, object] = {}
 
-    def launch(self, x, q, sf, gs, partials) -> None:
+    def _stream(self):
         handle = torch.cuda.current_stream().cuda_stream
         stream = self._streams.get(handle)
         if stream is None:
@@ -131,10 +131,30 @@ class CompiledQuantize:
             if len(self._streams) >= 64:
                 self._streams.clear()
             stream = self._streams[handle] = driver.CUstream(handle)
-        self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, self.max_ctas, stream))
+        return stream
 
     def __repr__(self) -> str:
-        return f"CompiledQuantize({self.spec.label()}, {self.source} in {self.compile_s:.2f} s)"
+        return (f"{type(self).__name__}({self.spec.label()}, {self.source} in "
+                f"{self.compile_s:.2f} s)")
+
+
+class CompiledQuantize(_Compiled):
+    """One compiled quantization kernel; ``launch`` takes checked torch tensors."""
+
+    def __init__(self, spec, fn, kernel, compile_s: float, source: str, sm_count: int):
+        super().__init__(spec, fn, kernel, compile_s, source)
+        self.max_ctas = spec.max_ctas(sm_count)
+
+    def launch(self, x, q, sf, gs, partials) -> None:
+        self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, self.max_ctas,
+                                            self._stream()))
+
+
+class CompiledDequantize(_Compiled):
+    """The compiled NVFP4 -> BF16 kernel (``cute_fp4.kernels.dequantize``)."""
+
+    def launch(self, q, sf, out) -> None:
+        self._fn(*self._kernel.runtime_args(q, sf, out, self._stream()))
 
 
 _CACHE: dict = {}
@@ -207,13 +227,21 @@ def quantize_compile_report(spec) -> dict:
 
 
 def _build(spec, sm_count: int) -> CompiledQuantize:
-    import cutlass.cute as cute
-
-    from cute_fp4 import cache
     from cute_fp4.kernels.quantize import QuantizeKernel
 
     kernel = QuantizeKernel(spec)
-    key = cache.entry_key("QuantizeKernel", spec.label(), cache.source_fingerprint())
+    fn, secs, how = _cached_compile(kernel, "QuantizeKernel")
+    return CompiledQuantize(spec, fn, kernel, secs, how, sm_count)
+
+
+def _cached_compile(kernel, name: str):
+    """(DSL function, seconds, how) of ``kernel`` (``.spec.label()`` names it) from the
+    disk cache, or built (and stored)."""
+    import cutlass.cute as cute
+
+    from cute_fp4 import cache
+
+    key = cache.entry_key(name, kernel.spec.label(), cache.source_fingerprint())
     prefix = f"cute_fp4_{key}"
 
     def build():
@@ -230,7 +258,7 @@ def _build(spec, sm_count: int) -> CompiledQuantize:
         fn, how = cache.DiskCache().get_or_build(key, build, export, load)
     else:
         fn, how = build(), "built-uncached"
-    return CompiledQuantize(spec, fn, kernel, time.perf_counter() - t0, how, sm_count)
+    return fn, time.perf_counter() - t0, how
 
 
 SMALL_ELEMENTS = 1 << 17  # inputs up to this many elements (decode) take 1 block per thread
@@ -341,5 +369,65 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
     return NVFP4Tensor._unchecked(data, scale, gs_out.reshape(()), (m, k))
 
 
-__all__ = ["quantize_activation", "compile_quantize", "cross_compile_quantize", "default_spec",
-           "CompiledQuantize", "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]
+_DEQUANT: dict[int, CompiledDequantize] = {}
+
+
+def _dequant_kernel() -> CompiledDequantize:
+    """The dequantize kernel of the current device (memoised per device index)."""
+    cur = torch.cuda.current_device()
+    kern = _DEQUANT.get(cur)
+    if kern is None:
+        from cute_fp4.kernels.dequantize import DequantizeKernel, DequantSpec
+        from cute_fp4.targets import require_device
+
+        kernel = DequantizeKernel(DequantSpec(require_device().target.name))
+        with _LOCK:
+            fn, secs, how = _cached_compile(kernel, "DequantizeKernel")
+        kern = _DEQUANT[cur] = CompiledDequantize(kernel.spec, fn, kernel, secs, how)
+    return kern
+
+
+def _check_nvfp4_activation(a) -> tuple[int, int]:
+    if not isinstance(a, NVFP4Tensor):
+        raise InputTypeError(f"dequantize_activation() takes an NVFP4Tensor, got "
+                             f"{type(a).__name__}")
+    if a.experts is not None or len(a.shape) != 2:
+        raise InputError(f"dequantize_activation() takes one [M, K] tensor, got shape "
+                         f"{list(a.shape)}")
+    m, k = a.shape
+    dev = a.data.device
+    if dev.type != "cuda" or dev.index != torch.cuda.current_device():
+        where = "a CUDA device" if dev.type != "cuda" else \
+            f"the current CUDA device (cuda:{torch.cuda.current_device()})"
+        raise DeviceError(f"dequantize_activation() runs on {where}, a is on {dev}")
+    if m * k > MAX_ELEMENTS:
+        raise InputError(f"a has {m * k:,} elements; the kernel indexes at most "
+                         f"{MAX_ELEMENTS:,}")
+    for t, name, align in ((a.data, "a.data", 8), (a.scale, "a.scale", 16)):
+        if not t.is_contiguous() or t.data_ptr() % align:
+            raise InputError(f"{name} must be contiguous and {align}-byte aligned (pointer "
+                             f"0x{t.data_ptr():x}, strides {t.stride()})")
+    return m, k
+
+
+def dequantize_activation(a: NVFP4Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An NVFP4 ``[M, K]`` tensor's exact block values ``e2m1 * block_scale`` (without the
+    global scale: ``a.block_values(torch.bfloat16)``, bit for bit) as a BF16 ``[M, K]``
+    tensor, in one GPU pass on the current stream (``out``: a contiguous, 16-byte aligned
+    BF16 [M, K] tensor to write, else allocated). ``gemm`` runs a W4A4 product on an SM90
+    fragment-order weight as this and the W4A16 kernel, the global scales in alpha."""
+    m, k = _check_nvfp4_activation(a)
+    if out is None:
+        out = torch.empty((m, k), dtype=torch.bfloat16, device=a.data.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+          or tuple(out.shape) != (m, k) or not out.is_contiguous() or out.data_ptr() % 16
+          or out.device != a.data.device):
+        raise InputError(f"out must be a contiguous, 16-byte aligned bfloat16 [{m}, {k}] "
+                         f"tensor on {a.data.device}")
+    _dequant_kernel().launch(a.data, a.scale, out)
+    return out
+
+
+__all__ = ["quantize_activation", "dequantize_activation", "compile_quantize",
+           "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
+           "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

@@ -63,6 +63,29 @@ def prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
+def e4m3(code: int) -> float:
+    """An E4M3 (fn) byte's value (NaN for 0x7F / 0xFF)."""
+    from cute_fp4.nvfp4 import e4m3_decode
+
+    return e4m3_decode(code)
+
+
+def to_f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even), subnormals kept."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def f32(operand: str, regs: dict) -> float:
+    """A ``.f32`` operand: a float register, a 32-bit register read as float32 bits, or a
+    ``0fXXXXXXXX`` immediate."""
+    operand = operand.strip()
+    v = regs.get(operand)
+    if isinstance(v, float):
+        return v
+    bits = v if v is not None else int(operand[2:], 16)
+    return struct.unpack("<f", struct.pack("<I", bits & M32))[0]
+
+
 def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
     """Run ``ptx`` with ``{$r0}..`` = ``reads``; returns ``{$w0}..{$w<n_writes - 1>}``."""
     regs: dict[str, object] = {f"{{$r{i}}}": v & M32 for i, v in enumerate(reads)}
@@ -105,6 +128,13 @@ def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
             regs[d] = bf16x2_mul(val(args[1]), val(args[2]))
         elif op == "lop3.b32":
             regs[d] = lop3(val(args[1]), val(args[2]), val(args[3]), val(args[4]))
+        elif op == "cvt.u16.u32":
+            regs[d] = val(args[1]) & 0xFFFF
+        elif op == "cvt.rn.f16x2.e4m3x2":  # byte i -> half i, exact
+            w = val(args[1])
+            regs[d] = to_f16(e4m3(w & 0xFF)) | to_f16(e4m3(w >> 8 & 0xFF)) << 16
+        elif op == "mul.rn.f32":
+            regs[d] = to_f32(f32(args[1], regs) * f32(args[2], regs))
         elif op == "cvt.f32.f16":
             regs[d] = f16(val(args[1]))
         elif op == "cvt.rn.bf16x2.f32":

@@ -20,7 +20,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape
+from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape, sf_offset_shifts
 
 F32 = np.float32
 _MAGIC = F32(2.0**23)
@@ -192,8 +192,7 @@ def quantize_model(x16: torch.Tensor, gs: float | None = None, hw: bool = False,
         r, c = g // kbp, g % kbp
         gd = g - r * (kbp - kb)
         has = c < kb
-        off = ((r >> 7) * kbp * 128 + ((c >> 2) << 9) + ((r & 31) << 4)
-               + (((r >> 5) & 3) << 2) + (c & 3))
+        off = sf_offset_shifts(r, c, kbp)  # what the kernel computes
         assert np.array_equal(off, scale_offset(r, c, k)), "kernel offsets != nvfp4.scale_offset"
     scale[off] = np.where(has, sfb[np.minimum(gd, len(sfb) - 1)], 0).astype(np.uint8)
     dw = data.view(np.uint32).reshape(-1, 2)

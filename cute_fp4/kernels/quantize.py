@@ -72,6 +72,8 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass.cute.runtime import make_ptr
 
+from cute_fp4.nvfp4 import sf_offset_shifts
+
 _GMEM = cute.AddressSpace.gmem
 _I32 = cutlass.Int32
 _U32 = cutlass.Uint32
@@ -523,11 +525,8 @@ class QuantizeKernel:
         ok = g < grid.n_items
         if cutlass.const_expr(self.atoms):
             return ok, ok & (c < grid.kb) & (r < grid.m), r * grid.kb + c, g
-        # nvfp4.sf_offset(r, c, kbp // 4) in shifts and masks (the DSL divides Int32
-        # signed); tests/quantize_model.py checks the two agree
-        off = ((r >> 7) * (grid.kbp * 128) + ((c >> 2) << 9) + ((r & 31) << 4)
-               + (((r >> 5) & 3) << 2) + (c & 3))
-        return ok, ok & (c < grid.kb), g - r * (grid.kbp - grid.kb), off
+        return ok, ok & (c < grid.kb), g - r * (grid.kbp - grid.kb), sf_offset_shifts(
+            r, c, grid.kbp)
 
     @cute.jit
     def _load(self, mX, rW, idx, chunk, tidx, grid):
