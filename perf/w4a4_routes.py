@@ -11,9 +11,10 @@ Per case (N x K in {8192 x 8192, 28672 x 4096, 4096 x 14336}, M in {1, 16, 64, 2
 * ``w4a4_plain``: ``schedule="auto"`` on the plain weight (the plain-layout W4A4 kernels);
 * ``w4a4_packed``: the rs_packed mainloop's own W4A4 route (the packed activation stage
   converted in shared memory by the consumers, once per stage);
-* ``w4a4_via_bf16``: the NVFP4 activation decoded to its exact BF16 values (``e2m1 *
-  block scale``, no global scale: ``NVFP4Tensor.block_values``, torch ops), then the W4A16
-  packed kernel with alpha = the product of the two global scales. Timed together.
+* ``w4a4_via_bf16``: ``gemm(a4, packed_weight)`` (``schedule="auto"``): the NVFP4
+  activation decoded to its exact BF16 block values by one kernel
+  (``quant.dequantize_activation``), then the W4A16 packed kernel with alpha = the product
+  of the two global scales (one elementwise op). Timed together.
 
 Timing: ``cute_fp4.bench.Timer`` (CUDA-graph replay, L2 flushed, median); every output is
 checked against the exact W4A4 (or W4A16) reference on its first and last 64 rows.
@@ -71,14 +72,11 @@ def _calls(route: str, ops):
         fmt = "nvfp4" if route == "w4a4_packed" else "bf16"
         s = heuristic("sm90", m, n, k, packed=True, a_format=fmt)
         kern, a, b = compile(s, Signature(fmt)), (ops.a4 if fmt == "nvfp4" else ops.a16), packed
-    if route == "w4a4_via_bf16":
-        a4 = ops.a4
-        alpha = (a4.global_scale.float() * ops.b.global_scale.float()).reshape(())
+    if route == "w4a4_via_bf16":  # what gemm runs for W4A4 on a packed weight, "auto"
+        import cute_fp4 as cf
 
-        def call():
-            return run_compiled(kern, a4.block_values(torch.bfloat16), b, out=out,
-                                alpha=alpha)
-        return call, s.name or s.label()
+        a4 = ops.a4
+        return (lambda: cf.gemm(a4, packed, out=out)), "dequantize + " + (s.name or s.label())
     alpha = alpha_tensor(a, b, None)
     return (lambda: run_compiled(kern, a, b, out=out, alpha=alpha)), s.name or s.label()
 
