@@ -21,7 +21,10 @@ Weight layout (``layout``): "plain" keeps the cuBLAS-layout bytes; "packed" hold
 WGMMA fragment order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels, which are
 1.3-1.6x faster than the plain-layout ones from M = 64 up and the decode heuristic's pick
 at M <= 16 (perf/results/2026-12-01-h200-decode.md); "auto" (default) is "packed" for a
-W4A16 layer built on an SM90 GPU with in_features a multiple of 64, else "plain". A packed
+layer built on an SM90 GPU with in_features a multiple of 64, else "plain". A packed W4A4
+layer with ``schedule="auto"`` decodes its quantized activation to the exact BF16 block
+values (``quant.dequantize_activation``) and runs the W4A16 kernel, 1.4-1.6x faster than
+the W4A4 kernels from M = 256 up (perf/results/2026-12-01-h200-bound.md). A packed
 layer runs on sm_90a only; its ``weight`` and ``state_dict`` stay the plain form (the
 NVFP4Tensor, ModelOpt's tensors: unpacked when read or saved, repacked when loaded).
 
@@ -47,7 +50,7 @@ from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
-from cute_fp4.quant import quantize_activation
+from cute_fp4.quant import dequantize_activation, quantize_activation
 
 __all__ = ["LAYOUTS", "MODES", "ConvertReport", "NVFP4Linear", "convert"]
 
@@ -75,7 +78,8 @@ def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torc
 
 
 def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor) -> str:
-    """"auto" -> "packed" for W4A16 on an SM90 GPU when K allows it, else "plain"."""
+    """"auto" -> "packed" on an SM90 GPU when K allows it (W4A4 then decodes the activation
+    once and runs the W4A16 kernel: ``api._w4a4_via_bf16``), else "plain"."""
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     k = weight.shape[1]
@@ -86,7 +90,7 @@ def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor) -> str:
         return layout
     dev = weight.device
     sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
-    return "packed" if mode == "w4a16" and sm90 and k % UNIT_K == 0 else "plain"
+    return "packed" if sm90 and k % UNIT_K == 0 else "plain"
 
 
 def _run(kern, a, w: NVFP4Tensor, alpha, dims, out=None) -> torch.Tensor:
@@ -365,14 +369,23 @@ class NVFP4Linear(torch.nn.Module):
             self._bound[(m, x.dtype)] = bound
 
     def _forward_w4a4(self, x, w, m: int, dev: int) -> torch.Tensor:
-        """Quantize the activation (the fused kernel), then the W4A4 kernel."""
+        """Quantize the activation (the fused kernel), then the W4A4 kernel; on a packed
+        weight with ``schedule="auto"``, as ``gemm`` does there: the quantized activation
+        decoded to its exact BF16 block values, then the W4A16 kernel, the global scales'
+        product as alpha (static: ``self.alpha``, computed once)."""
         k, n = self.in_features, self.out_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
         a = quantize_activation(x2, self.input_scale)
         alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
-        kern = _kernel_for(self.schedule, m, n, k, "nvfp4", x.dtype, dev,
-                           packed=self.layout == "packed")
-        y = _run(kern, a, w, alpha, (m, n, k, "nvfp4"))
+        packed = self.layout == "packed"
+        if packed and isinstance(self.schedule, str) and self.schedule == "auto":
+            if alpha is None:
+                alpha = a.global_scale * self.weight_scale_2
+            a, fmt = dequantize_activation(a), _ACT_FORMATS[torch.bfloat16]
+        else:
+            fmt = "nvfp4"
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev, packed=packed)
+        y = _run(kern, a, w, alpha, (m, n, k, fmt))
         if self.bias is not None:
             y.add_(self.bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

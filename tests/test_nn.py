@@ -19,6 +19,7 @@ from cute_fp4 import api, reference
 from cute_fp4 import nn as cnn
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
+from cute_fp4.packed import PackedNVFP4Weight
 
 
 def _linear(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
@@ -134,6 +135,8 @@ def fake_kernels(monkeypatch):
         """As the kernel: reads A's memory as [M, K], writes C's as [M, N] (``out``, of any
         contiguous shape, when given)."""
         calls.append(("run", dims, alpha))
+        if isinstance(w, PackedNVFP4Weight):
+            w = w.unpack()
         assert isinstance(w, NVFP4Tensor)
         m, n, k, _ = dims
         if not isinstance(a, NVFP4Tensor):
@@ -152,7 +155,12 @@ def fake_kernels(monkeypatch):
 
     monkeypatch.setattr(cnn, "_kernel_for", kernel_for)
     monkeypatch.setattr(cnn, "_run", run)
+    def dequant(a):
+        calls.append(("dequantize", tuple(a.shape)))
+        return a.block_values(torch.bfloat16)
+
     monkeypatch.setattr(cnn, "quantize_activation", quant)
+    monkeypatch.setattr(cnn, "dequantize_activation", dequant)
     return calls
 
 
@@ -207,6 +215,35 @@ def test_w4a4_quantizes_with_the_input_scale(fake_kernels, static):
         assert float(layer.alpha) == pytest.approx(gs * float(layer.weight_scale_2), rel=1e-6)
     else:
         assert r_call[2] is None and layer.alpha is None
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("schedule", ["auto", "sm90_rs_packed"])
+def test_packed_w4a4_runs_the_w4a16_kernel_on_the_decoded_activation(fake_kernels, static,
+                                                                      schedule):
+    """A packed W4A4 layer with schedule="auto" quantizes, decodes the quantized activation
+    to its BF16 block values and runs a W4A16 kernel with the scales' product as alpha (the
+    same products as W4A4); a named schedule keeps the W4A4 kernel."""
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    gs = float(x.float().abs().max()) / 2688 * 2 if static else None
+    layer = cnn.NVFP4Linear.from_linear(_linear(64, 32), "w4a4", input_scale=gs,
+                                        layout="packed", schedule=schedule)
+    y = layer(x)
+    assert y.shape == (2, 3, 32)
+    xq = quantize(x.reshape(6, 64), gs)
+    torch.testing.assert_close(y.double(), _expected(layer, x, xq), rtol=2**-7, atol=1e-6)
+    steps = [c[0] for c in fake_kernels]
+    k_call, r_call = fake_kernels[-2:]
+    if schedule != "auto":
+        assert steps == ["quantize", "kernel", "run"] and k_call[5] == "nvfp4"
+        return
+    assert steps == ["quantize", "dequantize", "kernel", "run"]
+    assert k_call[5] == "bf16" and r_call[1] == (6, 32, 64, "bf16")
+    if static:
+        assert r_call[2] is layer.alpha
+    else:  # the dynamic scale's product with the weight's, on the device
+        assert float(r_call[2]) == pytest.approx(float(xq.global_scale)
+                                                 * float(layer.weight_scale_2), rel=1e-6)
 
 
 def test_empty_batch_gives_an_empty_output(fake_kernels):
