@@ -114,13 +114,20 @@ def _check_out(out, m: int, k: int, device: torch.device, dynamic: bool) -> None
 # ----------------------------------------------------------------------------- compile
 
 class _Compiled:
-    """A compiled element-wise kernel (quantize or dequantize): the DSL function, the kernel
-    object that builds its arguments, and the CUstream object of each torch stream."""
+    """A compiled element-wise kernel (quantize or dequantize): the DSL function (its
+    TVM-FFI entry when built with one, which takes the kernel object's ``raw_args``: ints),
+    the kernel object that builds its arguments, and the CUstream object of each torch
+    stream (the DSL call path)."""
 
     def __init__(self, spec, fn, kernel, compile_s: float, source: str):
+        from cute_fp4.compile import ffi_function
+
         self.spec, self._fn, self._kernel = spec, fn, kernel
         self.compile_s, self.source = compile_s, source  # source: built / loaded / uncached
+        self._ffi = ffi_function(fn)
+        self.call_path = "dsl" if self._ffi is None else "tvm-ffi"
         self._streams: dict[int, object] = {}
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
     def _stream(self):
         handle = torch.cuda.current_stream().cuda_stream
@@ -133,9 +140,14 @@ class _Compiled:
             stream = self._streams[handle] = driver.CUstream(handle)
         return stream
 
+    def _stream_handle(self, device_index: int) -> int:
+        if self._raw_stream is None:
+            return torch.cuda.current_stream(device_index).cuda_stream
+        return self._raw_stream(device_index)
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.spec.label()}, {self.source} in "
-                f"{self.compile_s:.2f} s)")
+                f"{self.compile_s:.2f} s, {self.call_path})")
 
 
 class CompiledQuantize(_Compiled):
@@ -146,6 +158,10 @@ class CompiledQuantize(_Compiled):
         self.max_ctas = spec.max_ctas(sm_count)
 
     def launch(self, x, q, sf, gs, partials) -> None:
+        if self._ffi is not None:
+            self._ffi(*self._kernel.raw_args(x, q, sf, gs, partials, self.max_ctas,
+                                             self._stream_handle(x.device.index)))
+            return
         self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, self.max_ctas,
                                             self._stream()))
 
@@ -154,6 +170,10 @@ class CompiledDequantize(_Compiled):
     """The compiled NVFP4 -> BF16 kernel (``cute_fp4.kernels.dequantize``)."""
 
     def launch(self, q, sf, out) -> None:
+        if self._ffi is not None:
+            self._ffi(*self._kernel.raw_args(q, sf, out, self._stream_handle(
+                out.device.index)))
+            return
         self._fn(*self._kernel.runtime_args(q, sf, out, self._stream()))
 
 
@@ -236,25 +256,33 @@ def _build(spec, sm_count: int) -> CompiledQuantize:
 
 def _cached_compile(kernel, name: str):
     """(DSL function, seconds, how) of ``kernel`` (``.spec.label()`` names it) from the
-    disk cache, or built (and stored)."""
-    import cutlass.cute as cute
+    disk cache, or built (and stored): with the TVM-FFI entry when
+    ``compile.tvm_ffi_enabled()`` (a launch then takes plain ints), falling back to the
+    DSL's own call path if that build fails, as the GEMMs do."""
+    from cute_fp4.compile import tvm_ffi_enabled
 
+    if tvm_ffi_enabled():
+        try:
+            return _cached_compile_with(kernel, name, True)
+        except CompileError:
+            pass
+    return _cached_compile_with(kernel, name, False)
+
+
+def _cached_compile_with(kernel, name: str, ffi: bool):
     from cute_fp4 import cache
+    from cute_fp4.compile import _exporter
 
-    key = cache.entry_key(name, kernel.spec.label(), cache.source_fingerprint())
+    key = cache.entry_key(name + ("+tvmffi" if ffi else ""), kernel.spec.label(),
+                          cache.source_fingerprint())
     prefix = f"cute_fp4_{key}"
 
     def build():
-        return _dsl_compile(kernel)
-
-    def export(compiled, directory: Path) -> None:
-        compiled.export_to_c(str(directory), "kernel", function_prefix=prefix)
-
-    def load(path: Path):
-        return getattr(cute.runtime.load_module(str(path)), prefix)
+        return _dsl_compile(kernel, "--enable-tvm-ffi" if ffi else None)
 
     t0 = time.perf_counter()
     if cache.enabled():
+        export, load = _exporter(prefix, ffi)
         fn, how = cache.DiskCache().get_or_build(key, build, export, load)
     else:
         fn, how = build(), "built-uncached"

@@ -82,3 +82,12 @@ def test_bad_input_raises_typed_errors():
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError, match="runs on a CUDA device"):
             quant.dequantize_activation(a)
+
+
+def test_raw_args_are_the_runtime_args_as_ints():
+    k = DequantizeKernel(DequantSpec())
+    q, sf = torch.zeros(3, 32, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8)
+    out = torch.zeros(3, 64, dtype=torch.bfloat16)
+    real, raw = k.runtime_args(q, sf, out, 0x5000), k.raw_args(q, sf, out, 0x5000)
+    assert [r._pointer for r in real[:3]] == list(raw[:3])
+    assert [int(v) for v in real[3:5]] == list(raw[3:5]) == [3, 64] and raw[5] == 0x5000

@@ -322,3 +322,47 @@ def test_runtime_args_match_the_compiled_signature(scale):
         assert (f.dtype, f._assumed_align) == (r.dtype, r._assumed_align)
     assert [int(v) for v in real[5:8]] == [3, 64, 7]
     assert real[0]._pointer == x.data_ptr() and real[2]._pointer == sf.data_ptr()
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_raw_args_are_the_runtime_args_as_ints(scale):
+    from cute_fp4.kernels.quantize import PARTIALS_MAX, QuantizeKernel
+
+    kern = QuantizeKernel(QuantSpec(scale=scale))
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    q, sf = torch.zeros(3, 32, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8)
+    gs = torch.ones((), dtype=torch.float32)
+    part = torch.zeros(PARTIALS_MAX) if scale == "dynamic" else None
+    real = kern.runtime_args(x, q, sf, gs, part, 7, 0x5000)
+    raw = kern.raw_args(x, q, sf, gs, part, 7, 0x5000)
+    assert [r._pointer for r in real[:5]] == list(raw[:5])
+    assert [int(v) for v in real[5:8]] == list(raw[5:8]) and raw[8] == 0x5000
+
+
+@pytest.mark.compile
+def test_the_tvm_ffi_entries_take_the_raw_args(tmp_path):
+    """Quantize and dequantize compiled with the TVM-FFI entry (as ``quant`` builds them
+    when apache-tvm-ffi is present), exported and loaded as the disk cache does: their
+    entries decode ``raw_args`` (what fails is the first CUDA call, there is no driver)."""
+    pytest.importorskip("tvm_ffi")
+    from cute_fp4.compile import _exporter, ffi_function
+    from cute_fp4.kernels.dequantize import DequantizeKernel, DequantSpec
+    from cute_fp4.kernels.quantize import QuantizeKernel
+
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    q, sf = torch.zeros(3, 32, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8)
+    gs = torch.ones((), dtype=torch.float32)
+    out = torch.zeros(3, 64, dtype=torch.bfloat16)
+    for i, (kernel, args) in enumerate([
+            (QuantizeKernel(QuantSpec()), lambda k: k.raw_args(x, q, sf, gs, None, 7, 0)),
+            (DequantizeKernel(DequantSpec()), lambda k: k.raw_args(q, sf, out, 0))]):
+        compiled = cute.compile(kernel, *kernel.fake_args(),
+                                options="--gpu-arch sm_90a --enable-tvm-ffi")
+        export, load = _exporter(f"cute_fp4_test_q{i}", ffi=True)
+        export(compiled, tmp_path)
+        fn = ffi_function(load(tmp_path / "kernel.o"))
+        assert fn is not None
+        with pytest.raises(RuntimeError, match="(?i)cuda"):
+            fn(*args(kernel))
+        with pytest.raises(TypeError):
+            fn(*args(kernel)[:-1])

@@ -110,6 +110,12 @@ class DequantizeKernel:
                 make_ptr(_U32, out.data_ptr(), _GMEM, assumed_align=16),
                 _I32(m), _I32(k), stream)
 
+    def raw_args(self, q, sf, out, stream: int) -> tuple:
+        """:meth:`runtime_args` as plain ints, for a kernel compiled with
+        ``--enable-tvm-ffi``."""
+        m, k = out.shape
+        return (q.data_ptr(), sf.data_ptr(), out.data_ptr(), m, k, stream)
+
     @cute.jit
     def __call__(self, pQ: cute.Pointer, pSF: cute.Pointer, pOut: cute.Pointer,
                  m: cutlass.Int32, k: cutlass.Int32, stream: cuda.CUstream):

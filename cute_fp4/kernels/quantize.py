@@ -359,6 +359,14 @@ class QuantizeKernel:
                 make_ptr(_U32, part.data_ptr(), _GMEM, assumed_align=self._part_align),
                 _I32(m), _I32(k), _I32(max_ctas), stream)
 
+    def raw_args(self, x, q, sf, gs, partials, max_ctas: int, stream: int) -> tuple:
+        """:meth:`runtime_args` as plain ints (addresses, sizes, the raw stream handle),
+        for a kernel compiled with ``--enable-tvm-ffi``."""
+        m, k = x.shape
+        part = partials if self.spec.scale == "dynamic" else gs
+        return (x.data_ptr(), q.data_ptr(), sf.data_ptr(), gs.data_ptr(), part.data_ptr(), m,
+                k, max_ctas, stream)
+
     @cute.jit
     def __call__(self, pX: cute.Pointer, pQ: cute.Pointer, pSF: cute.Pointer,
                  pGS: cute.Pointer, pPart: cute.Pointer, m: cutlass.Int32, k: cutlass.Int32,
