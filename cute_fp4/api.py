@@ -224,16 +224,20 @@ def _w4a4_via_bf16(a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
                    alpha, dims) -> torch.Tensor:
     """W4A4 on a fragment-order weight with ``schedule="auto"``: the activation decoded to
     its exact BF16 block values (one pass, ``quant.dequantize_activation``), then the W4A16
-    rs_packed kernel with alpha = the two global scales' product (or the given alpha). The
+    rs_packed kernel with alpha = the two global scales' product (written by the same
+    launch: no multiply kernel) or the given alpha. The
     same exact products as a W4A4 kernel; measured faster than the rs_packed mainloop's own
     W4A4 route, which converts each activation stage without overlap, and than the
     plain-layout W4A4 kernels (perf/results/2026-12-01-h200-bound.md)."""
-    from cute_fp4.quant import dequantize_activation
+    from cute_fp4.quant import dequantize_activation, dequantize_with_alpha
 
     m, n, k, _ = dims
-    alpha_t = alpha_tensor(a, view, alpha)  # checked above; a W4A4 product is one op
     kern = packed_kernel_for("auto", (m, n, k, "bf16"), out_dtype, b.data.get_device())
-    return run_checked(kern, dequantize_activation(a), b, out, alpha_t, (m, n, k, "bf16"))
+    if alpha is None:  # the scales' product comes from the dequantize launch
+        a16, alpha_t = dequantize_with_alpha(a, b.global_scale)
+    else:
+        a16, alpha_t = dequantize_activation(a), alpha_tensor(a, view, alpha)
+    return run_checked(kern, a16, b, out, alpha_t, (m, n, k, "bf16"))
 
 
 def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> torch.Tensor:

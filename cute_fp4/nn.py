@@ -50,7 +50,7 @@ from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
-from cute_fp4.quant import dequantize_activation, quantize_activation
+from cute_fp4.quant import dequantize_activation, dequantize_with_alpha, quantize_activation
 
 __all__ = ["LAYOUTS", "MODES", "ConvertReport", "NVFP4Linear", "convert"]
 
@@ -379,9 +379,11 @@ class NVFP4Linear(torch.nn.Module):
         alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
         packed = self.layout == "packed"
         if packed and isinstance(self.schedule, str) and self.schedule == "auto":
-            if alpha is None:
-                alpha = a.global_scale * self.weight_scale_2
-            a, fmt = dequantize_activation(a), _ACT_FORMATS[torch.bfloat16]
+            fmt = _ACT_FORMATS[torch.bfloat16]
+            if alpha is None:  # dynamic: the product comes from the dequantize launch
+                a, alpha = dequantize_with_alpha(a, self.weight_scale_2)
+            else:
+                a = dequantize_activation(a)
         else:
             fmt = "nvfp4"
         kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev, packed=packed)

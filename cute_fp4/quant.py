@@ -169,12 +169,14 @@ class CompiledQuantize(_Compiled):
 class CompiledDequantize(_Compiled):
     """The compiled NVFP4 -> BF16 kernel (``cute_fp4.kernels.dequantize``)."""
 
-    def launch(self, q, sf, out) -> None:
+    def launch(self, q, sf, out, scales=None) -> None:
+        """``scales``: None, or (ga, gb, alpha) float32 one-element tensors: the kernel
+        also stores ``ga * gb`` into ``alpha``."""
         if self._ffi is not None:
-            self._ffi(*self._kernel.raw_args(q, sf, out, self._stream_handle(
+            self._ffi(*self._kernel.raw_args(q, sf, out, scales, self._stream_handle(
                 out.device.index)))
             return
-        self._fn(*self._kernel.runtime_args(q, sf, out, self._stream()))
+        self._fn(*self._kernel.runtime_args(q, sf, out, scales, self._stream()))
 
 
 _CACHE: dict = {}
@@ -444,18 +446,43 @@ def dequantize_activation(a: NVFP4Tensor, out: torch.Tensor | None = None) -> to
     tensor, in one GPU pass on the current stream (``out``: a contiguous, 16-byte aligned
     BF16 [M, K] tensor to write, else allocated). ``gemm`` runs a W4A4 product on an SM90
     fragment-order weight as this and the W4A16 kernel, the global scales in alpha."""
-    m, k = _check_nvfp4_activation(a)
-    if out is None:
-        out = torch.empty((m, k), dtype=torch.bfloat16, device=a.data.device)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
-          or tuple(out.shape) != (m, k) or not out.is_contiguous() or out.data_ptr() % 16
-          or out.device != a.data.device):
-        raise InputError(f"out must be a contiguous, 16-byte aligned bfloat16 [{m}, {k}] "
-                         f"tensor on {a.data.device}")
+    out = _dequant_out(a, out)
     _dequant_kernel().launch(a.data, a.scale, out)
     return out
 
 
-__all__ = ["quantize_activation", "dequantize_activation", "compile_quantize",
+def dequantize_with_alpha(a: NVFP4Tensor, other_scale: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dequantize_activation` and, from the same launch, ``a.global_scale *
+    other_scale`` as a new float32 0-d tensor (the float32 product torch computes), for a
+    W4A4 product through the W4A16 kernel; ``other_scale``: a float32 tensor of one element
+    on ``a``'s device (the weight's global scale). Any other scale: the product is
+    computed by torch instead."""
+    out = _dequant_out(a, None)
+    ga, dev = a.global_scale, a.data.device
+    if not all(t.dtype == torch.float32 and t.numel() == 1 and t.device == dev
+               for t in (ga, other_scale)):
+        _dequant_kernel().launch(a.data, a.scale, out)
+        return out, (ga.to(dev, torch.float32) * other_scale.to(dev, torch.float32)
+                     ).reshape(())
+    alpha = torch.empty((), dtype=torch.float32, device=dev)
+    _dequant_kernel().launch(a.data, a.scale, out, (ga, other_scale, alpha))
+    return out, alpha
+
+
+def _dequant_out(a, out) -> torch.Tensor:
+    m, k = _check_nvfp4_activation(a)
+    if out is None:
+        return torch.empty((m, k), dtype=torch.bfloat16, device=a.data.device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+            or tuple(out.shape) != (m, k) or not out.is_contiguous() or out.data_ptr() % 16
+            or out.device != a.data.device):
+        raise InputError(f"out must be a contiguous, 16-byte aligned bfloat16 [{m}, {k}] "
+                         f"tensor on {a.data.device}")
+    return out
+
+
+__all__ = ["quantize_activation", "dequantize_activation", "dequantize_with_alpha",
+           "compile_quantize",
            "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
            "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

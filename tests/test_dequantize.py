@@ -88,6 +88,16 @@ def test_raw_args_are_the_runtime_args_as_ints():
     k = DequantizeKernel(DequantSpec())
     q, sf = torch.zeros(3, 32, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8)
     out = torch.zeros(3, 64, dtype=torch.bfloat16)
-    real, raw = k.runtime_args(q, sf, out, 0x5000), k.raw_args(q, sf, out, 0x5000)
-    assert [r._pointer for r in real[:3]] == list(raw[:3])
-    assert [int(v) for v in real[3:5]] == list(raw[3:5]) == [3, 64] and raw[5] == 0x5000
+    gs = [torch.ones(()) for _ in range(3)]
+    for scales, flag in ((None, 0), (gs, 1)):
+        real = k.runtime_args(q, sf, out, scales, 0x5000)
+        raw = k.raw_args(q, sf, out, scales, 0x5000)
+        fake = k.fake_args()
+        assert len(real) == len(raw) == len(fake) == 10
+        for f, r in zip(fake[:6], real[:6]):
+            assert (f.dtype, f._assumed_align) == (r.dtype, r._assumed_align)
+        assert [r._pointer for r in real[:6]] == list(raw[:6])
+        if scales:
+            assert list(raw[3:6]) == [t.data_ptr() for t in gs]
+        assert [int(v) for v in real[6:9]] == list(raw[6:9]) == [3, 64, flag]
+        assert raw[9] == 0x5000

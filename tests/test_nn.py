@@ -159,8 +159,12 @@ def fake_kernels(monkeypatch):
         calls.append(("dequantize", tuple(a.shape)))
         return a.block_values(torch.bfloat16)
 
+    def dequant_alpha(a, other):
+        return dequant(a), a.global_scale * other
+
     monkeypatch.setattr(cnn, "quantize_activation", quant)
     monkeypatch.setattr(cnn, "dequantize_activation", dequant)
+    monkeypatch.setattr(cnn, "dequantize_with_alpha", dequant_alpha)
     return calls
 
 

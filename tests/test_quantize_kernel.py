@@ -355,7 +355,7 @@ def test_the_tvm_ffi_entries_take_the_raw_args(tmp_path):
     out = torch.zeros(3, 64, dtype=torch.bfloat16)
     for i, (kernel, args) in enumerate([
             (QuantizeKernel(QuantSpec()), lambda k: k.raw_args(x, q, sf, gs, None, 7, 0)),
-            (DequantizeKernel(DequantSpec()), lambda k: k.raw_args(q, sf, out, 0))]):
+            (DequantizeKernel(DequantSpec()), lambda k: k.raw_args(q, sf, out, None, 0))]):
         compiled = cute.compile(kernel, *kernel.fake_args(),
                                 options="--gpu-arch sm_90a --enable-tvm-ffi")
         export, load = _exporter(f"cute_fp4_test_q{i}", ffi=True)

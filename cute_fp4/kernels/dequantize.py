@@ -13,6 +13,10 @@ its sign to bit 31; one multiply by ``2^126`` gives the value (no flush to zero:
 without ``.ftz``), one by the scale (decoded by ``cvt.rn.f16x2.e4m3x2``) the product, and
 ``cvt.rn.bf16x2.f32`` packs two of them.
 
+Alpha: with ``write_alpha`` set, thread 0 also stores ``ga * gb`` (``mul.rn.f32``: the
+float32 product torch computes) of two global scales, so a W4A4 product through the W4A16
+kernel needs no separate multiply launch.
+
 Work split: one thread per 16-element block: one 8-byte load of codes, one scale byte
 read from the blocked layout (:func:`cute_fp4.nvfp4.sf_offset`), two 16-byte stores.
 Consecutive threads own consecutive blocks of a row, so a warp reads 256 contiguous bytes
@@ -84,8 +88,10 @@ def block_ptx() -> str:
 class DequantizeKernel:
     """NVFP4 -> BF16 block values; see the module docstring.
 
-    Entry point ``(pQ, pSF, pOut, m, k, stream)``: packed codes (uint8 [M, K/2] as 32-bit
-    words), blocked scales (uint8), the BF16 output (as 32-bit words, [M, K]), M, K.
+    Entry point ``(pQ, pSF, pOut, pGA, pGB, pAlpha, m, k, write_alpha, stream)``: packed
+    codes (uint8 [M, K/2] as 32-bit words), blocked scales (uint8), the BF16 output (as
+    32-bit words, [M, K]), two float32 global scales and where their product goes (read
+    and written only when ``write_alpha`` is 1; else any float32 pointer), M, K.
     """
 
     def __init__(self, spec: DequantSpec):
@@ -96,29 +102,38 @@ class DequantizeKernel:
     def fake_args(self) -> tuple:
         from cutlass.cute.runtime import make_fake_stream
 
+        f32 = [make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4) for _ in range(3)]
         return (make_ptr(_U32, 0, _GMEM, assumed_align=8),
                 make_ptr(cutlass.Uint8, 0, _GMEM, assumed_align=16),
-                make_ptr(_U32, 0, _GMEM, assumed_align=16),
-                _I32(0), _I32(0), make_fake_stream())
+                make_ptr(_U32, 0, _GMEM, assumed_align=16), *f32,
+                _I32(0), _I32(0), _I32(0), make_fake_stream())
 
-    def runtime_args(self, q, sf, out, stream) -> tuple:
+    def runtime_args(self, q, sf, out, scales, stream) -> tuple:
         """The entry point's arguments from checked torch tensors: ``q`` uint8 [M, K/2],
-        ``sf`` the blocked scales, ``out`` bf16 [M, K]."""
-        m, k = out.shape
-        return (make_ptr(_U32, q.data_ptr(), _GMEM, assumed_align=8),
-                make_ptr(cutlass.Uint8, sf.data_ptr(), _GMEM, assumed_align=16),
-                make_ptr(_U32, out.data_ptr(), _GMEM, assumed_align=16),
-                _I32(m), _I32(k), stream)
+        ``sf`` the blocked scales, ``out`` bf16 [M, K], ``scales`` None or (ga, gb, alpha)
+        float32 tensors of one element."""
+        return self._args(q, sf, out, scales, stream,
+                          lambda dt, t, a: make_ptr(dt, t.data_ptr(), _GMEM, assumed_align=a),
+                          _I32)
 
-    def raw_args(self, q, sf, out, stream: int) -> tuple:
+    def raw_args(self, q, sf, out, scales, stream: int) -> tuple:
         """:meth:`runtime_args` as plain ints, for a kernel compiled with
         ``--enable-tvm-ffi``."""
+        return self._args(q, sf, out, scales, stream, lambda dt, t, a: t.data_ptr(), int)
+
+    @staticmethod
+    def _args(q, sf, out, scales, stream, ptr, num) -> tuple:
         m, k = out.shape
-        return (q.data_ptr(), sf.data_ptr(), out.data_ptr(), m, k, stream)
+        f32 = scales or (out, out, out)  # never read without write_alpha
+        return (ptr(_U32, q, 8), ptr(cutlass.Uint8, sf, 16), ptr(_U32, out, 16),
+                *(ptr(cutlass.Float32, t, 4) for t in f32), num(m), num(k),
+                num(int(scales is not None)), stream)
 
     @cute.jit
     def __call__(self, pQ: cute.Pointer, pSF: cute.Pointer, pOut: cute.Pointer,
-                 m: cutlass.Int32, k: cutlass.Int32, stream: cuda.CUstream):
+                 pGA: cute.Pointer, pGB: cute.Pointer, pAlpha: cute.Pointer,
+                 m: cutlass.Int32, k: cutlass.Int32, write_alpha: cutlass.Int32,
+                 stream: cuda.CUstream):
         kk = cute.assume(k, divby=16)
         kb = kk // 16
         kbp = (kb + 3) // 4 * 4
@@ -127,17 +142,23 @@ class DequantizeKernel:
         mQ = cute.make_tensor(pQ, cute.make_layout((cute.assume(n_blocks * 2, divby=2),)))
         mSF = cute.make_tensor(pSF, cute.make_layout((cute.assume(mp * kbp, divby=512),)))
         mO = cute.make_tensor(pOut, cute.make_layout((cute.assume(n_blocks * 8, divby=8),)))
+        mG = [cute.make_tensor(p, cute.make_layout((1,))) for p in (pGA, pGB, pAlpha)]
         fdd = cute.fast_divmod_create_divisor_v2(kb)
         t = self.threads
-        self.kernel(mQ, mSF, mO, n_blocks, kbp, fdd).launch(
+        self.kernel(mQ, mSF, mO, *mG, n_blocks, kbp, write_alpha, fdd).launch(
             grid=[(n_blocks + t - 1) // t, 1, 1], block=[t, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mSF: cute.Tensor, mO: cute.Tensor,
-               n_blocks: cutlass.Int32, kbp: cutlass.Int32, fdd: cute.FastDivmodDivisorV2):
+    def kernel(self, mQ: cute.Tensor, mSF: cute.Tensor, mO: cute.Tensor, mGA: cute.Tensor,
+               mGB: cute.Tensor, mAlpha: cute.Tensor, n_blocks: cutlass.Int32,
+               kbp: cutlass.Int32, write_alpha: cutlass.Int32, fdd: cute.FastDivmodDivisorV2):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         g = bid * self.threads + tidx
+        if (g == 0) & (write_alpha != 0):
+            mAlpha[0] = cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};",
+                                             write_only_types=[cutlass.Float32],
+                                             read_only_args=[mGA[0], mGB[0]])
         if g < n_blocks:
             r, c = divmod(g, fdd)
             off = sf_offset_shifts(r, c, kbp)

@@ -36,6 +36,16 @@ def test_block_values_bit_for_bit(m, k, dist):
     assert torch.equal(quant.dequantize_activation(a).view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_scales_product_comes_from_the_same_launch_bit_for_bit(seed):
+    a, b = make_operands(16 + seed, 8, 4096, "nvfp4", seed=seed)
+    gb = b.global_scale.to(torch.float32).reshape(())
+    vals, alpha = quant.dequantize_with_alpha(a, gb)
+    want = a.global_scale.to(torch.float32) * gb  # what alpha_tensor computes
+    assert alpha.shape == () and torch.equal(alpha.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(vals.view(torch.int16), a.block_values(torch.bfloat16).view(torch.int16))
+
+
 def test_bad_out_is_refused_before_writing():
     a, _ = make_operands(4, 8, 64, "nvfp4")
     out = torch.full((4, 64), 7.0, dtype=torch.float16, device="cuda")
