@@ -1,7 +1,8 @@
 """W4A4 on SM90 by three exact routes, against the W4A16 kernel they are measured by (issue
 11's bar: W4A4 within 10% of W4A16 at every M), on the same NVFP4 weight, in one process.
 
-    python perf/w4a4_routes.py --out DIR [--quick] [--budget-s 200]
+    python perf/w4a4_routes.py --out DIR [--quick] [--budget-s 200] [--shapes N,K ...]
+        [--routes ROUTE ...]
 
 Per case (N x K in {8192 x 8192, 28672 x 4096, 4096 x 14336}, M in {1, 16, 64, 256, 1024,
 4096, 8192}; ``--quick``: 8192 x 8192):
@@ -81,7 +82,7 @@ def _calls(route: str, ops):
     return (lambda: run_compiled(kern, a, b, out=out, alpha=alpha)), s.name or s.label()
 
 
-def _case(n, k, m, timer, deadline) -> dict:
+def _case(n, k, m, timer, deadline, routes=ROUTES) -> dict:
     import torch
 
     from cute_fp4.bench import bench_operands
@@ -89,7 +90,7 @@ def _case(n, k, m, timer, deadline) -> dict:
     ops = bench_operands(m, n, k)
     alpha4 = (ops.a4.global_scale.float() * ops.b.global_scale.float()).reshape(())
     rows = []
-    for route in ROUTES:
+    for route in routes:
         if time.monotonic() > deadline:
             rows.append({"route": route, "status": "skipped: time budget"})
             continue
@@ -135,15 +136,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="folder for the JSON and markdown")
     ap.add_argument("--quick", action="store_true", help="8192 x 8192 only")
     ap.add_argument("--budget-s", type=float, default=200.0, help="wall-clock budget")
+    ap.add_argument("--shapes", nargs="*", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    help="N,K pairs instead of the three defaults")
+    ap.add_argument("--routes", nargs="*", choices=ROUTES, help="a subset of the routes")
     args = ap.parse_args(argv)
     from cute_fp4.bench import Timer
 
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     timer, cases = Timer(), []
-    for n, k in SHAPES[:1] if args.quick else SHAPES:
+    shapes = args.shapes or (SHAPES[:1] if args.quick else SHAPES)
+    for n, k in shapes:
         for m in MS:
-            cases.append(_case(n, k, m, timer, deadline))
+            cases.append(_case(n, k, m, timer, deadline, args.routes or ROUTES))
             (args.out / "w4a4_routes.json").write_text(json.dumps(cases, indent=1))
             (args.out / "w4a4_routes.md").write_text(_markdown(cases))
             print(_markdown(cases[-1:]).splitlines()[-1], flush=True)
