@@ -2,6 +2,7 @@
 
     python perf/decode_probe.py --out DIR [--budget-s 240] [--ms 1 16]
     python perf/decode_probe.py --launch LABEL M N K     # one variant, for Nsight Compute
+                                  # (LABEL also quack, auto_plain, auto_packed: any M)
 
 The sweep times every variant of :func:`_variants` (rs_packed tiles x warpgroups x split-K,
 non-persistent fewer-stage twins for occupancy, the plain-weight swap-AB kernel) on the
@@ -154,6 +155,10 @@ def launch(label: str, m: int, n: int, k: int) -> int:
         prov = QUACK_W4A16
     elif label == "auto_plain":
         prov = cute_fp4_provider("auto", "bf16")
+    elif label == "auto_packed":  # the packed heuristic's kernel, any M (NVFP4Linear's)
+        from cute_fp4.api import heuristic
+
+        prov = cute_fp4_provider(heuristic("sm90", m, n, k, packed=True), "bf16")
     else:
         prov = cute_fp4_provider(_variants()[label], "bf16")
     prep = prov.prepare(ops)

@@ -5,6 +5,9 @@
 #   PYTEST="tests/gpu/..." PYTEST_K=expr PYTEST_S=240   pytest first, under a timeout
 #   SWEEP=1 (0: none) MS="1 16" ONLY=labels SHAPES=...  perf/decode_probe.py
 #   PROFILES="name m n k;..." ("": none)                 ncu of decode_probe launches
+#     (e.g. "auto_packed 8192 8192 8192;quack 8192 8192 8192": issue 11's large-M profile)
+#   W4A4="--shapes 4096,14336" W4A4_S=120                perf/w4a4_routes.py
+#   PHOST=1                                              perf/profile_host.py
 #   QPROF=1 QSPECS="field=value ...;..."               ncu of quantizer specs at 4096^2
 #   QBENCH="--quick --sweep" QBENCH_S=200              perf/quantize_bench.py
 #   MODEL="--modes w4a16 --step torch,compiled" MODEL_S perf/model_decode.py
@@ -50,6 +53,15 @@ if [ -n "${QBENCH:-}" ]; then
   timeout "${QBENCH_S:-200}" python3 perf/quantize_bench.py "$OUT/quant.json" $QBENCH \
     > "$OUT/quant.txt" 2>&1
   tail -5 "$OUT/quant.txt"
+fi
+if [ -n "${W4A4:-}" ]; then
+  timeout "${W4A4_S:-120}" python3 perf/w4a4_routes.py --out "$OUT" $W4A4 \
+    > "$OUT/w4a4_routes.txt" 2>&1
+  tail -10 "$OUT/w4a4_routes.txt"
+fi
+if [ "${PHOST:-0}" = 1 ]; then
+  timeout 120 python3 perf/profile_host.py --out "$OUT" > /dev/null 2>&1
+  grep "M=" "$OUT/profile_host.txt"
 fi
 if [ -n "${MODEL:-}" ]; then
   timeout "${MODEL_S:-260}" python3 perf/model_decode.py --out "$OUT" $MODEL > "$OUT/model.txt" 2>&1
