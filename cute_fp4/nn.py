@@ -77,9 +77,10 @@ def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torc
                       resolve_schedule)
 
 
-def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor) -> str:
-    """"auto" -> "packed" on an SM90 GPU when K allows it (W4A4 then decodes the activation
-    once and runs the W4A16 kernel: ``api._w4a4_via_bf16``), else "plain"."""
+def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor, schedule="auto") -> str:
+    """"auto" -> "packed" on an SM90 GPU when K allows it and the schedule reads that
+    layout ("auto" or an rs_packed schedule; W4A4 then decodes the activation once and runs
+    the W4A16 kernel: ``api._w4a4_via_bf16``), else "plain"."""
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     k = weight.shape[1]
@@ -88,9 +89,25 @@ def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor) -> str:
                           f"got {k}: use layout='plain'")
     if layout != "auto":
         return layout
-    dev = weight.device
-    sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
-    return "packed" if sm90 and k % UNIT_K == 0 else "plain"
+    sm90 = _on_sm90(weight.device)
+    return "packed" if sm90 and k % UNIT_K == 0 and _reads_packed(schedule) else "plain"
+
+
+def _on_sm90(dev: torch.device) -> bool:
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+
+
+def _reads_packed(schedule) -> bool:
+    """Whether ``schedule`` ("auto", a catalogue name or a Schedule) can run on the
+    fragment-order layout: "auto" (the packed heuristic) or an rs_packed mainloop."""
+    from cute_fp4 import catalogue
+    from cute_fp4.schedule import Mainloop
+
+    if isinstance(schedule, str):
+        if schedule == "auto":
+            return True
+        schedule = catalogue.get(schedule)  # an unknown name raises here, with suggestions
+    return getattr(schedule, "mainloop", None) is Mainloop.RS_PACKED
 
 
 def _run(kern, a, w: NVFP4Tensor, alpha, dims, out=None) -> torch.Tensor:
@@ -155,7 +172,7 @@ class NVFP4Linear(torch.nn.Module):
                 raise InputError(f"bias must have shape ({self.out_features},), got {shape}")
             bias = torch.nn.Parameter(bias.detach().clone().to(dev), requires_grad=False)
         self.mode, self.schedule = mode, schedule
-        self.layout = _resolve_layout(layout, mode, weight)
+        self.layout = _resolve_layout(layout, mode, weight, schedule)
         self.register_buffer("weight_packed", self._layout_bytes(weight.data),
                              persistent=False)
         self.register_buffer("weight_scale", weight.scale, persistent=False)

@@ -679,6 +679,29 @@ def test_layout_auto_is_plain_off_sm90_and_packed_round_trips_the_state_dict():
     assert torch.equal(dst.weight.data, w.data)
 
 
+def test_layout_auto_follows_the_schedule_on_sm90(monkeypatch):
+    """On SM90 "auto" packs the weight only for schedules that read the packed layout
+    ("auto" and rs_packed ones, W4A16 and W4A4 alike); a plain-layout schedule keeps the
+    plain weight, so a layer built with one still runs; an unknown name is refused at
+    construction."""
+    from cute_fp4 import catalogue
+
+    monkeypatch.setattr(cnn, "_on_sm90", lambda dev: True)
+    w, _ = _modelopt_tensors(72, 128)
+    for mode in ("w4a16", "w4a4"):
+        assert cnn.NVFP4Linear(w, mode=mode).layout == "packed"
+        assert cnn.NVFP4Linear(w, mode=mode, schedule="sm90_rs_packed_m64").layout == "packed"
+        assert cnn.NVFP4Linear(w, mode=mode, schedule="sm90_default").layout == "plain"
+        s = catalogue.get("sm90_rs_packed").replace(split_k=2)
+        assert cnn.NVFP4Linear(w, mode=mode, schedule=s).layout == "packed"
+        assert cnn.NVFP4Linear(w, mode=mode, schedule=catalogue.get("sm90_decode")
+                               ).layout == "plain"
+    with pytest.raises(InputError, match="did you mean 'sm90_rs_packed'"):
+        cnn.NVFP4Linear(w, schedule="sm90_rs_packd")
+    monkeypatch.setattr(cnn, "_on_sm90", lambda dev: False)
+    assert cnn.NVFP4Linear(w).layout == "plain"
+
+
 def test_layout_errors_and_convert_layout():
     w, _ = _modelopt_tensors(32, 96)  # K = 96: not a multiple of 64
     with pytest.raises(FormatError, match="multiple of 64"):
