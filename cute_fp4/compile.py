@@ -253,10 +253,7 @@ class CompiledGemm:
     def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> None:
         """Launch on prepared, validated tensors (the API layer's job), on torch's current
         stream of ``out``'s device (so CUDA-graph capture records it)."""
-        dev = out.get_device()
-        ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
-        args = self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
-                                     ctas, self._stream_of(dev))
+        args = self.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace)
         ffi = self._ffi
         if ffi is None:
             args = self._dsl_args(args)
@@ -267,6 +264,14 @@ class CompiledGemm:
                 raise
             self._recompile(e)
             self.launch(a_data, a_scale, b_data, b_scale, out, alpha, workspace)
+
+    def raw_args(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> tuple:
+        """The launch's arguments as ints (``kernels.launch.raw_args``: addresses, sizes,
+        the SM count, the raw handle of torch's current stream on ``out``'s device)."""
+        dev = out.get_device()
+        ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
+        return self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
+                                     ctas, self._stream_of(dev))
 
     @property
     def split_slots(self) -> int:

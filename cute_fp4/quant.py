@@ -120,14 +120,14 @@ class _Compiled:
     stream (the DSL call path)."""
 
     def __init__(self, spec, fn, kernel, compile_s: float, source: str):
-        from cute_fp4.compile import ffi_function
+        from cute_fp4.compile import ffi_function, stream_getter
 
         self.spec, self._fn, self._kernel = spec, fn, kernel
         self.compile_s, self.source = compile_s, source  # source: built / loaded / uncached
         self._ffi = ffi_function(fn)
         self.call_path = "dsl" if self._ffi is None else "tvm-ffi"
         self._streams: dict[int, object] = {}
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._stream_handle = stream_getter()  # device index -> raw current stream handle
 
     def _stream(self):
         handle = torch.cuda.current_stream().cuda_stream
@@ -139,11 +139,6 @@ class _Compiled:
                 self._streams.clear()
             stream = self._streams[handle] = driver.CUstream(handle)
         return stream
-
-    def _stream_handle(self, device_index: int) -> int:
-        if self._raw_stream is None:
-            return torch.cuda.current_stream(device_index).cuda_stream
-        return self._raw_stream(device_index)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.spec.label()}, {self.source} in "

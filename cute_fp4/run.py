@@ -42,7 +42,7 @@ def private_workspaces():
     for the custom ops' bodies, which torch.compile's CUDA graphs (cudagraph trees) run
     with allocations going to their own memory pool, where a buffer kept past the call is
     refused ("tensors in the cudagraph pool not tracked as outputs")."""
-    before = getattr(_PRIVATE, "on", False)
+    before = _private()
     _PRIVATE.on = True
     try:
         yield
@@ -71,7 +71,7 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     if _capturing(device):
         return _own_workspace(*_needs(kernel, m, n), device, True)
     stream = (device.index, kernel.stream_handle(device.index))
-    if getattr(_PRIVATE, "on", False):  # reuse the stream's buffer, never make one to keep
+    if _private():  # reuse the stream's buffer, never make one to keep
         counters, partials = _needs(kernel, m, n)
         held = _WORKSPACES.get(stream)
         if _fits(held, counters, partials):
@@ -121,7 +121,7 @@ _RESERVE_BATCH = 64  # counter blocks made at once when a reserve runs low
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and _capturing_now()
 
 
 def _counter_capacity(counters: int) -> int:
@@ -137,7 +137,7 @@ def _fill_reserve(counters: int, device) -> None:
 
     key = (device.index, _counter_capacity(counters))
     free = _RESERVE.setdefault(key, [])
-    if len(free) >= _RESERVE_BATCH // 2 or getattr(_PRIVATE, "on", False):
+    if len(free) >= _RESERVE_BATCH // 2 or _private():
         return
     width = SPLIT_HEADER + key[1]  # word 0 = 0: the partials are a buffer of their own
     blocks = torch.zeros(_RESERVE_BATCH, width, dtype=torch.int32, device=device)
@@ -219,19 +219,18 @@ class BoundLaunch:
     taken (:data:`_GENERATION`), a CUDA graph is being captured or a custom op's body is
     running (those take workspaces of their own)."""
 
-    __slots__ = ("kernel", "key", "_ffi", "_b", "_sfb", "_alpha", "_work", "_count", "_m",
-                 "_n", "_k", "_ctas", "_stream", "_stream_of", "_dev", "_split",
-                 "_generation", "_expires")
+    __slots__ = ("kernel", "key", "_ffi", "_stream_of", "_dev", "_head", "_tail", "_b",
+                 "_stream", "_split", "_generation", "_expires")
 
-    def __init__(self, kernel, key, b, alpha_t, work, count, dims, ctas, stream, dev,
-                 expires):
+    def __init__(self, kernel, key, args: tuple, dev: int, expires: float):
+        """``args``: the kernel's raw arguments of the launch being bound
+        (``CompiledGemm.raw_args``); A's and C's addresses and the stream are the call's."""
+        from cute_fp4.kernels.launch import RAW_A, RAW_OUT, RAW_STREAM
+
         self.kernel, self.key = kernel, key
         self._ffi, self._stream_of, self._dev = kernel._ffi, kernel._stream_of, dev
-        self._b, self._sfb = b.data.data_ptr(), b.scale.data_ptr()
-        self._alpha = alpha_t.data_ptr()  # the caller's own tensor (bind): read per launch
-        self._work, self._count = work, count
-        self._m, self._n, self._k = dims[0], dims[1], 2 * b.data.shape[1]
-        self._ctas, self._stream = ctas, stream
+        self._head, self._tail = args[RAW_A + 1:RAW_OUT], args[RAW_OUT + 1:RAW_STREAM]
+        self._b, self._stream = args[RAW_A + 2], args[RAW_STREAM]  # B's data, the stream
         self._split = kernel.schedule.split_k > 1
         self._generation, self._expires = _GENERATION[0], expires
 
@@ -243,14 +242,11 @@ class BoundLaunch:
             return False
         stream = self._stream_of(self._dev)
         if self._split and (stream != self._stream or self._generation != _GENERATION[0]
-                            or _capturing_now() or getattr(_PRIVATE, "on", False)):
+                            or _capturing_now() or _private()):
             return False
         if time.monotonic() >= self._expires:
             return False
-        pal = self._alpha
-        self._ffi(a.data_ptr(), self._sfb, self._b, self._sfb, out.data_ptr(), pal,
-                  self._work or pal, self._count or pal, self._m, self._n, self._k,
-                  self._ctas, stream)
+        self._ffi(a.data_ptr(), *self._head, out.data_ptr(), *self._tail, stream)
         return True
 
 
@@ -258,31 +254,30 @@ def _capturing_now() -> bool:
     return torch._C._cuda_isCurrentStreamCapturing()
 
 
-def bind(kernel, b, alpha, dims, key, expires: float) -> BoundLaunch | None:
+def _private() -> bool:
+    """Inside :func:`private_workspaces` (a custom op's body)."""
+    return getattr(_PRIVATE, "on", False)
+
+
+def bind(kernel, a, b, out, alpha, dims, key, expires: float) -> BoundLaunch | None:
     """A :class:`BoundLaunch` of ``kernel`` for B = ``b`` and ``dims`` (= (M, N, K,
     a_format), the activation's, as :func:`run_checked` takes them), after
-    :func:`run_checked` launched the same call once; None where there is nothing to fix
-    (no TVM-FFI entry; W4A4: A's scales change per call; an alpha that is not already a
-    float32 device scalar, whose copy would not follow the original) or, for split-K, while
-    capturing. ``key``: what
-    the caller matches it on (kept as ``.key``)."""
-    if kernel._ffi is None or dims[3] == "nvfp4":
+    :func:`run_checked` launched the same call on ``a`` into ``out``; None where there is
+    nothing to fix (no TVM-FFI entry; W4A4: A's scales change per call; an alpha that is
+    not already a float32 device scalar, whose copy would not follow the original) or, for
+    split-K, while capturing. ``key``: what the caller matches it on (kept as ``.key``)."""
+    if getattr(kernel, "_ffi", None) is None or dims[3] == "nvfp4":
         return None
     dev = b.data.device
     split = kernel.schedule.split_k > 1
-    if split and (_capturing(dev) or getattr(_PRIVATE, "on", False)):
+    if split and (_capturing(dev) or _private()):
         return None
     alpha_t = alpha_tensor(None, b, alpha)
     if alpha_t is not alpha and alpha_t is not b.global_scale:
         return None  # a converted copy: the binding would not see the scale change
-    stream = kernel.stream_handle(dev.index)
-    work = count = 0
-    if split:
-        ws = split_workspace(kernel, dims[0], dims[1], dev)
-        count, work = ws[0].data_ptr(), ws[1].data_ptr()
-    ctas = kernel.max_ctas or kernel._ctas.get(dev.index) or kernel._sm_count(dev.index)
-    return BoundLaunch(kernel, key, b, alpha_t, work, count, dims, ctas, stream, dev.index,
-                       expires)
+    ws = split_workspace(kernel, dims[0], dims[1], dev) if split else None
+    args = kernel.raw_args(a, None, b.data, b.scale, out, alpha_t, ws)
+    return BoundLaunch(kernel, key, args, dev.index, expires)
 
 
 @functools.lru_cache(maxsize=4096)

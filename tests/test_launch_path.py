@@ -517,12 +517,12 @@ def test_bind_refuses_what_it_cannot_fix(stub_layer_path):
     _, built, _ = stub_layer_path
     layer = _layer("sm90_decode_swapab")
     x = torch.randn(2, K).to(torch.bfloat16)
-    layer(x)
+    y = layer(x)
     kern, w = built[0], layer._stored_weight()
     dims = (2, N, K, "bf16")
-    assert run.bind(kern, w, layer.weight_scale_2, dims, None, math.inf) is not None
-    assert run.bind(kern, w, torch.tensor(1.0, dtype=torch.float64), dims, None,
+    assert run.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is not None
+    assert run.bind(kern, x, w, y, torch.tensor(1.0, dtype=torch.float64), dims, None,
                     math.inf) is None
-    assert run.bind(kern, w, layer.weight_scale_2, (2, N, K, "nvfp4"), None, math.inf) is None
+    assert run.bind(kern, x, w, y, layer.weight_scale_2, (2, N, K, "nvfp4"), None, math.inf) is None
     kern._ffi = None
-    assert run.bind(kern, w, layer.weight_scale_2, dims, None, math.inf) is None
+    assert run.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is None

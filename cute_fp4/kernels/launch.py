@@ -118,6 +118,9 @@ def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out,
     return (*ptrs, *(cutlass.Int32(v) for v in raw[N_POINTERS:-1]), stream)
 
 
+RAW_A, RAW_OUT, RAW_STREAM = 0, 4, 12  # where raw_args puts A's and C's addresses, the stream
+
+
 def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
              stream: int) -> tuple[int, ...]:
     """The compiled signature's arguments as plain ints (addresses, sizes, the raw stream
