@@ -467,30 +467,35 @@ class QuantizeKernel:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         if bid < n_item_ctas:
-            gs = self._global_scale(mX, mGS, mPart, n_amax, n_vec, bid, tidx)
             grid = _Grid(m, kb, kbp, n_items, n_chunks, n_item_ctas, fdd)
+            # The first chunk's loads go out before the global scale is known: the branch
+            # below waits for it. Issued inside the branch, they waited for the scale's load,
+            # and ptxas sank all but the first block's past that block's arithmetic (three
+            # load latencies in a row per CTA instead of one).
+            iA = cute.make_rmem_tensor((self.items, 2), _I32)
+            rA = [cute.make_rmem_tensor((8,), _U32) for _ in range(self.items)]
+            self._load(mX, rA, iA, bid, tidx, grid)
+            gs = self._global_scale(mX, mGS, mPart, n_amax, n_vec, bid, tidx)
+            args = (mX, mQ, mSF, rA, iA, gs, grid, bid, tidx)
             if cutlass.const_expr(self.spec.force_general):
-                self._quantize_chunks(self._general, mX, mQ, mSF, gs, grid, bid, tidx)
+                self._quantize_chunks(self._general, *args)
             else:
                 if (gs >= _FAST_GS_MIN) & (gs <= _FAST_GS_MAX):  # uniform: one loop or other
-                    self._quantize_chunks(self._fast, mX, mQ, mSF, gs, grid, bid, tidx)
+                    self._quantize_chunks(self._fast, *args)
                 else:
-                    self._quantize_chunks(self._general, mX, mQ, mSF, gs, grid, bid, tidx)
+                    self._quantize_chunks(self._general, *args)
         elif cutlass.const_expr(not self.atoms):  # "atoms" launches no pad CTAs
             self._pad_rows(mSF4, m, kbp, (bid - n_item_ctas) * self.threads + tidx,
                            n_pad_ctas * self.threads)
 
     @cute.jit
-    def _quantize_chunks(self, code: str, mX, mQ, mSF, gs, grid, first, tidx):
+    def _quantize_chunks(self, code: str, mX, mQ, mSF, rA, iA, gs, grid, first, tidx):
         """Chunks ``first, first + stride, ...`` with the input loaded straight into
-        registers one chunk ahead: two register sets (A, B) in turn, so that chunk i + 1's
-        loads are in flight while chunk i computes, with no copies between the sets. With
-        ``ctas_per_sm == 0`` (one chunk per CTA) one set, and more CTAs fit per SM."""
-        u = self.items
+        registers one chunk ahead (chunk ``first`` is in ``rA``, its coordinates in ``iA``):
+        two register sets (A, B) in turn, so that chunk i + 1's loads are in flight while
+        chunk i computes, with no copies between the sets. With ``ctas_per_sm == 0`` (one
+        chunk per CTA) one set, and more CTAs fit per SM."""
         consts = _ptxf(_CONSTS_PTX, 2, gs)
-        iA = cute.make_rmem_tensor((u, 2), _I32)
-        rA = [cute.make_rmem_tensor((8,), _U32) for _ in range(u)]
-        self._load(mX, rA, iA, first, tidx, grid)
         if cutlass.const_expr(self.spec.ctas_per_sm == 0):  # one chunk per CTA: one set
             self._items(code, mQ, mSF, rA, iA, gs, consts, grid, first, tidx)
         else:
