@@ -8,6 +8,8 @@
 #     (e.g. "auto_packed 8192 8192 8192;quack 8192 8192 8192": issue 11's large-M profile)
 #   W4A4="--shapes 4096,14336" W4A4_S=120                perf/w4a4_routes.py
 #   PHOST=1                                              perf/profile_host.py
+#   HOST=1                                               perf/host_overhead.py (GPU mode)
+#   QCEIL="--shapes 4096x4096"                           perf/quantize_ceiling.py
 #   QPROF=1 QSPECS="field=value ...;..."               ncu of quantizer specs at 4096^2
 #   QBENCH="--quick --sweep" QBENCH_S=200              perf/quantize_bench.py
 #   MODEL="--modes w4a16 --step torch,compiled" MODEL_S perf/model_decode.py
@@ -62,6 +64,15 @@ fi
 if [ "${PHOST:-0}" = 1 ]; then
   timeout 120 python3 perf/profile_host.py --out "$OUT" > /dev/null 2>&1
   grep "M=" "$OUT/profile_host.txt"
+fi
+if [ "${HOST:-0}" = 1 ]; then
+  timeout 150 python3 perf/host_overhead.py --out "$OUT" > "$OUT/host_overhead.txt" 2>&1
+  grep -E "^M=|host" "$OUT/host_overhead.txt" | head -20
+fi
+if [ -n "${QCEIL+set}" ]; then
+  timeout 150 python3 perf/quantize_ceiling.py "$OUT/quantize_ceiling.json" $QCEIL \
+    > "$OUT/quantize_ceiling.txt" 2>&1
+  cat "$OUT/quantize_ceiling.txt" | tail -6
 fi
 if [ -n "${MODEL:-}" ]; then
   timeout "${MODEL_S:-260}" python3 perf/model_decode.py --out "$OUT" $MODEL > "$OUT/model.txt" 2>&1

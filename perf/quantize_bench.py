@@ -1,6 +1,6 @@
 """Fused activation quantization (``cute_fp4.quant``): device time and bandwidth on a GPU.
 
-    python perf/quantize_bench.py OUT.json [--quick] [--sweep]
+    python perf/quantize_bench.py OUT.json [--quick] [--sweep] [--large MxK,...] [--no-decode]
 
 Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
 [16384, 4096]) and decode sizes (M in 1, 2, 4, 8, 16 x K in 4096, 8192), BF16 (and FP16
@@ -57,7 +57,9 @@ DECODE = [(m, k) for k in (4096, 8192) for m in (1, 2, 4, 8, 16)]
 # (~74 registers at 2 items: 3 CTAs of 256 per SM)
 SWEEP = [(256, 2, 3, "rows"), (256, 2, 0, "rows"), (256, 2, 3, "atoms"), (128, 2, 6, "atoms"),
          (256, 1, 0, "atoms"), (256, 2, 0, "atoms"), (256, 4, 0, "atoms"),
-         (128, 2, 0, "atoms"), (128, 4, 0, "atoms"), (128, 8, 0, "atoms"), (64, 4, 0, "atoms")]
+         (128, 2, 0, "atoms"), (128, 4, 0, "atoms"), (128, 8, 0, "atoms"), (64, 4, 0, "atoms"),
+         (64, 8, 0, "atoms"), (128, 6, 0, "atoms"), (256, 8, 0, "atoms"), (128, 3, 0, "atoms"),
+         (128, 4, 2, "atoms")]
 DECODE_SWEEP = [(256, 2, 3, "rows"), (256, 2, 0, "atoms"), (128, 4, 0, "atoms"),
                 (128, 1, 0, "rows"), (64, 1, 0, "atoms")]
 GRAPH_N = 10
@@ -181,6 +183,10 @@ def main(argv=None) -> int:
     p.add_argument("out", type=Path, help="JSON file to write")
     p.add_argument("--quick", action="store_true", help="one large shape, BF16 only")
     p.add_argument("--sweep", action="store_true", help="thread/item splits on large sizes")
+    p.add_argument("--large", default=None, metavar="MxK,...",
+                   help="the large shapes to run (default: all four; --quick: the first)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode sizes")
+    p.add_argument("--bf16-only", action="store_true", help="skip the FP16 rows")
     args = p.parse_args(argv)
     dev = detect_device()
     if dev is None or dev.target is None:
@@ -189,6 +195,8 @@ def main(argv=None) -> int:
     target, bw = dev.target.name, dev.mem_bw_gbs
     timer = Timer()
     large = LARGE[:1] if args.quick else LARGE
+    if args.large:
+        large = [tuple(int(v) for v in shape.split("x")) for shape in args.large.split(",")]
     rows = []
 
     def add(row):
@@ -200,7 +208,8 @@ def main(argv=None) -> int:
         print(f"[{row['m']:>5}, {row['k']:>5}] {row['dtype']:<8} {row['spec']:<46} {vals}{ok}"
               f"{gs}", flush=True)
 
-    for dtype in ([torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]):
+    bf16_only = args.quick or args.bf16_only
+    for dtype in ([torch.bfloat16] if bf16_only else [torch.bfloat16, torch.float16]):
         dt = "bf16" if dtype == torch.bfloat16 else "fp16"
         for m, k in large:
             add(copy_row(m, k, dtype, bw))
@@ -216,7 +225,7 @@ def main(argv=None) -> int:
                     spec = default_spec(target, dt, threads=threads, items=items,
                                         ctas_per_sm=per_sm, order=order)
                     add(bench_row(spec, m, k, dtype, timer, bw, with_torch=False))
-        if dtype == torch.float16 and not args.quick:
+        if dtype == torch.float16 or args.no_decode:
             continue  # decode sizes: BF16 only
         for m, k in DECODE:
             for scale in ("static", "dynamic", "dynamic_fused"):
