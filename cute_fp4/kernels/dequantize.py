@@ -35,6 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
 
+from cute_fp4.kernels import roles
 from cute_fp4.nvfp4 import sf_offset_shifts
 
 _GMEM = cute.AddressSpace.gmem
@@ -146,7 +147,8 @@ class DequantizeKernel:
         fdd = cute.fast_divmod_create_divisor_v2(kb)
         t = self.threads
         self.kernel(mQ, mSF, mO, *mG, n_blocks, kbp, write_alpha, fdd).launch(
-            grid=[(n_blocks + t - 1) // t, 1, 1], block=[t, 1, 1], stream=stream)
+            grid=[(n_blocks + t - 1) // t, 1, 1], block=[t, 1, 1], stream=stream,
+            use_pdl=roles.PDL)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mSF: cute.Tensor, mO: cute.Tensor, mGA: cute.Tensor,
@@ -154,6 +156,8 @@ class DequantizeKernel:
                kbp: cutlass.Int32, write_alpha: cutlass.Int32, fdd: cute.FastDivmodDivisorV2):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
+        roles.wait_for_inputs()
+        roles.release_dependents()  # the GEMM that reads this output launches during it
         g = bid * self.threads + tidx
         if (g == 0) & (write_alpha != 0):
             mAlpha[0] = cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};",

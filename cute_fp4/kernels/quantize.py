@@ -72,6 +72,7 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass.cute.runtime import make_ptr
 
+from cute_fp4.kernels import roles
 from cute_fp4.nvfp4 import sf_offset_shifts
 
 _GMEM = cute.AddressSpace.gmem
@@ -397,14 +398,15 @@ class QuantizeKernel:
         n_amax = cutlass.min((n_vec + per_amax_cta - 1) // per_amax_cta, PARTIALS_MAX)
         if cutlass.const_expr(self.spec.scale == "dynamic"):
             self.amax_kernel(mX, mPart, n_vec).launch(
-                grid=[n_amax, 1, 1], block=[t, 1, 1], stream=stream)
+                grid=[n_amax, 1, 1], block=[t, 1, 1], stream=stream, use_pdl=roles.PDL)
         # rows: g -> (row, column) = divmod(g, kbp); atoms: g >> 9 -> (row block, column
         # group) = divmod(g >> 9, kbp / 4)
         fdd = cute.fast_divmod_create_divisor_v2(kbp // 4 if cutlass.const_expr(self.atoms)
                                                  else kbp)
         self.quant_kernel(mX, mQ, mSF, mSF4, mGS, mPart, m, kb, kbp, n_items, n_chunks,
                           n_item_ctas, n_pad_ctas, n_amax, n_vec, fdd).launch(
-            grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[t, 1, 1], stream=stream)
+            grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[t, 1, 1], stream=stream,
+            use_pdl=roles.PDL)
 
     # ------------------------------------------------------------------ amax
     @cute.jit
@@ -450,6 +452,8 @@ class QuantizeKernel:
         n_ctas, _, _ = cute.arch.grid_dim()
         red = cutlass.memory.SmemAllocator().allocate_tensor(
             _U32, cute.make_layout(self.threads // 32), byte_alignment=16)
+        roles.wait_for_inputs()
+        roles.release_dependents()
         v = self._amax_range(mX, bid * self.threads + tidx, n_ctas * self.threads, n_vec)
         v = self._cta_max(v, red)
         if tidx == 0:
@@ -466,6 +470,8 @@ class QuantizeKernel:
                      fdd: cute.FastDivmodDivisorV2):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
+        roles.wait_for_inputs()
+        roles.release_dependents()  # the dequantize or GEMM after it launches during it
         if bid < n_item_ctas:
             grid = _Grid(m, kb, kbp, n_items, n_chunks, n_item_ctas, fdd)
             # The first chunk's loads go out before the global scale is known: the branch

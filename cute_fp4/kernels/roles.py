@@ -29,6 +29,33 @@ WARP = 32
 WARPGROUP = 128
 
 
+# Programmatic dependent launch (PDL), for every kernel of the package: each is launched
+# with ``use_pdl=PDL``, so that its grid can be scheduled while the kernel before it on the
+# stream drains (or, where that kernel triggers early, while it runs), and each of its
+# threads calls :func:`wait_for_inputs` before its first global-memory access. The
+# package's quantize and dequantize kernels trigger their dependents as they start
+# (:func:`release_dependents`): their GEMM then launches during them and waits only for
+# their memory. Correctness never rests on the trigger: ``griddepcontrol.wait`` returns
+# once every prerequisite grid has completed and its writes are visible.
+PDL = True
+
+
+@cute.jit
+def wait_for_inputs():
+    """``griddepcontrol.wait``: the kernels before this one on the stream have finished and
+    their memory is visible (returns at once for a launch without a dependency)."""
+    if cutlass.const_expr(PDL):
+        cute.arch.griddepcontrol_wait()
+
+
+@cute.jit
+def release_dependents():
+    """``griddepcontrol.launch_dependents``: a PDL launch after this kernel may start now
+    (it still waits for this kernel's memory in :func:`wait_for_inputs`)."""
+    if cutlass.const_expr(PDL):
+        cute.arch.griddepcontrol_launch_dependents()
+
+
 class Barrier(enum.IntEnum):
     """Named-barrier ids. ``MMA_GROUP + g`` for group ``g`` (at most 4 groups)."""
 

@@ -275,7 +275,8 @@ class Sm120Gemm(GemmLaunch):
         ).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                  block=[self.threads, 1, 1], cluster=[1, 1, 1],
                  smem=self.smem_bytes, stream=stream,
-                 max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=1)
+                 max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=1,
+                 use_pdl=roles.PDL)
 
     @staticmethod
     def _byte_view(t: cute.Tensor) -> cute.Tensor:
@@ -310,6 +311,7 @@ class Sm120Gemm(GemmLaunch):
         mainloop = self._make_mainloop_pipeline(bars)
         roles.init_turns(self.pingpong, bars + 2 * self.stages, self.group_threads, warp_idx)
         cute.arch.sync_threads()
+        roles.wait_for_inputs()  # nothing above touches global memory
         units = units.prepare(offsets)
         if warp_idx < self.warps.first_mma_warp:
             roles.producer_registers(self.warps)

@@ -308,7 +308,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                             t.mAlpha, units, m, n, offsets, *work)
         self.kernel(params).launch(grid=[units.grid(self.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
-                                   stream=stream)
+                                   stream=stream, use_pdl=roles.PDL)
 
     def _make_load_atoms(self, t: GemmTensors, m, n):
         """TMA load atoms (and the tensors they partition) of A, B and both scale tensors."""
@@ -344,6 +344,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         storage, mainloop = self._prologue(warp_idx, p)
+        roles.wait_for_inputs()  # the prologue above touches no global memory
         p = p._replace(units=p.units.prepare(p.mOffsets))
         s = self._smem_tensors(storage)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
