@@ -15,7 +15,8 @@ whole step is captured in one CUDA graph.
 
 Measured per model and batch (1 and 16): latency per token of ``--steps`` decode steps
 eagerly (host included; the fastest of 2 x ``--repeats``: host-bound, so other processes only
-add time) and as replays of the captured step (median of ``--repeats``),
+add time; for the op-by-op step the models take turns, one run each per round, so that all
+see the same host) and as replays of the captured step (median of ``--repeats``),
 tokens/s, and the ratio to BF16. Accuracy: the same token sequence (teacher-forced, same
 KV-cache prefix) through every model: relative error of the logits vs BF16
 (``||l - l_bf16|| / ||l_bf16||``, mean and max over steps) and top-1 agreement.
@@ -439,7 +440,8 @@ def markdown(res: dict) -> str:
              f"{cfg['hidden']}, MLP {cfg['intermediate']}, {cfg['heads']}/{cfg['kv_heads']} "
              f"heads of {cfg['head_dim']}, vocab {cfg['vocab']} (BF16 lm_head), KV cache "
              f"{cfg['context']} (prefix {res['prefix']}); {res['steps']} steps x "
-             f"{res['repeats']} repeats, median (eager: fastest of {2 * res['repeats']}); "
+             f"{res['repeats']} repeats, median (eager: fastest of {2 * res['repeats']}, the "
+             f"op-by-op step's models in turns); "
              f"W4A4 input scale: {res['w4a4_scale']}.", "",
              "Step: `torch` runs the decode step's ops one by one; `compiled` is the same "
              "step through `torch.compile(fullgraph=True)` (Inductor), for every model.", "",
@@ -487,6 +489,27 @@ def markdown(res: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+
+@torch.no_grad()
+def interleaved_eager(results: list, models: dict, states: dict, steps: int, rounds: int):
+    """Eager op-by-op latency again, the models taking turns (BF16, W4A16, ... then again,
+    ``rounds`` times), the fastest run of each kept: host-bound runs drift with the host's
+    load (BF16 alone measured 5.3-13 ms per token across runs), and turns give every model
+    the same conditions. The earlier, one-model-at-a-time figure moves to
+    ``eager_ms_sequential``."""
+    for b, st in states.items():
+        rows = {r["model"]: r for r in results
+                if r["batch"] == b and r["step"] == "torch" and "eager_ms" in r}
+        best = {name: math.inf for name in rows}
+        for _ in range(rounds):
+            for name in rows:
+                step = step_function(models[name], st, compiled=False)
+                best[name] = min(best[name], _per_token_ms(
+                    lambda n, step=step: [step() for _ in range(n)], st.reset, steps, 1))
+        for name, row in rows.items():
+            row["eager_ms_sequential"], row["eager_ms"] = row["eager_ms"], best[name]
+        print(f"eager, models in turn, batch {b}: {best}", flush=True)
+
 
 def _measured(model, st, steps, repeats, warmup, kind: str) -> dict:
     """:func:`measure`, a failure recorded rather than raised (the other rows go on)."""
@@ -576,6 +599,8 @@ def main(argv=None) -> int:
         r = _measured(mdl, states[b], steps, repeats, warmup, kind)
         results.append({"model": name, "batch": b, "step": kind, **r})
         print(f"{name} {kind} batch {b}: {r}", flush=True)
+    if "torch" in kinds:
+        interleaved_eager(results, models, states, steps, 2 * repeats)
 
     res = {"config": asdict(c), "impl": impl, "environment": environment(), "prefix": prefix,
            "steps": steps, "repeats": repeats, "w4a4_scale": args.w4a4_scale,
@@ -585,7 +610,8 @@ def main(argv=None) -> int:
            "method": "latency per token = wall time of `steps` decode steps (eager: host "
                      "included; graphs: replays of one captured step) / steps, "
                      "synchronised before and after; graphs: median of `repeats`, eager: "
-                     "fastest of 2 x `repeats` (host-bound, noisy host)"}
+                     "fastest of 2 x `repeats` runs, the models taking turns (host-bound, "
+                     "noisy host; `eager_ms_sequential`: one model after the other)"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_decode.json").write_text(json.dumps(res, indent=1, default=str))
