@@ -229,14 +229,12 @@ def _w4a4_via_bf16(a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
     same exact products as a W4A4 kernel; measured faster than the rs_packed mainloop's own
     W4A4 route, which converts each activation stage without overlap, and than the
     plain-layout W4A4 kernels (perf/results/2026-12-01-h200-bound.md)."""
-    from cute_fp4.quant import dequantize_activation, dequantize_with_alpha
+    from cute_fp4.quant import w4a16_operands
 
     m, n, k, _ = dims
     kern = packed_kernel_for("auto", (m, n, k, "bf16"), out_dtype, b.data.get_device())
-    if alpha is None:  # the scales' product comes from the dequantize launch
-        a16, alpha_t = dequantize_with_alpha(a, b.global_scale)
-    else:
-        a16, alpha_t = dequantize_activation(a), alpha_tensor(a, view, alpha)
+    given = None if alpha is None else alpha_tensor(a, view, alpha)
+    a16, alpha_t = w4a16_operands(a, b.global_scale, given)
     return run_checked(kern, a16, b, out, alpha_t, (m, n, k, "bf16"))
 
 

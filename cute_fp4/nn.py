@@ -45,12 +45,13 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from cute_fp4 import quant
 from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_schedule
 from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
-from cute_fp4.quant import dequantize_activation, dequantize_with_alpha, quantize_activation
+from cute_fp4.quant import quantize_activation
 
 __all__ = ["LAYOUTS", "MODES", "ConvertReport", "NVFP4Linear", "convert"]
 
@@ -395,10 +396,7 @@ class NVFP4Linear(torch.nn.Module):
         packed = self.layout == "packed"
         if packed and isinstance(self.schedule, str) and self.schedule == "auto":
             fmt = _ACT_FORMATS[torch.bfloat16]
-            if alpha is None:  # dynamic: the product comes from the dequantize launch
-                a, alpha = dequantize_with_alpha(a, self.weight_scale_2)
-            else:
-                a = dequantize_activation(a)
+            a, alpha = quant.w4a16_operands(a, self.weight_scale_2, alpha)
         else:
             fmt = "nvfp4"
         kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev, packed=packed)

@@ -465,6 +465,15 @@ def dequantize_with_alpha(a: NVFP4Tensor, other_scale: torch.Tensor
     return out, alpha
 
 
+def w4a16_operands(a: NVFP4Tensor, weight_scale: torch.Tensor, alpha=None):
+    """(activation, alpha) for a W4A4 product run by the W4A16 kernel: ``a``'s exact BF16
+    block values and, when ``alpha`` is None, the two global scales' product from the same
+    launch (:func:`dequantize_with_alpha`); a given ``alpha`` is kept."""
+    if alpha is None:
+        return dequantize_with_alpha(a, weight_scale)
+    return dequantize_activation(a), alpha
+
+
 def _dequant_out(a, out) -> torch.Tensor:
     m, k = _check_nvfp4_activation(a)
     if out is None:
@@ -478,6 +487,7 @@ def _dequant_out(a, out) -> torch.Tensor:
 
 
 __all__ = ["quantize_activation", "dequantize_activation", "dequantize_with_alpha",
+           "w4a16_operands",
            "compile_quantize",
            "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
            "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

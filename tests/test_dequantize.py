@@ -101,3 +101,17 @@ def test_raw_args_are_the_runtime_args_as_ints():
             assert list(raw[3:6]) == [t.data_ptr() for t in gs]
         assert [int(v) for v in real[6:9]] == list(raw[6:9]) == [3, 64, flag]
         assert raw[9] == 0x5000
+
+
+def test_w4a16_operands_takes_alpha_from_the_launch_unless_one_is_given(monkeypatch):
+    """The W4A4-through-W4A16 operands that gemm and NVFP4Linear share: without an alpha
+    the dequantize launch writes the scales' product; a given alpha is kept as it is."""
+    calls = []
+    monkeypatch.setattr(quant, "dequantize_activation",
+                        lambda a: calls.append("values") or "a16")
+    monkeypatch.setattr(quant, "dequantize_with_alpha",
+                        lambda a, other: calls.append(("with_alpha", other)) or ("a16", "prod"))
+    a, ws, given = object(), torch.ones(()), torch.full((), 0.5)
+    assert quant.w4a16_operands(a, ws) == ("a16", "prod")
+    assert quant.w4a16_operands(a, ws, given) == ("a16", given)
+    assert calls == [("with_alpha", ws), "values"]

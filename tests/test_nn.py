@@ -163,8 +163,8 @@ def fake_kernels(monkeypatch):
         return dequant(a), a.global_scale * other
 
     monkeypatch.setattr(cnn, "quantize_activation", quant)
-    monkeypatch.setattr(cnn, "dequantize_activation", dequant)
-    monkeypatch.setattr(cnn, "dequantize_with_alpha", dequant_alpha)
+    monkeypatch.setattr(cnn.quant, "dequantize_activation", dequant)
+    monkeypatch.setattr(cnn.quant, "dequantize_with_alpha", dequant_alpha)
     return calls
 
 
