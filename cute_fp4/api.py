@@ -18,11 +18,13 @@ store; it re-exports the operand and launch helpers scripts use from here. The m
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.compile import kernel_for
+from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import (
@@ -35,7 +37,14 @@ from cute_fp4.operands import (
 )
 from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.run import poisoned_check, private_workspaces, run_checked, run_compiled
+from cute_fp4.run import (
+    bound_gemm,
+    poisoned_check,
+    private_workspaces,
+    remember_gemm,
+    run_checked,
+    run_compiled,
+)
 from cute_fp4.schedule import Mainloop, OutDtype, Schedule
 
 __all__ = ["ALIGN", "DEFAULT_SHAPES", "SWAPAB_MAX_M", "ValidationReport", "check_operands",
@@ -198,7 +207,8 @@ def packed_kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype: torc
     return kernel_for(key, dims, out_dtype, device_index, _resolve_packed)
 
 
-def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check):
+def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check,
+                 bind: bool = True):
     """gemm with a fragment-order packed weight: the plain checks on a view of its first N
     rows (same bytes count per row, same scales), then an rs_packed kernel (W4A4 with
     ``schedule="auto"``: :func:`_w4a4_via_bf16`)."""
@@ -209,14 +219,14 @@ def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check
     view = NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
     dims = check_operands(a, view, out, alpha, out_dtype)
     if dims[3] == "nvfp4" and isinstance(schedule, str) and schedule == "auto":
-        kern, result = None, _w4a4_via_bf16(a, b, view, out, out_dtype, alpha, dims)
-    else:
-        kern = packed_kernel_for(schedule, dims, out_dtype, b.data.get_device())
-        result = run_checked(kern, a, b, out, alpha, dims)
-    if check and (kern is None or not kern.validated):
-        reference.assert_close(result, a, b.unpack(), alpha)
-        if kern is not None:
-            kern.validated = True
+        result = _w4a4_via_bf16(a, b, view, out, out_dtype, alpha, dims)
+        if check:
+            reference.assert_close(result, a, b.unpack(), alpha)
+        return result
+    kern = packed_kernel_for(schedule, dims, out_dtype, b.data.get_device())
+    result = run_checked(kern, a, b, out, alpha, dims)
+    _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check,
+           b.unpack() if check and not kern.validated else None, bind)
     return result
 
 
@@ -238,17 +248,39 @@ def _w4a4_via_bf16(a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
     return run_checked(kern, a16, b, out, alpha_t, (m, n, k, "bf16"))
 
 
-def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
+def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check,
+               bind: bool = True) -> torch.Tensor:
+    """``gemm``'s eager body. ``bind``: launch through (and keep) a binding for calls like
+    this one on the same weight object (``run.bound_gemm``); the custom ops' bodies, which
+    wrap fresh weight objects per call, pass False."""
+    if bind and not check:  # a W4A16 call like an earlier one on this weight: its binding
+        result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
+        if result is not None:
+            return result
     if isinstance(b, PackedNVFP4Weight):
-        return _gemm_packed(a, b, schedule, out, out_dtype, alpha, check)
+        return _gemm_packed(a, b, schedule, out, out_dtype, alpha, check, bind)
     dims = check_operands(a, b, out, alpha, out_dtype)
     # resolve_schedule + compile, memoised per (schedule, dims, out dtype, device)
     kern = kernel_for(schedule, dims, out_dtype, b.data.get_device(), resolve_schedule)
     result = run_checked(kern, a, b, out, alpha, dims)  # checked once, above
-    if check and not kern.validated:
-        reference.assert_close(result, a, b, alpha)
-        kern.validated = True
+    _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, b, bind)
     return result
+
+
+def _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, plain,
+           bind: bool) -> None:
+    """Validate the first call of ``kern`` (``check``: against ``plain``, the weight in the
+    plain layout) or, with ``bind``, keep this call's launch for the next like it."""
+    if check:
+        if not kern.validated:
+            reference.assert_close(result, a, plain, alpha)
+            kern.validated = True
+        return
+    if not bind:
+        return
+    auto = isinstance(schedule, str) and schedule == "auto"
+    expires = time.monotonic() + AUTO_RECHECK_S if auto else math.inf
+    remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims, expires)
 
 
 def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
@@ -332,7 +364,7 @@ def _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule) ->
     """The packed op's body: as :func:`_mm_impl` (no value checks, no sync)."""
     at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
     bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
-    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False)
+    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False, bind=False)
 
 
 def _op_activation(a, a_scale, b, b_scale, alpha, k):
@@ -358,7 +390,7 @@ def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Ten
         raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
                              f"{tuple(b.shape)}")
     bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (b.shape[0], k))
-    return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False)
+    return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False, bind=False)
 
 
 def quantize_op(x: torch.Tensor, global_scale: torch.Tensor | None = None):

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 
 import torch
 
@@ -278,6 +279,64 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float) -> BoundLaunch | N
     ws = split_workspace(kernel, dims[0], dims[1], dev) if split else None
     args = kernel.raw_args(a, None, b.data, b.scale, out, alpha_t, ws)
     return BoundLaunch(kernel, key, args, dev.index, expires)
+
+
+# gemm's bindings, per weight object (held weakly): (M, A's dtype, out dtype) -> BoundLaunch
+_GEMM_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GEMM_BOUND_MAX = 64  # per weight: many distinct M (prefill) clear the table
+
+
+def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
+    """``gemm(a, b, schedule=..., out=..., out_dtype=..., alpha=...)`` through the binding an
+    earlier W4A16 call on the same weight object left (:func:`remember_gemm`), or None:
+    nothing launched and nothing written, and the caller takes the full path, which raises
+    on bad input. Tested here: what the binding fixed (the weight's scale and alpha
+    buffers, the schedule, alpha, the sizes); for A and the output, what can differ between
+    calls that the full path's memo would pass (shape, dtype, contiguity, 16-byte
+    alignment, device). The rest (B's data, split-K's stream and workspace, a capture,
+    expiry) is :meth:`BoundLaunch.launch`'s."""
+    table = _GEMM_BOUND.get(b)
+    if table is None or type(a) is not torch.Tensor or a.dim() != 2:
+        return None
+    m, k = a.shape
+    bound = table.get((m, a.dtype, out_dtype))
+    if bound is None:
+        return None
+    sched, alpha0, scale_p, alpha_p = bound.key
+    if alpha is not alpha0 or not (sched is schedule or (
+            isinstance(schedule, str) and sched == schedule)):
+        return None
+    n, dev = b.shape[0], b.data.get_device()
+    if (k != b.shape[1] or b.scale.data_ptr() != scale_p
+            or (b.global_scale if alpha is None else alpha).data_ptr() != alpha_p
+            or not a.is_contiguous() or a.data_ptr() % 16 or a.get_device() != dev):
+        return None
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    elif (type(out) is not torch.Tensor or out.dtype != out_dtype or out.shape != (m, n)
+          or not out.is_contiguous() or out.data_ptr() % 16 or out.get_device() != dev):
+        return None
+    return out if bound.launch(a, b, out) else None
+
+
+def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims,
+                  expires: float) -> None:
+    """After ``run_checked(kernel, a, b, out, alpha, dims)`` ran a W4A16 ``gemm``: keep its
+    binding for :func:`bound_gemm` (nothing for W4A4 or an alpha :func:`bind` cannot
+    fix)."""
+    src = b.global_scale if alpha is None else alpha
+    if type(a) is not torch.Tensor or not isinstance(src, torch.Tensor):
+        return
+    key = (schedule, alpha, b.scale.data_ptr(), src.data_ptr())
+    bound = bind(kernel, a, b, out, alpha, dims, key, expires)
+    if bound is None:
+        return
+    table = _GEMM_BOUND.get(b)
+    if table is None:
+        table = _GEMM_BOUND[b] = {}
+    if len(table) >= _GEMM_BOUND_MAX:
+        table.clear()
+    table[(dims[0], a.dtype, out_dtype)] = bound
 
 
 @functools.lru_cache(maxsize=4096)

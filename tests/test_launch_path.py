@@ -526,3 +526,110 @@ def test_bind_refuses_what_it_cannot_fix(stub_layer_path):
     assert run.bind(kern, x, w, y, layer.weight_scale_2, (2, N, K, "nvfp4"), None, math.inf) is None
     kern._ffi = None
     assert run.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is None
+
+
+# ----------------------------------------------------------------------------- gemm's binding
+
+@pytest.fixture
+def stub_gemm_path(stub_layer_path, monkeypatch):
+    """``gemm`` on the CPU through the stubbed path of :func:`stub_layer_path` (operand
+    checks without the device-type check)."""
+    from cute_fp4 import run
+
+    monkeypatch.setattr(api, "check_operands", lambda a, b, out, alpha, dt: operands.
+                        check_operands(a, b, out, alpha, dt, require_cuda=False))
+    run._GEMM_BOUND.clear()
+    yield stub_layer_path
+    run._GEMM_BOUND.clear()
+
+
+@pytest.mark.parametrize("schedule", ["sm90_decode_swapab", "sm90_decode_64x128_splitk2"])
+@pytest.mark.parametrize("given_out", [False, True])
+def test_gemm_binds_and_passes_the_arguments_of_the_full_path(stub_gemm_path, monkeypatch,
+                                                              schedule, given_out):
+    """The first W4A16 call on a weight takes the full path and binds; the next calls with
+    the same M and dtypes launch through the binding with the same arguments (only A's and
+    the output's addresses differ)."""
+    from cute_fp4 import run
+    from cute_fp4.run import run_checked
+
+    rec, built, _ = stub_gemm_path
+    full = []
+    monkeypatch.setattr(api, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    b = cf.quantize(torch.randn(N, K))
+    xs = [torch.randn(3, K).to(torch.bfloat16) for _ in range(3)]
+    outs = [torch.empty(3, N, dtype=torch.bfloat16) if given_out else None for _ in xs]
+    ys = [cf.gemm(x, b, schedule=schedule, out=o) for x, o in zip(xs, outs)]
+    assert len(built) == 1 and len(rec.calls) == 3 and len(full) == 1  # then bound
+    assert list(run._GEMM_BOUND[b]) == [(3, torch.bfloat16, torch.bfloat16)]
+    first, *rest = rec.calls
+    for x, y, o, args in zip(xs[1:], ys[1:], outs[1:], rest):
+        assert y.shape == (3, N) and y.dtype == torch.bfloat16 and (o is None or y is o)
+        assert args[0] == x.data_ptr() and args[4] == y.data_ptr()
+        assert args[1:4] + args[5:] == first[1:4] + first[5:]
+
+
+def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
+    """A new scale or global-scale buffer, another alpha, schedule, dtype or M: the full
+    path (which binds again); bad input after a binding still raises the full path's error,
+    before any launch; W4A4 and a Python alpha never bind; a deep copy has no binding."""
+    import copy
+
+    from cute_fp4 import run
+
+    rec, _, _ = stub_gemm_path
+    b = cf.quantize(torch.randn(N, K))
+    x = torch.randn(2, K).to(torch.bfloat16)
+
+    def bound_after(*args, **kw):
+        cf.gemm(*args, **kw)
+        return run._GEMM_BOUND[b].get((args[0].shape[0], args[0].dtype, torch.bfloat16))
+
+    s = "sm90_decode_swapab"
+    b0 = bound_after(x, b, schedule=s)
+    assert bound_after(x, b, schedule=s) is b0
+    b.scale = b.scale.clone()
+    b1 = bound_after(x, b, schedule=s)
+    assert b1 is not b0 and rec.calls[-1][3] == b.scale.data_ptr()
+    b.global_scale = b.global_scale.clone()
+    b2 = bound_after(x, b, schedule=s)
+    assert b2 is not b1 and rec.calls[-1][5] == b.global_scale.data_ptr()
+    alpha = torch.tensor(0.5)
+    b3 = bound_after(x, b, schedule=s, alpha=alpha)
+    assert b3 is not b2 and rec.calls[-1][5] == alpha.data_ptr()
+    assert bound_after(x, b, schedule=s) is not b3  # alpha None again: the global scale
+    assert rec.calls[-1][5] == b.global_scale.data_ptr()
+    b4 = bound_after(x, b, schedule="sm90_decode_64x128_splitk2")
+    assert b4.kernel.schedule.name == "sm90_decode_64x128_splitk2"
+    n = len(rec.calls)
+    with pytest.raises(InputError, match="a's data pointer"):
+        cf.gemm(misaligned(x), b, schedule="sm90_decode_64x128_splitk2")
+    with pytest.raises(InputError, match="out must be torch.bfloat16"):
+        cf.gemm(x, b, schedule="sm90_decode_64x128_splitk2",
+                out=torch.empty(2, N, dtype=torch.float32))
+    with pytest.raises(InputError, match="K mismatch"):
+        cf.gemm(torch.randn(2, K // 2).to(torch.bfloat16), b,
+                schedule="sm90_decode_64x128_splitk2")
+    assert len(rec.calls) == n
+    cf.gemm(x, b, schedule=s, alpha=0.25)  # converted to a tensor per value: not bound
+    assert rec.calls[-1][5] != alpha.data_ptr()
+    a4 = cf.quantize(torch.randn(2, K))
+    cf.gemm(a4, b, schedule="sm90_128x128x64")
+    assert (2, torch.bfloat16, torch.bfloat16) in run._GEMM_BOUND[b]  # the W4A16 one only
+    assert copy.deepcopy(b) not in run._GEMM_BOUND
+
+
+def test_the_custom_op_bodies_do_not_bind(stub_gemm_path):
+    """The ops' bodies wrap a fresh weight object per call: a binding there would never be
+    used again, so they keep none."""
+    from cute_fp4 import run
+
+    rec, _, _ = stub_gemm_path
+    b = cf.quantize(torch.randn(N, K))
+    x = torch.randn(2, K).to(torch.bfloat16)
+    for _ in range(2):
+        api._mm_impl(x, None, b.data, b.scale, b.global_scale, K, torch.bfloat16,
+                     "sm90_decode_swapab")
+    assert len(rec.calls) == 2 and len(run._GEMM_BOUND) == 0
+    cf.gemm(x, b, schedule="sm90_decode_swapab")  # gemm itself does
+    assert len(run._GEMM_BOUND) == 1
