@@ -472,10 +472,15 @@ def _exporter(prefix: str, ffi: bool):
 
 
 def clear_cache() -> None:
-    """Forget every compiled kernel and memoised schedule resolution of this process."""
+    """Forget every compiled kernel and memoised schedule resolution of this process, and
+    ``gemm``'s launch bindings to them (``run.bound_gemm``), so the next calls build or
+    load their kernels again."""
+    from cute_fp4 import run  # run sits above this module: imported when called
+
     with _LOCK:
         _CACHE.clear()
         _RESOLVED.clear()
+    run.clear_gemm_bindings()
 
 
 # ----------------------------------------------------------------------------- emulated SM120

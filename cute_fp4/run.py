@@ -319,6 +319,11 @@ def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
     return out if bound.launch(a, b, out) else None
 
 
+def clear_gemm_bindings() -> None:
+    """Drop every binding of :func:`bound_gemm` (``compile.clear_cache`` does)."""
+    _GEMM_BOUND.clear()
+
+
 def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims,
                   expires: float) -> None:
     """After ``run_checked(kernel, a, b, out, alpha, dims)`` ran a W4A16 ``gemm``: keep its

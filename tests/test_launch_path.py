@@ -633,3 +633,20 @@ def test_the_custom_op_bodies_do_not_bind(stub_gemm_path):
     assert len(rec.calls) == 2 and len(run._GEMM_BOUND) == 0
     cf.gemm(x, b, schedule="sm90_decode_swapab")  # gemm itself does
     assert len(run._GEMM_BOUND) == 1
+
+
+def test_clearing_the_kernel_cache_drops_gemm_bindings(stub_gemm_path):
+    """After ``compile.clear_cache`` a gemm call builds (or loads) its kernel again rather
+    than launching an old kernel through a binding (tests of the DSL path and of the disk
+    cache rely on it)."""
+    from cute_fp4 import run
+
+    _, built, _ = stub_gemm_path
+    b = cf.quantize(torch.randn(N, K))
+    x = torch.randn(2, K).to(torch.bfloat16)
+    cf.gemm(x, b, schedule="sm90_decode_swapab")
+    assert len(run._GEMM_BOUND) == 1
+    host.clear_cache()
+    assert len(run._GEMM_BOUND) == 0
+    cf.gemm(x, b, schedule="sm90_decode_swapab")
+    assert len(built) == 2
