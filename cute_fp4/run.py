@@ -290,8 +290,8 @@ def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
     """``gemm(a, b, schedule=..., out=..., out_dtype=..., alpha=...)`` through the binding an
     earlier W4A16 call on the same weight object left (:func:`remember_gemm`), or None:
     nothing launched and nothing written, and the caller takes the full path, which raises
-    on bad input. Tested here: what the binding fixed (the weight's scale and alpha
-    buffers, the schedule, alpha, the sizes); for A and the output, what can differ between
+    on bad input. Tested here: what the binding fixed (the weight's shape, scale and alpha
+    buffers, the schedule, alpha); for A and the output, what can differ between
     calls that the full path's memo would pass (shape, dtype, contiguity, 16-byte
     alignment, device). The rest (B's data, split-K's stream and workspace, a capture,
     expiry) is :meth:`BoundLaunch.launch`'s."""
@@ -302,12 +302,12 @@ def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
     bound = table.get((m, a.dtype, out_dtype))
     if bound is None:
         return None
-    sched, alpha0, scale_p, alpha_p = bound.key
+    sched, alpha0, scale_p, alpha_p, shape = bound.key
     if alpha is not alpha0 or not (sched is schedule or (
             isinstance(schedule, str) and sched == schedule)):
         return None
-    n, dev = b.shape[0], b.data.get_device()
-    if (k != b.shape[1] or b.scale.data_ptr() != scale_p
+    n, dev = shape[0], b.data.get_device()
+    if (k != shape[1] or tuple(b.shape) != shape or b.scale.data_ptr() != scale_p
             or (b.global_scale if alpha is None else alpha).data_ptr() != alpha_p
             or not a.is_contiguous() or a.data_ptr() % 16 or a.get_device() != dev):
         return None
@@ -332,7 +332,7 @@ def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims,
     src = b.global_scale if alpha is None else alpha
     if type(a) is not torch.Tensor or not isinstance(src, torch.Tensor):
         return
-    key = (schedule, alpha, b.scale.data_ptr(), src.data_ptr())
+    key = (schedule, alpha, b.scale.data_ptr(), src.data_ptr(), tuple(b.shape))
     bound = bind(kernel, a, b, out, alpha, dims, key, expires)
     if bound is None:
         return

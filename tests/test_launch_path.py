@@ -610,6 +610,10 @@ def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
     with pytest.raises(InputError, match="K mismatch"):
         cf.gemm(torch.randn(2, K // 2).to(torch.bfloat16), b,
                 schedule="sm90_decode_64x128_splitk2")
+    shape, b.shape = b.shape, (N - 8, K)  # a weight object made to lie about its shape
+    with pytest.raises(InputError, match="b.data"):
+        cf.gemm(x, b, schedule="sm90_decode_64x128_splitk2")  # not the old N's binding
+    b.shape = shape
     assert len(rec.calls) == n
     cf.gemm(x, b, schedule=s, alpha=0.25)  # converted to a tensor per value: not bound
     assert rec.calls[-1][5] != alpha.data_ptr()
