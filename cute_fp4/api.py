@@ -18,13 +18,11 @@ store; it re-exports the operand and launch helpers scripts use from here. The m
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
+from cute_fp4.compile import kernel_for, resolution_deadline
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import (
@@ -278,9 +276,8 @@ def _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, plain,
         return
     if not bind:
         return
-    auto = isinstance(schedule, str) and schedule == "auto"
-    expires = time.monotonic() + AUTO_RECHECK_S if auto else math.inf
-    remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims, expires)
+    remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims,
+                  resolution_deadline(schedule))
 
 
 def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import threading
@@ -375,6 +376,16 @@ _RESOLVED: dict[tuple, tuple] = {}
 AUTO_RECHECK_S = 1.0  # how often a memoised schedule="auto" is resolved again
 
 
+def resolution_deadline(schedule) -> float:
+    """Until when (``time.monotonic()``) a memo of ``schedule``'s resolution holds:
+    :data:`AUTO_RECHECK_S` from now for "auto" (a tuning stored meanwhile is picked up),
+    forever for a catalogue name or a Schedule. The kernel memo below and the launch
+    bindings (``run.bind`` callers) use it."""
+    if isinstance(schedule, str) and schedule == "auto":
+        return time.monotonic() + AUTO_RECHECK_S
+    return math.inf
+
+
 def kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype, device_index: int,
                resolve) -> CompiledGemm:
     """The kernel ``gemm`` runs for its ``schedule`` argument (a Schedule, a catalogue name
@@ -389,15 +400,13 @@ def kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype, device_inde
     key = (schedule if isinstance(schedule, str) else id(schedule), *dims, out_dtype,
            device_index)
     hit = _RESOLVED.get(key)
-    if hit is not None and hit[0] is schedule and (hit[2] is None
-                                                   or time.monotonic() < hit[2]):
+    if hit is not None and hit[0] is schedule and time.monotonic() < hit[2]:
         return hit[1]
     s = resolve(schedule, *dims, out_dtype)
     kern = compile(s, Signature(dims[3]))
-    deadline = time.monotonic() + AUTO_RECHECK_S if schedule == "auto" else None
     if len(_RESOLVED) >= 4096:
         _RESOLVED.clear()
-    _RESOLVED[key] = (schedule, kern, deadline)
+    _RESOLVED[key] = (schedule, kern, resolution_deadline(schedule))
     return kern
 
 

@@ -39,15 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
-import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from cute_fp4 import quant
 from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_schedule
-from cute_fp4.compile import AUTO_RECHECK_S, kernel_for
+from cute_fp4.compile import kernel_for, resolution_deadline
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
@@ -376,9 +374,8 @@ class NVFP4Linear(torch.nn.Module):
                            packed=self.layout == "packed")
         dims = (m, n, k, fmt)
         _run(kern, x, w, alpha, dims, out)
-        auto = isinstance(self.schedule, str) and self.schedule == "auto"
-        expires = time.monotonic() + AUTO_RECHECK_S if auto else math.inf
-        bound = bind(kern, x, w, out, alpha, dims, (w, self.schedule), expires)
+        bound = bind(kern, x, w, out, alpha, dims, (w, self.schedule),
+                     resolution_deadline(self.schedule))
         if len(self._bound) >= 64:  # many distinct M (prefill): don't grow forever
             self._bound.clear()
         if bound is not None:
