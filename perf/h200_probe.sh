@@ -11,6 +11,7 @@
 #   HOST=1                                               perf/host_overhead.py (GPU mode)
 #   QCEIL="--shapes 4096x4096"                           perf/quantize_ceiling.py
 #   QPROF=1 QSPECS="field=value ...;..."               ncu of quantizer specs at 4096^2
+#   QPIPE=1                                            ncu also counts instructions per pipe
 #   QBENCH="--quick --sweep" QBENCH_S=200              perf/quantize_bench.py
 #   MODEL="--modes w4a16 --step torch,compiled" MODEL_S perf/model_decode.py
 set -u
@@ -30,10 +31,12 @@ if [ "${SWEEP:-1}" = 1 ]; then
   timeout "${SWEEP_S:-300}" python3 perf/decode_probe.py --out "$OUT" --budget-s "${SWEEP_B:-260}" \
     --ms ${MS:-1 16} ${ONLY:+--only $ONLY} ${SHAPES:+--shapes $SHAPES} > "$OUT/sweep.txt" 2>&1
 fi
+# QPIPE=1: instructions per pipe and each pipe's busy share (which pipe bounds a kernel)
+PIPES='regex:^sm__inst_executed_pipe_(alu|fma|fmaheavy|fmalite|fp16|xu|lsu|uniform)\.sum$,regex:^sm__pipe_(alu|fma|fmaheavy|fmalite|fp16|xu)_cycles_active\.avg\.pct_of_peak_sustained_active$'
 NCU="ncu --profile-from-start off --clock-control none --section SpeedOfLight \
  --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
  --section Occupancy --section LaunchStats --section InstructionStats \
- --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+ --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio${QPIPE:+,$PIPES}"
 DEFAULT_PROFILES='d4_s1 1 28672 4096;quack 1 28672 4096;auto_plain 1 8192 8192;d4_s4 1 8192 8192'
 IFS=';' read -ra specs <<< "${PROFILES-$DEFAULT_PROFILES}"  # PROFILES="" profiles nothing
 for spec in "${specs[@]}"; do

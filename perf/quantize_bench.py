@@ -178,6 +178,15 @@ def copy_row(m: int, k: int, dtype, bw: float) -> dict:
             "copy_us": us, "bytes": b, "gbs": b / us / 1e3, "pct_peak": 100 * b / us / 1e3 / bw}
 
 
+def _variants(text: str) -> list[dict]:
+    """'f=v,f=v;f=v' -> QuantSpec changes (integer values as ints)."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields = dict(kv.split("=", 1) for kv in part.split(","))
+        out.append({k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, help="JSON file to write")
@@ -187,6 +196,9 @@ def main(argv=None) -> int:
                    help="the large shapes to run (default: all four; --quick: the first)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sizes")
     p.add_argument("--bf16-only", action="store_true", help="skip the FP16 rows")
+    p.add_argument("--variants", default="", metavar="F=V[,F=V];...",
+                   help="extra static rows per large shape: QuantSpec field changes, e.g. "
+                        "'encode=quotient;encode=thresholds,items=2'")
     args = p.parse_args(argv)
     dev = detect_device()
     if dev is None or dev.target is None:
@@ -220,6 +232,9 @@ def main(argv=None) -> int:
                 spec = default_spec(target, dt, scale, force_general=general)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
             add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, POW2_GS))
+            for changes in _variants(args.variants):
+                add(bench_row(default_spec(target, dt, **changes), m, k, dtype, timer, bw,
+                              with_torch=False))
             if args.sweep:
                 for threads, items, per_sm, order in SWEEP:
                     spec = default_spec(target, dt, threads=threads, items=items,
