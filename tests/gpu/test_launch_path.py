@@ -135,3 +135,29 @@ def test_no_call_syncs_with_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_bound_gemm_calls_follow_new_inputs_and_weights():
+    """W4A16 calls after the first on a weight launch through its binding: each call's new
+    activations (new tensors, new values), given or allocated outputs, several M, a weight
+    whose data and scales are rewritten in place, and a weight whose scale buffer is
+    replaced all give the reference's result; outputs are poisoned first."""
+    from cute_fp4 import run
+
+    run.clear_gemm_bindings()
+    _, b = make_operands(16, 1024, 4096, "bf16")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(8):
+        m = (1, 16, 3)[step % 3]
+        a = torch.randn(m, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        out = torch.full((m, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = cf.gemm(a, b, out=out) if step % 2 else cf.gemm(a, b)
+        assert reference.check(y, a, b).passed, step
+        if step == 3:  # in place: the binding holds the buffers, not their contents
+            b.data.copy_(torch.roll(b.data, 1, dims=0))
+            sf = b.scale.view(torch.uint8)
+            sf.copy_(torch.roll(sf, 1, dims=0))
+        if step == 5:  # a new scale buffer: the binding no longer applies
+            b.scale = b.scale.clone()
+    assert len(run._GEMM_BOUND[b]) >= 2  # the calls did bind (per M and dtype)
+    run.clear_gemm_bindings()
