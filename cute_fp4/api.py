@@ -37,9 +37,12 @@ from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.run import (
     bound_gemm,
+    bound_op,
+    op_key,
     poisoned_check,
     private_workspaces,
     remember_gemm,
+    remember_op,
     run_checked,
     run_compiled,
 )
@@ -206,7 +209,7 @@ def packed_kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype: torc
 
 
 def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check,
-                 bind: bool = True):
+                 bind: bool = True, op_key: tuple | None = None):
     """gemm with a fragment-order packed weight: the plain checks on a view of its first N
     rows (same bytes count per row, same scales), then an rs_packed kernel (W4A4 with
     ``schedule="auto"``: :func:`_w4a4_via_bf16`)."""
@@ -224,7 +227,7 @@ def _gemm_packed(a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check
     kern = packed_kernel_for(schedule, dims, out_dtype, b.data.get_device())
     result = run_checked(kern, a, b, out, alpha, dims)
     _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check,
-           b.unpack() if check and not kern.validated else None, bind)
+           b.unpack() if check and not kern.validated else None, bind, op_key)
     return result
 
 
@@ -247,37 +250,40 @@ def _w4a4_via_bf16(a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
 
 
 def _gemm_impl(a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check,
-               bind: bool = True) -> torch.Tensor:
+               bind: bool = True, op_key: tuple | None = None) -> torch.Tensor:
     """``gemm``'s eager body. ``bind``: launch through (and keep) a binding for calls like
     this one on the same weight object (``run.bound_gemm``); the custom ops' bodies, which
-    wrap fresh weight objects per call, pass False."""
+    wrap fresh weight objects per call, pass False and their ``op_key`` (``run.bound_op``).
+    """
     if bind and not check:  # a W4A16 call like an earlier one on this weight: its binding
         result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
         if result is not None:
             return result
     if isinstance(b, PackedNVFP4Weight):
-        return _gemm_packed(a, b, schedule, out, out_dtype, alpha, check, bind)
+        return _gemm_packed(a, b, schedule, out, out_dtype, alpha, check, bind, op_key)
     dims = check_operands(a, b, out, alpha, out_dtype)
     # resolve_schedule + compile, memoised per (schedule, dims, out dtype, device)
     kern = kernel_for(schedule, dims, out_dtype, b.data.get_device(), resolve_schedule)
     result = run_checked(kern, a, b, out, alpha, dims)  # checked once, above
-    _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, b, bind)
+    _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, b, bind, op_key)
     return result
 
 
 def _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, plain,
-           bind: bool) -> None:
+           bind: bool, op_key: tuple | None = None) -> None:
     """Validate the first call of ``kern`` (``check``: against ``plain``, the weight in the
-    plain layout) or, with ``bind``, keep this call's launch for the next like it."""
+    plain layout) or, with ``bind`` (or an op's ``op_key``), keep this call's launch for the
+    next like it."""
     if check:
         if not kern.validated:
             reference.assert_close(result, a, plain, alpha)
             kern.validated = True
         return
-    if not bind:
-        return
-    remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims,
-                  resolution_deadline(schedule))
+    if op_key is not None:
+        remember_op(op_key, kern, a, b, result, alpha, dims, resolution_deadline(schedule))
+    elif bind:
+        remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims,
+                      resolution_deadline(schedule))
 
 
 def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
@@ -359,9 +365,28 @@ def mm_packed(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
 
 def _mm_packed_impl(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule) -> torch.Tensor:
     """The packed op's body: as :func:`_mm_impl` (no value checks, no sync)."""
+    key = _op_bound_key("mm_packed", a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
+    if key is not None:
+        result = bound_op(key, a, b)
+        if result is not None:
+            return result
     at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
     bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
-    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False, bind=False)
+    return _gemm_packed(at, bt, schedule, None, out_dtype, alpha, False, bind=False,
+                        op_key=key)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the ops' bindings accept
+
+
+def _op_bound_key(kind, a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule):
+    """``run.op_key`` of a W4A16 op call whose operands are all tensors (else None: the
+    full path, which raises on bad types). The ops' bodies get fresh weight wrappers every
+    call, so their bindings are keyed by the weight's buffers instead (``run.bound_op``)."""
+    if (a_scale is not None or not isinstance(schedule, str)
+            or not all(type(t) in _PLAIN for t in (a, b, b_scale, alpha))):
+        return None
+    return op_key(kind, a, b, b_scale, alpha, n, k, out_dtype, schedule)
 
 
 def _op_activation(a, a_scale, b, b_scale, alpha, k):
@@ -382,12 +407,21 @@ def _mm_impl(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Ten
     capture (torch.compile's ``mode="reduce-overhead"``) invalidates the capture
     (``cudaErrorStreamCaptureInvalidated``). ``alpha`` is explicit, so the global scales
     the wrappers carry (alpha itself, a placeholder) are never read."""
+    key = None
+    if isinstance(b, torch.Tensor) and b.dim() == 2:
+        key = _op_bound_key("mm", a, a_scale, b, b_scale, alpha, b.shape[0], k, out_dtype,
+                            schedule)
+    if key is not None:
+        result = bound_op(key, a, b)
+        if result is not None:
+            return result
     at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
     if b.dim() != 2:
         raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
                              f"{tuple(b.shape)}")
     bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (b.shape[0], k))
-    return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False, bind=False)
+    return _gemm_impl(at, bt, schedule, None, out_dtype, alpha, False, bind=False,
+                      op_key=key)
 
 
 def quantize_op(x: torch.Tensor, global_scale: torch.Tensor | None = None):

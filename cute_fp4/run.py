@@ -10,7 +10,6 @@ runs into a NaN-filled output and compares with the exact reference.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
@@ -37,18 +36,21 @@ _GENERATION = [0]
 _PRIVATE = threading.local()  # .on: launches get workspaces of their own (private_workspaces)
 
 
-@contextlib.contextmanager
-def private_workspaces():
-    """Launches inside get a split-K workspace of their own, not the stream's cached one:
-    for the custom ops' bodies, which torch.compile's CUDA graphs (cudagraph trees) run
-    with allocations going to their own memory pool, where a buffer kept past the call is
-    refused ("tensors in the cudagraph pool not tracked as outputs")."""
-    before = _private()
-    _PRIVATE.on = True
-    try:
-        yield
-    finally:
-        _PRIVATE.on = before
+class private_workspaces:  # noqa: N801 (used as a function: ``with private_workspaces():``)
+    """Launches inside get a split-K workspace of their own, not the stream's cached one,
+    off the default stream (:func:`may_keep`): for the custom ops' bodies, which
+    torch.compile's CUDA graphs (cudagraph trees) run with allocations going to their own
+    memory pool, where a buffer kept past the call is refused ("tensors in the cudagraph
+    pool not tracked as outputs"). A class, not a generator: it wraps every op call."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = _private()
+        _PRIVATE.on = True
+
+    def __exit__(self, *exc) -> None:
+        _PRIVATE.on = self._before
 
 
 def split_workspace(kernel, m: int, n: int, device: torch.device
@@ -68,11 +70,12 @@ def split_workspace(kernel, m: int, n: int, device: torch.device
     partials from the graph's pool; without a reserve, one buffer zeroed by the graph on
     every replay. In a custom op's body (:func:`private_workspaces`, not capturing) the
     stream's buffer when one made outside is large enough (allocated outside any graph
-    pool, shared in stream order as eagerly), else a zeroed buffer of its own."""
+    pool, shared in stream order as eagerly), else a zeroed buffer of its own; on the
+    default stream it does as eager launches do (:func:`may_keep`)."""
     if _capturing(device):
         return _own_workspace(*_needs(kernel, m, n), device, True)
     stream = (device.index, kernel.stream_handle(device.index))
-    if _private():  # reuse the stream's buffer, never make one to keep
+    if not may_keep(stream[1]):  # reuse the stream's buffer, never make one to keep
         counters, partials = _needs(kernel, m, n)
         held = _WORKSPACES.get(stream)
         if _fits(held, counters, partials):
@@ -132,13 +135,13 @@ def _counter_capacity(counters: int) -> int:
 
 def _fill_reserve(counters: int, device) -> None:
     """Eager launches keep :data:`_RESERVE_BATCH` / 2 or more zeroed counter blocks of
-    their capacity ready for captures (made only outside captures and custom-op bodies,
-    whose allocations belong to a graph's pool)."""
+    their capacity ready for captures (called only where :func:`may_keep` allows: never
+    while an allocation could belong to a graph's pool)."""
     from cute_fp4.kernels.epilogue import SPLIT_HEADER
 
     key = (device.index, _counter_capacity(counters))
     free = _RESERVE.setdefault(key, [])
-    if len(free) >= _RESERVE_BATCH // 2 or _private():
+    if len(free) >= _RESERVE_BATCH // 2:
         return
     width = SPLIT_HEADER + key[1]  # word 0 = 0: the partials are a buffer of their own
     blocks = torch.zeros(_RESERVE_BATCH, width, dtype=torch.int32, device=device)
@@ -217,8 +220,8 @@ class BoundLaunch:
     :meth:`launch` returns False, launching nothing, when the binding no longer holds: its
     time is up (``expires``, ``schedule="auto"`` is resolved again), or, for a split-K
     kernel, the stream differs, the stream's workspace was replaced or a reserve block was
-    taken (:data:`_GENERATION`), a CUDA graph is being captured or a custom op's body is
-    running (those take workspaces of their own)."""
+    taken (:data:`_GENERATION`), a CUDA graph is being captured or a custom op's body runs
+    off the default stream (those take workspaces of their own: :func:`may_keep`)."""
 
     __slots__ = ("kernel", "key", "_ffi", "_stream_of", "_dev", "_head", "_tail", "_b",
                  "_stream", "_split", "_generation", "_expires")
@@ -239,11 +242,15 @@ class BoundLaunch:
         """Launch on ``a`` (the checked activation, [M, K] memory) and ``b`` (the weight it
         was bound to: its data must still be where it was) into ``out`` ([M, N] memory)
         on the current stream, or return False (nothing launched)."""
-        if b.data.data_ptr() != self._b:
+        return self.launch_at(a, b.data.data_ptr(), out)
+
+    def launch_at(self, a: torch.Tensor, b_ptr: int, out: torch.Tensor) -> bool:
+        """:meth:`launch` with the weight's data given by its address."""
+        if b_ptr != self._b:
             return False
         stream = self._stream_of(self._dev)
         if self._split and (stream != self._stream or self._generation != _GENERATION[0]
-                            or _capturing_now() or _private()):
+                            or _capturing_now() or not may_keep(stream)):
             return False
         if time.monotonic() >= self._expires:
             return False
@@ -260,6 +267,17 @@ def _private() -> bool:
     return getattr(_PRIVATE, "on", False)
 
 
+def may_keep(stream_handle: int) -> bool:
+    """Whether a buffer made now on the stream ``stream_handle`` may be kept past the call
+    (a split-K workspace, reserve blocks, a binding's): always outside custom-op bodies
+    (captures are tested apart); inside one only on the legacy default stream (handle 0).
+    torch.compile's CUDA graphs (cudagraph trees) warm up and record on a stream of their
+    own, under which every allocation of the thread goes to the graphs' pool, where a
+    buffer kept past the call is refused or overwritten; the same op body called on the
+    default stream (torch.compile without CUDA graphs) allocates outside any pool."""
+    return stream_handle == 0 or not _private()
+
+
 def bind(kernel, a, b, out, alpha, dims, key, expires: float) -> BoundLaunch | None:
     """A :class:`BoundLaunch` of ``kernel`` for B = ``b`` and ``dims`` (= (M, N, K,
     a_format), the activation's, as :func:`run_checked` takes them), after
@@ -271,7 +289,7 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float) -> BoundLaunch | N
         return None
     dev = b.data.device
     split = kernel.schedule.split_k > 1
-    if split and (_capturing(dev) or _private()):
+    if split and (_capturing(dev) or not may_keep(kernel.stream_handle(dev.index))):
         return None
     alpha_t = alpha_tensor(None, b, alpha)
     if alpha_t is not alpha and alpha_t is not b.global_scale:
@@ -320,8 +338,55 @@ def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
 
 
 def clear_gemm_bindings() -> None:
-    """Drop every binding of :func:`bound_gemm` (``compile.clear_cache`` does)."""
+    """Drop every binding of :func:`bound_gemm` and :func:`bound_op`
+    (``compile.clear_cache`` does)."""
     _GEMM_BOUND.clear()
+    _OP_BOUND.clear()
+
+
+# the custom ops' bindings (their bodies get fresh weight wrappers every call): keyed by
+# everything the launch depends on, the weight's buffers by address (op_key); they hold
+# addresses only, so a stale entry can only match a call whose buffers are where the
+# bound ones were: the launch then reads the call's own buffers
+_OP_BOUND: dict = {}
+_OP_BOUND_MAX = 512
+
+
+def op_key(kind: str, a, b, b_scale, alpha, n: int, k: int, out_dtype, schedule) -> tuple:
+    """The binding key of a W4A16 ``cute_fp4::mm`` / ``mm_packed`` call (``kind``): A's
+    row count, dtype and device, the weight's, scales' and alpha's addresses, shapes,
+    dtypes and contiguity, N, K, the output dtype and the schedule name."""
+    return (kind, a.shape[0], a.dtype, a.get_device(), n, k, out_dtype, schedule,
+            b.data_ptr(), b.shape, b.dtype, b.is_contiguous(), b_scale.data_ptr(),
+            b_scale.shape, b_scale.dtype, b_scale.is_contiguous(), alpha.data_ptr(),
+            alpha.dtype, alpha.numel())
+
+
+def bound_op(key: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The op call of ``key`` (:func:`op_key` of this call) through the binding an
+    earlier call with the same key left (:func:`remember_op`), into a new output; or None:
+    nothing launched, and the caller takes the full path (which raises on bad input).
+    Tested here beyond the key: A is a plain 2-D tensor of K columns, contiguous and
+    16-byte aligned."""
+    bound = _OP_BOUND.get(key)
+    if (bound is None or type(a) is not torch.Tensor or a.dim() != 2 or a.shape[1] != key[5]
+            or not a.is_contiguous() or a.data_ptr() % 16):
+        return None
+    out = torch.empty((key[1], key[4]), dtype=key[6], device=a.device)
+    return out if bound.launch_at(a, b.data_ptr(), out) else None
+
+
+def remember_op(key: tuple, kernel, a, b, out, alpha, dims, expires: float) -> None:
+    """After the op call of ``key`` ran ``run_checked(kernel, a, b, out, alpha, dims)``
+    (``b`` the body's weight wrapper): keep its binding for :func:`bound_op`."""
+    if type(a) is not torch.Tensor:
+        return
+    bound = bind(kernel, a, b, out, alpha, dims, key, expires)
+    if bound is None:
+        return
+    if len(_OP_BOUND) >= _OP_BOUND_MAX:
+        _OP_BOUND.clear()
+    _OP_BOUND[key] = bound
 
 
 def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims,

@@ -654,3 +654,109 @@ def test_clearing_the_kernel_cache_drops_gemm_bindings(stub_gemm_path):
     assert len(run._GEMM_BOUND) == 0
     cf.gemm(x, b, schedule="sm90_decode_swapab")
     assert len(built) == 2
+
+
+# ----------------------------------------------------------------------------- the ops' bindings
+
+def _op_calls(kind, xs, b, schedule, **kw):
+    """The custom op bodies as torch.compile's code calls them (fresh tensors of the same
+    buffers every call: views of the weight's tensors)."""
+    outs = []
+    for x in xs:
+        if kind == "mm":
+            outs.append(api._mm_op(x, None, b.data.view(b.data.shape), b.scale.view(
+                torch.uint8), b.global_scale.view(()), K, torch.bfloat16, schedule, **kw))
+        else:
+            outs.append(api._mm_packed_op(x, None, b.weight_packed.view(-1, K // 2),
+                                          b.weight_scale, b.weight_scale_2.view(()), N, K,
+                                          torch.bfloat16, schedule, **kw))
+    return outs
+
+
+@pytest.mark.parametrize("kind, schedule", [
+    ("mm", "sm90_decode_swapab"), ("mm", "sm90_decode_64x128_splitk2"),
+    ("mm_packed", "sm90_rs_packed_decode_128"), ("mm_packed", "auto")])
+@pytest.mark.parametrize("stream_handle", [0, 0x5000])
+def test_op_bodies_bind_by_the_weight_buffers(stub_gemm_path, monkeypatch, kind, schedule,
+                                              stream_handle):
+    """The ops' bodies get new wrapper tensors every call: they bind by the buffers'
+    addresses. After the first W4A16 call, calls with new activations launch through the
+    binding with the full path's arguments (only A's and the output's addresses differ).
+    Split-K kernels bind only on the default stream (handle 0): off it an op body may be a
+    CUDA-graph tree's warm-up, whose allocations belong to the graphs' pool."""
+    from cute_fp4 import run
+    from cute_fp4.nn import NVFP4Linear
+    from cute_fp4.run import run_checked
+
+    rec, built, stream = stub_gemm_path
+    stream[0] = stream_handle
+    full = []
+    monkeypatch.setattr(api, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    run._OP_BOUND.clear()
+    w = cf.quantize(torch.randn(N, K))
+    b = w if kind == "mm" else NVFP4Linear(w, mode="w4a16", layout="packed")
+    xs = [torch.randn(3, K).to(torch.bfloat16) for _ in range(3)]
+    ys = _op_calls(kind, xs, b, schedule)
+    split = built[0].schedule.split_k > 1
+    binds = not split or stream_handle == 0
+    assert len(rec.calls) == 3 and len(full) == (1 if binds else 3)
+    assert len(run._OP_BOUND) == (1 if binds else 0)
+    first, *rest = rec.calls
+    for x, y, args in zip(xs[1:], ys[1:], rest):
+        assert y.shape == (3, N) and y.dtype == torch.bfloat16
+        assert args[0] == x.data_ptr() and args[4] == y.data_ptr()
+        if not split or binds:  # a split-K full path off the default stream: own workspace
+            assert args[1:4] + args[5:] == first[1:4] + first[5:]
+    run._OP_BOUND.clear()
+
+
+def test_op_bindings_yield_to_anything_they_did_not_fix(stub_gemm_path, monkeypatch):
+    """A new scale, alpha or weight buffer, another M, dtype or schedule: the full path
+    (which binds again); bad input after a binding still raises the full path's error; W4A4
+    never binds; clear_gemm_bindings drops them."""
+    from cute_fp4 import run
+    from cute_fp4.run import run_checked
+
+    full = []
+    monkeypatch.setattr(api, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    run._OP_BOUND.clear()
+    b = cf.quantize(torch.randn(N, K))
+    x = torch.randn(2, K).to(torch.bfloat16)
+    s = "sm90_decode_swapab"
+
+    def call(x=x, data=None, scale=None, alpha=None, schedule=s):
+        return api._mm_op(x, None, b.data if data is None else data,
+                          b.scale if scale is None else scale,
+                          b.global_scale if alpha is None else alpha, K, torch.bfloat16,
+                          schedule)
+
+    call(), call()
+    assert len(full) == 1
+    for changes in ({"scale": b.scale.clone()}, {"alpha": b.global_scale.clone()},
+                    {"data": b.data.clone()}, {"x": torch.randn(5, K).to(torch.bfloat16)},
+                    {"x": torch.randn(2, K).to(torch.float16)},
+                    {"schedule": "sm90_decode_64x128_splitk2"}):
+        before = len(full)
+        call(**changes)
+        assert len(full) == before + 1, changes
+    with pytest.raises(InputError):
+        call(x=torch.randn(2, K + 32).to(torch.bfloat16))  # K mismatch: the full path's error
+    with pytest.raises(InputError):
+        call(x=torch.randn(2, 2 * K).to(torch.bfloat16)[:, ::2])  # not contiguous
+    a4 = cf.quantize(torch.randn(2, K))
+    n_bound = len(run._OP_BOUND)
+    for _ in range(2):
+        api._mm_op(a4.data, a4.scale, b.data, b.scale, (a4.global_scale * b.global_scale)
+                   .reshape(()), K, torch.bfloat16, s)
+    assert len(run._OP_BOUND) == n_bound  # W4A4: A's scales change per call
+    run.clear_gemm_bindings()
+    assert not run._OP_BOUND
+
+
+def test_may_keep_buffers_outside_op_bodies_and_on_the_default_stream():
+    from cute_fp4 import run
+
+    assert run.may_keep(0) and run.may_keep(0x5000)
+    with run.private_workspaces():
+        assert run.may_keep(0) and not run.may_keep(0x5000)
+    assert run.may_keep(0x5000)
