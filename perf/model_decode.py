@@ -253,17 +253,46 @@ def _per_token_ms(run_steps, reset, steps: int, repeats: int, keep=statistics.me
     return keep(times)
 
 
+_STEPS: dict = {}  # (model, state, compiled) -> step: one torch.compile per model and batch
+
+
 def step_function(model: nn.Module, st: DecodeState, compiled: bool,
                   backend: str = "inductor") -> Callable[[], Any]:
     """The decode step of ``model`` on ``st``: eager torch, or ``torch.compile``d whole
     (Inductor fuses the norms, rotary, softmax and residual adds; the projections stay
-    cuBLAS or cute_fp4 custom ops). The same for every model, so the comparison is fair."""
+    cuBLAS or cute_fp4 custom ops). The same for every model, so the comparison is fair.
+    Memoised: the turns of :func:`interleaved_eager` reuse the compiled step."""
+    key = (id(model), id(st), compiled, backend)
+    if key in _STEPS:
+        return _STEPS[key]
+
     def step():
         return decode_step(model, st)
 
-    if not compiled:
-        return step
-    return torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+    fn = torch.compile(step, fullgraph=True, dynamic=False, backend=backend) if compiled \
+        else step
+    _STEPS[key] = fn
+    return fn
+
+
+def full_path_launches(step, steps: int = 4) -> float:
+    """cute_fp4 GEMM launches per step that took the full path (checks, kernel lookup,
+    argument building) rather than a binding: 0 once every projection is bound."""
+    from cute_fp4 import api
+
+    calls, inner = [0], api.run_checked
+
+    def counted(*args):
+        calls[0] += 1
+        return inner(*args)
+
+    api.run_checked = counted
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        api.run_checked = inner
+    return calls[0] / steps
 
 
 @torch.no_grad()
@@ -287,6 +316,7 @@ def measure(model: nn.Module, st: DecodeState, steps: int, repeats: int, warmup:
 
     st.reset()
     eager(warmup)  # compiles kernels, resolves schedules
+    out["full_path_launches_per_step"] = full_path_launches(step)
     # eager steps are host-bound: other processes on the host only add time (runs of the
     # same model measured 5.3-13 ms per token), so the fastest of more repeats is kept
     out["eager_ms"] = _per_token_ms(eager, st.reset, steps, 2 * repeats, keep=min)
@@ -440,8 +470,8 @@ def markdown(res: dict) -> str:
              f"{cfg['hidden']}, MLP {cfg['intermediate']}, {cfg['heads']}/{cfg['kv_heads']} "
              f"heads of {cfg['head_dim']}, vocab {cfg['vocab']} (BF16 lm_head), KV cache "
              f"{cfg['context']} (prefix {res['prefix']}); {res['steps']} steps x "
-             f"{res['repeats']} repeats, median (eager: fastest of {2 * res['repeats']}, the "
-             f"op-by-op step's models in turns); "
+             f"{res['repeats']} repeats, median (eager: fastest of {2 * res['repeats']}, "
+             f"each step's models in turns); "
              f"W4A4 input scale: {res['w4a4_scale']}.", "",
              "Step: `torch` runs the decode step's ops one by one; `compiled` is the same "
              "step through `torch.compile(fullgraph=True)` (Inductor), for every model.", "",
@@ -460,6 +490,10 @@ def markdown(res: dict) -> str:
         se = f"{b['eager_ms'] / r['eager_ms']:.2f}x" if b else "-"
         lines.append(f"{head} {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | {tok:,.0f} | "
                      f"{sg} | {se} |")
+    full = {f"{r['model']} {r['step']} {r['batch']}": r["full_path_launches_per_step"]
+            for r in res["results"] if r.get("full_path_launches_per_step")}
+    lines += ["", "cute_fp4 launches per step through the full path instead of a binding: "
+              + (", ".join(f"{k}: {v:g}" for k, v in full.items()) if full else "none.")]
     compiled = [r for r in res["results"] if "vs_eager_rel_err" in r]
     if compiled:
         worst = max(r["vs_eager_rel_err"] for r in compiled)
@@ -491,24 +525,25 @@ def markdown(res: dict) -> str:
 # ----------------------------------------------------------------------------- main
 
 @torch.no_grad()
-def interleaved_eager(results: list, models: dict, states: dict, steps: int, rounds: int):
-    """Eager op-by-op latency again, the models taking turns (BF16, W4A16, ... then again,
-    ``rounds`` times), the fastest run of each kept: host-bound runs drift with the host's
-    load (BF16 alone measured 5.3-13 ms per token across runs), and turns give every model
-    the same conditions. The earlier, one-model-at-a-time figure moves to
+def interleaved_eager(results: list, models: dict, states: dict, steps: int, rounds: int,
+                      kind: str = "torch"):
+    """Eager latency of the ``kind`` step again, the models taking turns (BF16, W4A16, ...
+    then again, ``rounds`` times), the fastest run of each kept: host-bound runs drift with
+    the host's load (BF16 alone measured 5.3-13 ms per token across runs), and turns give
+    every model the same conditions. The earlier, one-model-at-a-time figure moves to
     ``eager_ms_sequential``."""
     for b, st in states.items():
         rows = {r["model"]: r for r in results
-                if r["batch"] == b and r["step"] == "torch" and "eager_ms" in r}
+                if r["batch"] == b and r["step"] == kind and "eager_ms" in r}
         best = {name: math.inf for name in rows}
         for _ in range(rounds):
             for name in rows:
-                step = step_function(models[name], st, compiled=False)
+                step = step_function(models[name], st, compiled=kind == "compiled")
                 best[name] = min(best[name], _per_token_ms(
                     lambda n, step=step: [step() for _ in range(n)], st.reset, steps, 1))
         for name, row in rows.items():
             row["eager_ms_sequential"], row["eager_ms"] = row["eager_ms"], best[name]
-        print(f"eager, models in turn, batch {b}: {best}", flush=True)
+        print(f"eager {kind} step, models in turn, batch {b}: {best}", flush=True)
 
 
 def _measured(model, st, steps, repeats, warmup, kind: str) -> dict:
@@ -599,8 +634,8 @@ def main(argv=None) -> int:
         r = _measured(mdl, states[b], steps, repeats, warmup, kind)
         results.append({"model": name, "batch": b, "step": kind, **r})
         print(f"{name} {kind} batch {b}: {r}", flush=True)
-    if "torch" in kinds:
-        interleaved_eager(results, models, states, steps, 2 * repeats)
+    for kind in kinds:
+        interleaved_eager(results, models, states, steps, 2 * repeats, kind)
 
     res = {"config": asdict(c), "impl": impl, "environment": environment(), "prefix": prefix,
            "steps": steps, "repeats": repeats, "w4a4_scale": args.w4a4_scale,
