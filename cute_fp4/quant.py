@@ -204,21 +204,32 @@ def _dsl_compile(kernel, options: str | None = None):
         raise CompileError(f"CuTe DSL failed on {kernel.spec.label()}: {e}") from e
 
 
-def cross_compile_quantize(spec, dump_dir: str | None = None):
-    """Compile for ``spec.target`` without a GPU (CI); returns (compiled, seconds)."""
+def quantize_kernel(spec):
+    """The kernel object of ``spec``: registers-staged or, for ``staging="bulk"``, staged
+    through shared memory by a producer warp (``kernels.quantize_staged``)."""
+    if spec.staging == "bulk":
+        from cute_fp4.kernels.quantize_staged import StagedQuantizeKernel
+
+        return StagedQuantizeKernel(spec)
     from cute_fp4.kernels.quantize import QuantizeKernel
 
+    return QuantizeKernel(spec)
+
+
+def cross_compile_quantize(spec, dump_dir: str | None = None):
+    """Compile for ``spec.target`` without a GPU (CI); returns (compiled, seconds)."""
     opts = f"--gpu-arch {spec.target}"
     if dump_dir:
         opts += f" --keep-cubin --keep-ptx --dump-dir {dump_dir}"
     t0 = time.perf_counter()
-    compiled = _dsl_compile(QuantizeKernel(spec), opts)
+    compiled = _dsl_compile(quantize_kernel(spec), opts)
     return compiled, time.perf_counter() - t0
 
 
 REPORT_OPCODES = ("LDGSTS.E.BYPASS.LTC128B.128", "LDS.128", "LDG.E.128", "STG.E.64",
                   "STG.E.128", "STG.E.U8", "HMNMX2",
-                  "F2FP.SATFINITE.E2M1", "F2FP.SATFINITE.E4M3", "MUFU.RCP", "REDUX")
+                  "F2FP.SATFINITE.E2M1", "F2FP.SATFINITE.E4M3", "MUFU.RCP", "REDUX",
+                  "UBLKCP.S.G", "SYNCS.ARRIVE")
 
 
 def quantize_compile_report(spec) -> dict:
@@ -244,10 +255,8 @@ def quantize_compile_report(spec) -> dict:
 
 
 def _build(spec, sm_count: int) -> CompiledQuantize:
-    from cute_fp4.kernels.quantize import QuantizeKernel
-
-    kernel = QuantizeKernel(spec)
-    fn, secs, how = _cached_compile(kernel, "QuantizeKernel")
+    kernel = quantize_kernel(spec)
+    fn, secs, how = _cached_compile(kernel, type(kernel).__name__)
     return CompiledQuantize(spec, fn, kernel, secs, how, sm_count)
 
 

@@ -141,6 +141,36 @@ def test_kernel_compiles(target, dtype, scale):
     assert (ops["REDUX"] > 0) == (scale != "static"), ops
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+def test_shared_memory_staged_kernel_compiles(target):
+    """``staging="bulk"``: the input reaches shared memory by bulk copies (one per chunk,
+    and the tail's pieces), never by per-thread global loads; consumers read it with 16-byte
+    shared loads and arrive on the stages' barriers; no spills; the same block arithmetic
+    (hardware E2M1 on SM12x)."""
+    spec = quant.default_spec(target, "bf16", "static", staging="bulk", ctas_per_sm=2,
+                              threads=256, items=1, order="rows")
+    rep = quant.quantize_compile_report(spec)
+    ops = rep["opcodes"]
+    assert rep["spills"] == 0 and rep["kernels"] == 1, rep
+    assert ops["LDG.E.128"] == 0 and ops["LDS.128"] >= 2 * spec.items, ops
+    assert ops["UBLKCP.S.G"] >= 2 and ops["SYNCS.ARRIVE"] >= 2, ops
+    assert ops["STG.E.64"] >= spec.items and ops["STG.E.U8"] >= spec.items, ops
+    assert (ops["F2FP.SATFINITE.E2M1"] > 0) == target.startswith("sm_12"), ops
+
+
+def test_shared_memory_staging_takes_its_constraints():
+    for bad in ({"scale": "dynamic"}, {"order": "atoms"}, {"ctas_per_sm": 0},
+                {"stages": 1}, {"stages": 17}, {"threads": 1024},
+                {"threads": 512, "items": 2, "stages": 4}):  # 128 KiB of stages
+        fields = {"staging": "bulk", "ctas_per_sm": 2, **bad}
+        with pytest.raises(ValueError, match="bulk"):
+            QuantSpec(**fields)
+    with pytest.raises(ValueError, match="staging"):
+        QuantSpec(staging="tma")
+    assert "-bulk6" in QuantSpec(staging="bulk", ctas_per_sm=2).label()
+
+
 def _fast_path_ops(spec: QuantSpec, tmp_path) -> list[str]:
     """Opcodes of the fast path of ``spec``'s kernel: the longest stretch between two EXITs
     with at most one MUFU per block (the general path divides each element by MUFU)."""

@@ -57,6 +57,11 @@ Variants (``QuantSpec.scale``):
 * ``"dynamic_fused"``: one kernel whose CTAs each reduce the whole input first (for small
   decode-sized inputs, where a second launch costs more than re-reading from L2).
 
+``QuantSpec.staging = "bulk"`` feeds the same arithmetic through shared memory: a producer
+warp per CTA streams chunks by bulk copies (``kernels.quantize_staged``), so that the
+memory stream does not stop while warps compute. Compiled and checked in CI (2026-12-02);
+not yet run on a GPU, so no default uses it.
+
 Constraints (checked by the host layer, ``cute_fp4.quant``): K a multiple of 16, input
 contiguous and 16-byte aligned, ``M * K < 2^31``, scale buffer 16-byte aligned, packed
 output 8-byte aligned. NaN/Inf inputs give unspecified codes (``quantize`` rejects them).
@@ -84,6 +89,8 @@ _FAST_GS_MIN = 2.0 ** -80  # global scales outside [min, max] take the general p
 _FAST_GS_MAX = 64.0
 SCALES = ("static", "dynamic", "dynamic_fused")
 ORDERS = ("rows", "atoms")
+STAGINGS = ("regs", "bulk")
+BULK_SMEM_MAX = 96 * 1024  # "bulk" stages per CTA: fits every target (SM12x: 99 KiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +109,10 @@ class QuantSpec:
     order: str = "rows"  # item order: "rows" (row-major over the padded scale columns, pad
     # rows zeroed by extra CTAs) or "atoms" (item g writes scale byte g: a warp writes one
     # 32-byte sector of the 128x4 layout; pad rows are items of their own)
+    staging: str = "regs"  # "regs": loads straight into registers; "bulk": a producer warp
+    # streams chunks into a ring of shared-memory stages by bulk copies (kernels.
+    # quantize_staged), the other warps quantize them: static scale, row order
+    stages: int = 6  # "bulk": shared-memory stages per CTA
 
     def __post_init__(self):
         if self.in_dtype not in ("bf16", "fp16"):
@@ -116,6 +127,18 @@ class QuantSpec:
             raise ValueError(f"ctas_per_sm must be 0..32, got {self.ctas_per_sm}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.staging not in STAGINGS:
+            raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
+        if self.staging == "bulk" and (
+                self.scale != "static" or self.order != "rows" or self.ctas_per_sm < 1
+                or not 2 <= self.stages <= 16 or self.threads > 992
+                or self.stages * self.threads * self.items * 32 > BULK_SMEM_MAX):
+            raise ValueError(
+                "staging='bulk' takes scale='static', order='rows', ctas_per_sm >= 1, 2..16 "
+                f"stages, at most 992 threads (plus the producer warp) and stages x threads "
+                f"x items x 32 B <= {BULK_SMEM_MAX} B of shared memory, got "
+                f"{self.scale!r}, {self.order!r}, {self.ctas_per_sm}, {self.stages}, "
+                f"{self.threads}, {self.stages * self.threads * self.items * 32} B")
         if not 1 <= self.items <= 8 or not 1 <= self.amax_vectors <= 8:
             raise ValueError(f"items and amax_vectors must be 1..8, got {self.items}, "
                              f"{self.amax_vectors}")
@@ -128,6 +151,8 @@ class QuantSpec:
         general = "-general" if self.force_general else ""
         grid = f"p{self.ctas_per_sm}"
         path = "" if self.order == "rows" else "-atoms"
+        if self.staging == "bulk":
+            path += f"-bulk{self.stages}"
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
                 f"v{self.amax_vectors}{grid}{path}{general}@{self.target}")
 

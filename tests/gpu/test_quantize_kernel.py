@@ -104,6 +104,37 @@ def test_fast_and_general_paths_agree(dtype):
     assert_identical(outs[1], quantize(x, gs), "general path")
 
 
+BULK = [(256, 1, 2, 6), (256, 2, 1, 4), (128, 2, 3, 3), (64, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("threads, items, per_sm, stages", BULK)
+@pytest.mark.parametrize("m, k", [(1, 16), (1, 4096), (3, 4160), (129, 2080), (300, 1072),
+                                  (1000, 4096)])
+def test_shared_memory_staging_bit_identical(threads, items, per_sm, stages, m, k):
+    """``staging="bulk"``: a producer warp streams chunks into shared-memory stages by bulk
+    copies, the other warps quantize them. Chunk tails (the last chunk's bytes copied in
+    halves, quarters, ...), padding columns (K / 16 not a multiple of 4) and rows, M = 1,
+    and one CTA looping over every chunk (each stage refilled many times)."""
+    import copy
+
+    x = awkward_input(m, k, torch.bfloat16, seed=3 * m + k).cuda()
+    target = quant._spec_for(x, "static").target
+    spec = QuantSpec(target=target, threads=threads, items=items, ctas_per_sm=per_sm,
+                     order="rows", staging="bulk", stages=stages)
+    kern = quant.compile_quantize(spec)
+    for max_ctas in (None, 1):
+        k_run = copy.copy(kern)
+        if max_ctas is not None:
+            k_run.max_ctas = max_ctas
+        for gs in _static_scales(x):
+            gs_t = torch.full((1,), gs, dtype=torch.float32, device="cuda")
+            out = _poisoned_out(m, k)
+            k_run.launch(x, out.data, out.scale, gs_t, None)
+            got = NVFP4Tensor._unchecked(out.data, out.scale, gs_t.reshape(()), (m, k))
+            assert_identical(got, quantize(x, gs_t),
+                             f"{spec.label()} max_ctas={max_ctas} gs={gs:g}")
+
+
 SPLITS = [(128, 1, 1, "rows"), (256, 4, 2, "rows"), (512, 2, 1, "rows"), (256, 2, 0, "rows"),
           (64, 1, 1, "rows"), (256, 2, 3, "atoms"), (256, 1, 1, "atoms"), (128, 4, 0, "atoms"),
           (256, 2, 0, "atoms"), (64, 4, 1, "atoms")]
