@@ -398,26 +398,14 @@ class QuantizeKernel:
                  pGS: cute.Pointer, pPart: cute.Pointer, m: cutlass.Int32, k: cutlass.Int32,
                  max_ctas: cutlass.Int32, stream: cuda.CUstream):
         t, u = self.threads, self.items
-        kk = cute.assume(k, divby=16)
-        kb = kk // 16
-        kbp = (kb + 3) // 4 * 4
-        mp = (m + 127) // 128 * 128
-        words = m * (kk // 2)
-        mX = cute.make_tensor(pX, cute.make_layout((cute.assume(words, divby=8),)))
-        mQ = cute.make_tensor(pQ, cute.make_layout((cute.assume(m * (kk // 8), divby=2),)))
-        sf_len = cute.assume(mp * kbp, divby=512)
-        mSF = cute.make_tensor(pSF, cute.make_layout((sf_len,)))
-        mSF4 = cute.make_tensor(cute.recast_ptr(pSF, dtype=_U32),
-                                cute.make_layout((cute.assume(sf_len // 4, divby=128),)))
-        mGS = cute.make_tensor(pGS, cute.make_layout((1,)))
+        kb, kbp, mp, words, (mX, mQ, mSF, mSF4, mGS) = self._views(pX, pQ, pSF, pGS, m, k)
         mPart = cute.make_tensor(pPart, cute.make_layout((PARTIALS_MAX,)))
         n_items = (mp if cutlass.const_expr(self.atoms) else m) * kbp
         n_chunks = (n_items + t * u - 1) // (t * u)
         n_item_ctas = cutlass.min(n_chunks, max_ctas)
         n_pad_ctas = 0  # "atoms": the pad rows are items
         if cutlass.const_expr(not self.atoms):
-            has_pad = (mp - m + 127) // 128
-            n_pad_ctas = has_pad * cutlass.min((kbp * 8 + t - 1) // t, _PAD_CTAS_MAX)
+            n_pad_ctas = self._pad_ctas(m, mp, kbp)
         n_vec = words // 4
         per_amax_cta = t * self.spec.amax_vectors
         n_amax = cutlass.min((n_vec + per_amax_cta - 1) // per_amax_cta, PARTIALS_MAX)
@@ -432,6 +420,32 @@ class QuantizeKernel:
                           n_item_ctas, n_pad_ctas, n_amax, n_vec, fdd).launch(
             grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[t, 1, 1], stream=stream,
             use_pdl=roles.PDL)
+
+    @cute.jit
+    def _views(self, pX, pQ, pSF, pGS, m, k):
+        """(K / 16, its multiple of 4, M up to a multiple of 128, input words, (input words,
+        packed codes as words, scale bytes, scale words, global scale)): the tensors every
+        quantize kernel addresses."""
+        kk = cute.assume(k, divby=16)
+        kb = kk // 16
+        kbp = (kb + 3) // 4 * 4
+        mp = (m + 127) // 128 * 128
+        words = m * (kk // 2)
+        mX = cute.make_tensor(pX, cute.make_layout((cute.assume(words, divby=8),)))
+        mQ = cute.make_tensor(pQ, cute.make_layout((cute.assume(m * (kk // 8), divby=2),)))
+        sf_len = cute.assume(mp * kbp, divby=512)
+        mSF = cute.make_tensor(pSF, cute.make_layout((sf_len,)))
+        mSF4 = cute.make_tensor(cute.recast_ptr(pSF, dtype=_U32),
+                                cute.make_layout((cute.assume(sf_len // 4, divby=128),)))
+        mGS = cute.make_tensor(pGS, cute.make_layout((1,)))
+        return kb, kbp, mp, words, (mX, mQ, mSF, mSF4, mGS)
+
+    def _pad_ctas(self, m, mp, kbp):
+        """CTAs at the end of the grid that zero the padding rows' scales (:meth:`_pad_rows`;
+        none when M is a multiple of 128)."""
+        has_pad = (mp - m + 127) // 128
+        return has_pad * cutlass.min((kbp * 8 + self.threads - 1) // self.threads,
+                                     _PAD_CTAS_MAX)
 
     # ------------------------------------------------------------------ amax
     @cute.jit
@@ -610,14 +624,21 @@ class QuantizeKernel:
         return gs
 
     @cute.jit
-    def _items(self, code: str, mQ, mSF, rW, idx, gs, consts, grid, chunk, tidx):
-        """Quantize this thread's ``items`` blocks of ``chunk`` (input words in ``rW``)."""
-        u = self.items
-        rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(u)]
-        for j in cutlass.range_constexpr(u):
+    def _block_codes(self, code: str, rW, gs, consts) -> list:
+        """The block PTX on each of this thread's ``items`` blocks (input words in ``rW``):
+        per block a register tensor of (codes, codes, scale byte)."""
+        rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(self.items)]
+        for j in cutlass.range_constexpr(self.items):
             out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, consts[0], consts[1])
             for i in cutlass.range_constexpr(3):
                 rO[j][i] = out[i]
+        return rO
+
+    @cute.jit
+    def _items(self, code: str, mQ, mSF, rW, idx, gs, consts, grid, chunk, tidx):
+        """Quantize this thread's ``items`` blocks of ``chunk`` (input words in ``rW``)."""
+        u = self.items
+        rO = self._block_codes(code, rW, gs, consts)
         for j in cutlass.range_constexpr(u):
             g = self._item_index(chunk, j, tidx)
             ok, data, gd, off = self._item_flags(g, idx[j, 0], idx[j, 1], grid)

@@ -45,11 +45,9 @@ from cute_fp4.kernels.quantize import (
     _FAST_GS_MAX,
     _FAST_GS_MIN,
     _I32,
-    _PAD_CTAS_MAX,
     _U32,
     QuantizeKernel,
     _Grid,
-    _ptx,
     _ptxf,
 )
 from cute_fp4.nvfp4 import sf_offset_shifts
@@ -73,28 +71,16 @@ class StagedQuantizeKernel(QuantizeKernel):
     def __call__(self, pX: cute.Pointer, pQ: cute.Pointer, pSF: cute.Pointer,
                  pGS: cute.Pointer, pPart: cute.Pointer, m: cutlass.Int32, k: cutlass.Int32,
                  max_ctas: cutlass.Int32, stream: cuda.CUstream):
-        t = self.threads
-        kk = cute.assume(k, divby=16)
-        kb = kk // 16
-        kbp = (kb + 3) // 4 * 4
-        mp = (m + 127) // 128 * 128
-        words = m * (kk // 2)
-        mX = cute.make_tensor(pX, cute.make_layout((cute.assume(words, divby=8),)))
-        mQ = cute.make_tensor(pQ, cute.make_layout((cute.assume(m * (kk // 8), divby=2),)))
-        sf_len = cute.assume(mp * kbp, divby=512)
-        mSF = cute.make_tensor(pSF, cute.make_layout((sf_len,)))
-        mSF4 = cute.make_tensor(cute.recast_ptr(pSF, dtype=_U32),
-                                cute.make_layout((cute.assume(sf_len // 4, divby=128),)))
-        mGS = cute.make_tensor(pGS, cute.make_layout((1,)))
+        kb, kbp, mp, _, (mX, mQ, mSF, mSF4, mGS) = self._views(pX, pQ, pSF, pGS, m, k)
         n_blocks = m * kb
         n_chunks = (n_blocks + self.chunk_blocks - 1) // self.chunk_blocks
         n_item_ctas = cutlass.min(n_chunks, max_ctas)
-        has_pad = (mp - m + 127) // 128
-        n_pad_ctas = has_pad * cutlass.min((kbp * 8 + t - 1) // t, _PAD_CTAS_MAX)
+        n_pad_ctas = self._pad_ctas(m, mp, kbp)
         fdd = cute.fast_divmod_create_divisor_v2(kb)
         self.staged_kernel(mX, mQ, mSF, mSF4, mGS, m, kb, kbp, n_blocks, n_chunks,
                            n_item_ctas, n_pad_ctas, fdd).launch(
-            grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[t + 32, 1, 1], stream=stream,
+            grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[self.threads + 32, 1, 1],
+            stream=stream,
             use_pdl=roles.PDL)
 
     @cute.kernel
@@ -194,11 +180,7 @@ class StagedQuantizeKernel(QuantizeKernel):
     def _staged_items(self, code: str, mQ, mSF, rW, gs, consts, grid, chunk, tidx):
         """Quantize and store this thread's blocks of ``chunk`` (input words in ``rW``)."""
         u = self.items
-        rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(u)]
-        for j in cutlass.range_constexpr(u):
-            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, consts[0], consts[1])
-            for i in cutlass.range_constexpr(3):
-                rO[j][i] = out[i]
+        rO = self._block_codes(code, rW, gs, consts)
         for j in cutlass.range_constexpr(u):
             gd = (chunk * u + j) * self.threads + tidx
             if gd < grid.n_items:
