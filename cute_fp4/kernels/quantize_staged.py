@@ -80,8 +80,7 @@ class StagedQuantizeKernel(QuantizeKernel):
         self.staged_kernel(mX, mQ, mSF, mSF4, mGS, m, kb, kbp, n_blocks, n_chunks,
                            n_item_ctas, n_pad_ctas, fdd).launch(
             grid=[n_item_ctas + n_pad_ctas, 1, 1], block=[self.threads + 32, 1, 1],
-            stream=stream,
-            use_pdl=roles.PDL)
+            stream=stream, use_pdl=roles.PDL)
 
     @cute.kernel
     def staged_kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mSF: cute.Tensor,
@@ -182,7 +181,7 @@ class StagedQuantizeKernel(QuantizeKernel):
         u = self.items
         rO = self._block_codes(code, rW, gs, consts)
         for j in cutlass.range_constexpr(u):
-            gd = (chunk * u + j) * self.threads + tidx
+            gd = self._item_index(chunk, j, tidx)  # blocks j * threads + tidx of the chunk
             if gd < grid.n_items:
                 r, c = divmod(gd, grid.fdd)
                 cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
