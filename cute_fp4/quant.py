@@ -205,12 +205,7 @@ def _dsl_compile(kernel, options: str | None = None):
 
 
 def quantize_kernel(spec):
-    """The kernel object of ``spec``: registers-staged or, for ``staging="bulk"``, staged
-    through shared memory by a producer warp (``kernels.quantize_staged``)."""
-    if spec.staging == "bulk":
-        from cute_fp4.kernels.quantize_staged import StagedQuantizeKernel
-
-        return StagedQuantizeKernel(spec)
+    """The kernel object of ``spec`` (imported on first use: no DSL import at import time)."""
     from cute_fp4.kernels.quantize import QuantizeKernel
 
     return QuantizeKernel(spec)

@@ -76,11 +76,13 @@ def nbytes(m: int, k: int) -> int:
 class Buffers:
     """Rotating inputs and poisoned outputs for one shape."""
 
-    def __init__(self, m: int, k: int, dtype, count: int, gs: float = DEFAULT_GS):
+    def __init__(self, m: int, k: int, dtype, count: int, gs: float | None = DEFAULT_GS):
         self.m, self.k = m, k
         g = torch.Generator(device="cuda").manual_seed(m * 31 + k)
         self.x = [torch.randn(m, k, generator=g, device="cuda").to(dtype) for _ in range(count)]
         self.out = [self._out() for _ in range(count)]
+        if gs is None:  # calibrated: the inputs' amax / 2688, no block scale saturates
+            gs = max(x.float().abs().max().item() for x in self.x) / 2688
         self.gs = torch.full((1,), gs, dtype=torch.float32, device="cuda")
         self.partials = torch.empty(PARTIALS_MAX, dtype=torch.float32, device="cuda")
 
@@ -149,7 +151,9 @@ def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
     buf = Buffers(m, k, dtype, count, gs)
     kern = quant.compile_quantize(spec)
     row = {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": spec.label(),
-           "scale": spec.scale, "gs": None if dynamic else gs,
+           "scale": spec.scale, "gs": None if dynamic else buf.gs.item(),
+           "gs_kind": "dynamic" if dynamic else {None: "calibrated", DEFAULT_GS: "arbitrary",
+                                                 POW2_GS: "pow2"}.get(gs, "given"),
            "general": spec.force_general, "threads": spec.threads,
            "items": spec.items, "ctas_per_sm": spec.ctas_per_sm,
            "order": spec.order,
@@ -216,7 +220,8 @@ def main(argv=None) -> int:
         keys = ("graph1_us", "graphN_us", "copy_us", "gbs", "pct_peak", "torch_us")
         vals = " ".join(f"{key}={row[key]:.1f}" for key in keys if key in row)
         ok = "" if row.get("bit_identical", True) else " NOT BIT-IDENTICAL"
-        gs = "" if row.get("gs") in (None, DEFAULT_GS) else f" gs={row['gs']:g}"
+        gs = "" if row.get("gs_kind", "arbitrary") in ("arbitrary", "dynamic") else \
+            f" gs={row['gs']:g} ({row['gs_kind']})"
         print(f"[{row['m']:>5}, {row['k']:>5}] {row['dtype']:<8} {row['spec']:<46} {vals}{ok}"
               f"{gs}", flush=True)
 
@@ -232,6 +237,7 @@ def main(argv=None) -> int:
                 spec = default_spec(target, dt, scale, force_general=general)
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
             add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, POW2_GS))
+            add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, None))
             for changes in _variants(args.variants):
                 add(bench_row(default_spec(target, dt, **changes), m, k, dtype, timer, bw,
                               with_torch=False))

@@ -5,8 +5,8 @@ follows the kernel's PTX with float32 arithmetic rounded exactly as the GPU roun
 (``fma32`` is a correctly rounded fused multiply-add), and its thread-to-address mapping:
 items over the padded scale columns, the blocked scale offsets, the pad-row CTAs. Running it
 against ``cute_fp4.quantize`` on the CPU checks the tricks (one Markstein correction per
-element, the magic-number E2M1 encoding, the packed-word accumulation constant, the clamp
-at ``6 d``, the zero-padding) without a GPU.
+element, the one-add E2M1 encoding, the masked packed-word accumulation, the clamp at
+``6 d`` of the blocks that need it, the zero-padding) without a GPU.
 
 ``div6``: the kernel reproduces ``quantize`` on CUDA, where torch turns ``bamax / 6.0``
 into ``bamax * float32(1/6)``; on the CPU torch divides. ``div6="true"`` models the CPU
@@ -23,8 +23,7 @@ import torch
 from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape, sf_offset_shifts
 
 F32 = np.float32
-_MAGIC = F32(2.0**23)
-ACC_INIT = (-(0x4B0000FE * 0x11111111)) & 0xFFFFFFFF  # the kernel's _ACC_INIT
+M2_BIAS = (22 << 23) - 254  # the kernel's _M2_BIAS
 FAST_GS = (2.0**-80, 64.0)
 
 
@@ -88,19 +87,22 @@ def rz_half(v: np.ndarray, half: str) -> np.ndarray:
 
 
 def _encode_sw(q: np.ndarray, neg: np.ndarray) -> np.ndarray:
-    """The software encoding's per-element terms: bits(fm) + 2 em + 8 sign (mod 2^32)."""
-    ex = bits(q) >> 23
-    em = np.maximum(ex, 127).astype(np.uint32)
-    sc = from_bits(((em * np.uint32(0xFF800000)) + np.uint32(0x7F800000)).astype(np.uint32))
-    fm = fma32(q, sc, _MAGIC)
-    return (bits(fm) + 2 * em + 8 * neg.astype(np.uint32)).astype(np.uint32)
+    """The software encoding's per-element terms: bits(RN(q + M2(em))) + 8 sign, where
+    M2's bits are em * (2^23 + 2) + M2_BIAS (the code sits in the low mantissa bits)."""
+    em = np.maximum(bits(q) >> 23, 127).astype(np.uint64)
+    mg = from_bits(((em * (2**23 + 2) + M2_BIAS) & 0xFFFFFFFF).astype(np.uint32))
+    fm = (q.astype(F32) + mg).astype(F32)  # float32 addition: correctly rounded
+    return (bits(fm) + 8 * neg.astype(np.uint32)).astype(np.uint32)
 
 
 def _pack(terms: np.ndarray) -> np.ndarray:
-    """[..., 8] per-element terms -> packed words, as the kernel's multiply-adds do."""
-    acc = np.full(terms.shape[:-1], ACC_INIT, dtype=np.uint64)
+    """[..., 8] per-element terms -> packed words, as the kernel's multiply-adds do:
+    nibbles 0..2 summed and masked to 12 bits, then nibbles 3..7 added."""
+    acc = np.zeros(terms.shape[:-1], dtype=np.uint64)
     for k in range(8):
         acc = (acc + terms[..., k].astype(np.uint64) * (16**k)) & 0xFFFFFFFF
+        if k == 2:
+            acc &= 0xFFF
     return acc.astype(np.uint32)
 
 
@@ -135,9 +137,11 @@ def block_model(h: np.ndarray, gs: float, half: str = "bf16", hw: bool = False,
         q = np.minimum(np.abs(q), F32(6.0))
     else:
         r = (F32(1) / np.maximum(d, F32(2.0**-126))).astype(F32)
+        # words clamped to RZ(6 d) only in blocks with bamax > RN(6.5 d)
+        clamp = bamax[:, None] > (d * F32(6.5)).astype(F32)
         limw = rz_half((d * F32(6.0)).astype(F32), half)
         mag = h & 0x7FFF
-        cw = np.where(mag > limw, limw, mag) | (h & 0x8000)
+        cw = np.where(clamp & (mag > limw), limw, mag) | (h & 0x8000)
         a = to_f32(cw, half)
         neg = a < 0
         aa = np.abs(a)

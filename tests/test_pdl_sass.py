@@ -54,11 +54,9 @@ def test_gemms_wait_before_touching_global_memory(name, a_format):
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
-@pytest.mark.parametrize("scale", ["static", "dynamic", "static-bulk"])
+@pytest.mark.parametrize("scale", ["static", "dynamic"])
 def test_quantizer_waits_first_and_releases_its_dependents(target, scale):
-    bulk = {"staging": "bulk", "ctas_per_sm": 2, "threads": 256, "items": 1, "order": "rows"}
-    spec = quant.default_spec(target, "bf16", scale.split("-")[0],
-                              **(bulk if scale.endswith("bulk") else {}))
+    spec = quant.default_spec(target, "bf16", scale)
     with tempfile.TemporaryDirectory() as d:
         quant.cross_compile_quantize(spec, dump_dir=d)
         _check(cubin_sass(sorted(Path(d).glob("*.cubin"))[-1]), releases=True)

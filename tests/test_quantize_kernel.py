@@ -95,6 +95,30 @@ def test_one_correction_is_exact_at_every_decision_point(sig_bits):
     assert (no_correction != exact).sum() > 0
 
 
+def _encoder_codes(q: np.ndarray) -> np.ndarray:
+    from quantize_model import _encode_sw
+
+    return _encode_sw(q.astype(np.float32), np.zeros(q.shape, bool)) & 0x7FFFFF
+
+
+def test_one_add_encoder_is_exact_on_its_range():
+    """The software E2M1 encoder (one float add of M2(em)) against E2M1 RNE: every float32
+    within 2^16 ulps of each decision point and power of two in [0, 6.5], and a stride over
+    the whole range (every float32 in it was checked once, 2026-12-02); q up to 6.5 + 1 ulp
+    (the most a block without a clamp can reach). Beyond the range it fails (q = 7 gives
+    code 8): the comparison can fail."""
+    from quantize_model import e2m1_rne, from_bits
+
+    top = int(np.float32(6.5).view(np.uint32)) + 1
+    marks = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 6.5]
+    near = np.concatenate([np.arange(-(1 << 16), 1 << 16) + int(np.float32(v).view(np.uint32))
+                           for v in marks])
+    b = np.unique(np.concatenate([near, np.arange(0, top + 1, 997)]))
+    q = from_bits(b[(b >= 0) & (b <= top)].astype(np.uint32))
+    assert np.array_equal(_encoder_codes(q), e2m1_rne(q))
+    assert _encoder_codes(np.array([7.0]))[0] == 8
+
+
 def test_fma32_is_correctly_rounded():
     rng = np.random.default_rng(0)
     a = rng.standard_normal(2000).astype(np.float32)
@@ -141,67 +165,62 @@ def test_kernel_compiles(target, dtype, scale):
     assert (ops["REDUX"] > 0) == (scale != "static"), ops
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
-def test_shared_memory_staged_kernel_compiles(target):
-    """``staging="bulk"``: the input reaches shared memory by bulk copies (one per chunk,
-    and the tail's pieces), never by per-thread global loads; consumers read it with 16-byte
-    shared loads and arrive on the stages' barriers; no spills; the same block arithmetic
-    (hardware E2M1 on SM12x)."""
-    spec = quant.default_spec(target, "bf16", "static", staging="bulk", ctas_per_sm=2,
-                              threads=256, items=1, order="rows")
-    rep = quant.quantize_compile_report(spec)
-    ops = rep["opcodes"]
-    assert rep["spills"] == 0 and rep["kernels"] == 1, rep
-    assert ops["LDG.E.128"] == 0 and ops["LDS.128"] >= 2 * spec.items, ops
-    assert ops["UBLKCP.S.G"] >= 2 and ops["SYNCS.ARRIVE"] >= 2, ops
-    assert ops["STG.E.64"] >= spec.items and ops["STG.E.U8"] >= spec.items, ops
-    assert (ops["F2FP.SATFINITE.E2M1"] > 0) == target.startswith("sm_12"), ops
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)([^;]*);")
 
 
-def test_shared_memory_staging_takes_its_constraints():
-    for bad in ({"scale": "dynamic"}, {"order": "atoms"}, {"ctas_per_sm": 0},
-                {"stages": 1}, {"stages": 17}, {"threads": 1024},
-                {"threads": 512, "items": 2, "stages": 4}):  # 128 KiB of stages
-        fields = {"staging": "bulk", "ctas_per_sm": 2, **bad}
-        with pytest.raises(ValueError, match="bulk"):
-            QuantSpec(**fields)
-    with pytest.raises(ValueError, match="staging"):
-        QuantSpec(staging="tma")
-    assert "-bulk6" in QuantSpec(staging="bulk", ctas_per_sm=2).label()
-
-
-def _fast_path_ops(spec: QuantSpec, tmp_path) -> list[str]:
-    """Opcodes of the fast path of ``spec``'s kernel: the longest stretch between two EXITs
-    with at most one MUFU per block (the general path divides each element by MUFU)."""
+def _fast_path_ops(spec: QuantSpec, tmp_path) -> tuple[list[str], int]:
+    """(opcodes of the fast path of ``spec``'s kernel as a block that needs no clamp runs
+    it, instructions of the clamps it branches around). The fast path: the longest stretch
+    between two EXITs with at most one MUFU per block (the general path divides each element
+    by MUFU); a clamp: a predicated forward branch over at most 12 instructions, 8 of them
+    packed clamps (HMNMX2)."""
     from cute_fp4.inspect import cubin_sass
 
     quant.cross_compile_quantize(spec, dump_dir=str(tmp_path))
     sass = cubin_sass(sorted(tmp_path.glob("*.cubin"))[-1])
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass)
-    cuts = [i for i, op in enumerate(ops) if op == "EXIT"]
-    segments = [ops[a + 1:b + 1] for a, b in zip([-1, *cuts], cuts, strict=False)]
-    fast = [seg for seg in segments if seg.count("MUFU") <= spec.items + 1]
-    return max(fast, key=len)
+    ins = [(int(a, 16), pred, op, rest) for a, pred, op, rest in _SASS_LINE.findall(sass)]
+    cuts = [i for i, (_, _, op, _) in enumerate(ins) if op == "EXIT"]
+    segments = [ins[a + 1:b + 1] for a, b in zip([-1, *cuts], cuts, strict=False)]
+    fast = max((seg for seg in segments if [i[2] for i in seg].count("MUFU") <= spec.items + 1),
+               key=len)
+    ops, skipped, i = [], 0, 0
+    while i < len(fast):
+        addr, pred, op, rest = fast[i]
+        ops.append(op)
+        target = re.match(r"\s*0x([0-9a-f]+)", rest) if op == "BRA" and pred else None
+        if target:
+            j = next((j for j in range(i + 1, len(fast)) if fast[j][0] == int(target[1], 16)),
+                     None)
+            body = [x[2] for x in fast[i + 1:j]] if j else []
+            if j and len(body) <= 12 and body.count("HMNMX2") == 8:
+                skipped += len(body)
+                i = j
+                continue
+        i += 1
+    return ops, skipped
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("target, budget", [("sm_90a", 16.5), ("sm_120a", 12.0)])
+@pytest.mark.parametrize("target, budget", [("sm_90a", 15.2), ("sm_120a", 10.8)])
 def test_default_large_kernel_stays_inside_its_budget(target, budget, tmp_path):
-    """What the H200 measurements rest on (perf/results/2026-12-01-h200-quantizer-model.md):
-    at most 64 registers (8 CTAs of 128 threads per SM) and at most ``budget`` SASS
-    instructions per element on the fast path (sm_90a measured 16.1: the software E2M1
-    encoding; sm_120a converts in hardware)."""
+    """What the H200 measurements rest on (perf/results/2026-12-02-h200-encoder.md): at
+    most 64 registers (8 CTAs of 128 threads per SM) and at most ``budget`` SASS
+    instructions per element on the fast path of a block that needs no clamp (sm_90a
+    measured 15.0 with the one-add E2M1 encoding, 16.3 with the multiply-add encoding
+    before it; sm_120a converts in hardware), the clamps a block may branch to on the side
+    (a branch over 8 packed clamps per block)."""
     spec = quant.default_spec(target, "bf16", "static")
     rep = quant.quantize_compile_report(spec)
     assert rep["registers"] <= 64 and rep["spills"] == 0, rep
-    ops = _fast_path_ops(spec, tmp_path)
+    ops, clamps = _fast_path_ops(spec, tmp_path)
     per_element = len(ops) / (16 * spec.items)
     assert ops.count("LDG") == 2 * spec.items + 1, ops  # 2 per block, and the global scale
     # every block's loads go out before any block's arithmetic: one memory latency per CTA
     # (inside the global-scale branch, ptxas sank blocks 1..3's loads past block 0's work)
     last_load = max(i for i, op in enumerate(ops) if op == "LDG")
     assert last_load < ops.index("HMNMX2"), (last_load, ops.index("HMNMX2"))
+    assert clamps >= 10 * spec.items, clamps  # each block's clamp is a branch on the side
+    assert ops.count("HMNMX2") == 7 * spec.items, ops  # the block amax only
     assert per_element <= budget, (per_element, len(ops))
     assert per_element >= budget - 6, (per_element, len(ops))  # the segment is the kernel
 

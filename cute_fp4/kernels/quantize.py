@@ -42,12 +42,21 @@ code of the exactly rounded quotient: the only inputs where ``q`` can differ fro
 such midpoints; exhaustively checked for every significand (see ``tests/quantize_model.py``).
 This "fast" path needs ``2^-80 <= gs <= 64`` (no underflow in the residuals, no quotient
 that rounds to -0); any other global scale takes the general path (IEEE ``div.rn`` per
-element), a uniform branch. Elements are clamped to ``6 d`` first (codes saturate at 6).
+element), a uniform branch. Codes saturate at 6: a block whose ``bamax <= RN(6.5 d)``
+(every block with a normal, unsaturated UE4M3 scale: its quotients stay below 6.375)
+encodes its words as they are, every quotient at most 6.5; any other block (a saturated or
+subnormal scale) first clamps its words to ``RZ(6 d)``, a branch around eight packed
+instructions, so that a warp mixing both kinds diverges only that long.
 
 E2M1 encoding: on SM120/SM121 the hardware ``cvt.rn.satfinite.e2m1x2.f32`` of ``|q|`` (sign
-from a compare, so that -0 gives code 0 as ``quantize`` does); on SM90 in software:
-``e = max(exponent(q), 0)``, ``n = RNE(q * 2^(1-e))`` by a magic-number add, ``code = n +
-2 e`` accumulated into the packed word with integer multiply-adds (no masking).
+from a compare, so that -0 gives code 0 as ``quantize`` does); on SM90 in software, by one
+float add per element: with ``em = max(exponent(q), 127)``, the float ``M2`` of bits ``em *
+(2^23 + 2) + (22 << 23) - 254`` is ``2^(em - 105)`` plus ``2 (em - 127)`` ulps, its ulp the
+E2M1 spacing of q's binade, so ``RN(q + M2)`` carries the code ``RNE(q / spacing) + 2 (em -
+127)`` in its low mantissa bits (ties stay even: the offset is even). Checked for every
+float32 ``q`` in [0, 6.5] (2026-12-02) and sampled in ``tests/test_quantize_kernel.py``.
+The sums go into the packed word by shifted multiply-adds; the first three carry their
+exponent bits above bit 11, masked once, the other five shift them out of the word.
 
 Variants (``QuantSpec.scale``):
 * ``"static"``: ``gs`` is read from a one-element float32 tensor; one kernel.
@@ -57,10 +66,11 @@ Variants (``QuantSpec.scale``):
 * ``"dynamic_fused"``: one kernel whose CTAs each reduce the whole input first (for small
   decode-sized inputs, where a second launch costs more than re-reading from L2).
 
-``QuantSpec.staging = "bulk"`` feeds the same arithmetic through shared memory: a producer
-warp per CTA streams chunks by bulk copies (``kernels.quantize_staged``), so that the
-memory stream does not stop while warps compute. Compiled and checked in CI (2026-12-02);
-not yet run on a GPU, so no default uses it.
+Tried and not kept: staging the input through shared memory, first by per-thread cp.async
+(25.2 us against 14.6 us at 4096^2 BF16 on an H200, its MIO queue the top stall), then by a
+producer warp streaming chunks with bulk copies into an mbarrier ring (2026-12-02: 54-69%
+of 4.8 TB/s against 63-81% for this kernel; its consumer warps, 16-32 per SM, could not
+issue the arithmetic fast enough: ``perf/results/2026-12-02-h200-encoder.md``).
 
 Constraints (checked by the host layer, ``cute_fp4.quant``): K a multiple of 16, input
 contiguous and 16-byte aligned, ``M * K < 2^31``, scale buffer 16-byte aligned, packed
@@ -89,8 +99,6 @@ _FAST_GS_MIN = 2.0 ** -80  # global scales outside [min, max] take the general p
 _FAST_GS_MAX = 64.0
 SCALES = ("static", "dynamic", "dynamic_fused")
 ORDERS = ("rows", "atoms")
-STAGINGS = ("regs", "bulk")
-BULK_SMEM_MAX = 96 * 1024  # "bulk" stages per CTA: fits every target (SM12x: 99 KiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +117,6 @@ class QuantSpec:
     order: str = "rows"  # item order: "rows" (row-major over the padded scale columns, pad
     # rows zeroed by extra CTAs) or "atoms" (item g writes scale byte g: a warp writes one
     # 32-byte sector of the 128x4 layout; pad rows are items of their own)
-    staging: str = "regs"  # "regs": loads straight into registers; "bulk": a producer warp
-    # streams chunks into a ring of shared-memory stages by bulk copies (kernels.
-    # quantize_staged), the other warps quantize them: static scale, row order
-    stages: int = 6  # "bulk": shared-memory stages per CTA
 
     def __post_init__(self):
         if self.in_dtype not in ("bf16", "fp16"):
@@ -127,18 +131,6 @@ class QuantSpec:
             raise ValueError(f"ctas_per_sm must be 0..32, got {self.ctas_per_sm}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
-        if self.staging not in STAGINGS:
-            raise ValueError(f"staging must be one of {STAGINGS}, got {self.staging!r}")
-        if self.staging == "bulk" and (
-                self.scale != "static" or self.order != "rows" or self.ctas_per_sm < 1
-                or not 2 <= self.stages <= 16 or self.threads > 992
-                or self.stages * self.threads * self.items * 32 > BULK_SMEM_MAX):
-            raise ValueError(
-                "staging='bulk' takes scale='static', order='rows', ctas_per_sm >= 1, 2..16 "
-                f"stages, at most 992 threads (plus the producer warp) and stages x threads "
-                f"x items x 32 B <= {BULK_SMEM_MAX} B of shared memory, got "
-                f"{self.scale!r}, {self.order!r}, {self.ctas_per_sm}, {self.stages}, "
-                f"{self.threads}, {self.stages * self.threads * self.items * 32} B")
         if not 1 <= self.items <= 8 or not 1 <= self.amax_vectors <= 8:
             raise ValueError(f"items and amax_vectors must be 1..8, got {self.items}, "
                              f"{self.amax_vectors}")
@@ -151,8 +143,6 @@ class QuantSpec:
         general = "-general" if self.force_general else ""
         grid = f"p{self.ctas_per_sm}"
         path = "" if self.order == "rows" else "-atoms"
-        if self.staging == "bulk":
-            path += f"-bulk{self.stages}"
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
                 f"v{self.amax_vectors}{grid}{path}{general}@{self.target}")
 
@@ -168,10 +158,6 @@ def _pow16(k: int, mult: int = 1) -> str:
     return f"{(mult * 16 ** k) & 0xFFFFFFFF:#x}"
 
 
-# nibble_k + C per element before the per-word correction: C = bits(2^23) + 2 * 127
-_ACC_INIT = (-(0x4B0000FE * 0x11111111)) & 0xFFFFFFFF
-
-
 def _unpack(half: str, word: str, hi: bool, dst: str) -> list[str]:
     """One element of a packed 16-bit pair as float32 (exact)."""
     if half == "bf16":
@@ -179,18 +165,33 @@ def _unpack(half: str, word: str, hi: bool, dst: str) -> list[str]:
     return [f"mov.b32 {{hl, hh}}, {word};", f"cvt.f32.f16 {dst}, {'hh' if hi else 'hl'};"]
 
 
+
+# E2M1 by one float add: M2(em) = 2^(em - 105) + (2 em - 254) ulps (em = max(exponent(q),
+# 127)) has a grid of 2^(em - 128) (the E2M1 spacing of q's binade) and a mantissa offset of
+# 2 (em - 127), so RN(q + M2) = M2 + n ulps with n = RNE(q / spacing): its mantissa field is
+# the code n + 2 (em - 127) (offset even: ties keep E2M1's even codes). Bits of M2: em *
+# (2^23 + 2) + _M2_BIAS.
+_M2_BIAS = (22 << 23) - 254
+
+
 def _encode_sw(q: str, k: int, acc: str, sign: str) -> list[str]:
-    """Software E2M1 of ``q`` (0 <= q <= 6.000001) added into ``acc`` as nibble ``k``."""
-    first = k == 0
+    """Software E2M1 of ``q`` (0 <= q <= 6.5) added into ``acc`` as nibble ``k``. Nibbles 0..2
+    go into ``acc`` with the exponent bits of their sums above bit 22 (masked off by
+    :func:`_mask_low`), nibbles 3..7 shift them out of the word."""
+    add = f"mov.b32 {acc}, fm;" if k == 0 else f"mad.lo.u32 {acc}, fm, {_pow16(k)}, {acc};"
     return [
         f"shr.u32 ex, {q}, 23;",
         "max.u32 em, ex, 127;",
-        "mad.lo.u32 sc, em, 0xFF800000, 0x7F800000;",  # 2^(128 - em)
-        f"fma.rn.f32 fm, {q}, sc, 0f4B000000;",  # 2^23 + RNE(q * 2^(1 - e))
-        f"mad.lo.u32 {acc}, fm, {_pow16(k)}, {_ACC_INIT if first else acc};",
-        f"mad.lo.u32 {acc}, em, {_pow16(k, 2)}, {acc};",
+        f"mad.lo.u32 mg, em, 0x800002, {_M2_BIAS:#x};",
+        f"add.rn.f32 fm, {q}, mg;",
+        add,
         f"@{sign} add.u32 {acc}, {acc}, {_pow16(k, 8)};",
     ]
+
+
+def _mask_low(acc: str) -> list[str]:
+    """After nibble 2: drop the exponent bits that nibbles 0..2 left above bit 11."""
+    return [f"and.b32 {acc}, {acc}, 0xFFF;"]
 
 
 def _block_scale_fast() -> list[str]:
@@ -212,13 +213,51 @@ _RCP_RN_LINES = ("rcp.approx.ftz.f32 r, dd;", "fma.rn.f32 er, dd, r, 0fBF800000;
                  "neg.f32 er, er;", "fma.rn.f32 r, r, er, r;")
 
 
+def _elements(half: str, hw: bool, mode: str) -> list[str]:
+    """PTX for the 16 elements of a block into acc0, acc1 (codes; signs from pe0..pe15).
+    ``mode``: "general" (IEEE division of the input words, d in ``d``, ``pd``: d > 0) or
+    "fast" (the quotient ``x * r`` with one correction, of the words in ``c0..c7``)."""
+    x2 = f"{half}x2"
+    body = []
+    for i in range(8):
+        src = "{$r" + str(i) + "}" if mode == "general" else f"c{i}"
+        if mode != "general":
+            body.append(f"setp.lt.{x2} pe{2 * i}|pe{2 * i + 1}, {src}, z;")
+        for h in range(2):
+            j = 2 * i + h
+            body += _unpack(half, src, h == 1, "a")
+            if mode == "general":
+                body += ["@pd div.rn.f32 q, a, d;", "@!pd mov.b32 q, 0;",
+                         f"setp.lt.f32 pe{j}, q, 0f00000000;",
+                         "abs.f32 q, q;", "min.f32 q, q, 0f40C00000;"]
+            else:
+                body += ["abs.f32 aa, a;", "mul.rn.f32 qa, aa, r;", "neg.f32 nq, qa;",
+                         "fma.rn.f32 er, nq, d, aa;", "fma.rn.f32 q, er, r, qa;"]
+            acc = "acc0" if j < 8 else "acc1"
+            if hw:
+                if h == 0:
+                    body.append("mov.b32 flo, q;")
+                else:
+                    body += ["mov.b32 fhi, q;", f"cvt.rn.satfinite.e2m1x2.f32 eb{i}, fhi, flo;"]
+            else:
+                body += _encode_sw("q", j % 8, acc, f"pe{j}")
+                if j % 8 == 2:
+                    body += _mask_low(acc)
+    if hw:
+        body += ["mov.b32 acc0, {eb0, eb1, eb2, eb3};", "mov.b32 acc1, {eb4, eb5, eb6, eb7};"]
+        for j in range(16):
+            acc = "acc0" if j < 8 else "acc1"
+            body.append(f"@pe{j} or.b32 {acc}, {acc}, {_pow16(j % 8, 8)};")
+    return body
+
+
 def _block_ptx(half: str, hw: bool, general: bool) -> str:
     """PTX for one 16-element block: $r0..$r7 the packed input words, $r8 gs, $r9 RN(1/gs),
     $r10 RN(449 gs); $w0, $w1 the packed codes, $w2 the UE4M3 scale byte (twice: low byte
     and the next, the store keeps the low one)."""
     x2 = f"{half}x2"
     regs = ("m, ua, ub, bamax, t, qa, nq, er, u, sfb, nz, sfv, d, dd, r, lim, limw, z, "
-            "cw, a, aa, q, ex, em, sc, fm, acc0, acc1")
+            "c0, c1, c2, c3, c4, c5, c6, c7, a, aa, q, ex, em, mg, fm, acc0, acc1")
     body = ["{", f".reg .b32 {regs};", ".reg .b16 s16, hl, hh;", ".reg .b8 eb<8>;",
             ".reg .pred pe<16>, pd;", ".reg .f32 flo, fhi;", "mov.b32 z, 0;"]
     # block amax: max |x| over the 8 words (sign bits of the result are garbage)
@@ -241,40 +280,19 @@ def _block_ptx(half: str, hw: bool, general: bool) -> str:
     ]
     if general:
         body.append("setp.gt.f32 pd, d, 0f00000000;")
+        body += _elements(half, hw, "general")
     else:
+        # The words are clamped to RZ(6 d) (codes saturate) only in blocks that need it:
+        # where bamax <= RN(6.5 d) every quotient is <= 6.5 and encodes to at most 6 as it
+        # is. Other blocks (a scale rounded far down: subnormal or saturated UE4M3) branch
+        # around nothing but the clamp, so a warp whose blocks differ diverges briefly.
         body += ["max.f32 dd, d, 0f00800000;", *_RCP_RN_LINES,
-                 "mul.rn.f32 lim, d, 0f40C00000;", f"cvt.rz.{x2}.f32 limw, lim, lim;"]
-    for i in range(8):
-        w = "{$r" + str(i) + "}"
-        if general:
-            src = w
-        else:
-            body.append(f"min.xorsign.abs.{x2} cw, {w}, limw;")
-            src = "cw"
-            body.append(f"setp.lt.{x2} pe{2 * i}|pe{2 * i + 1}, cw, z;")
-        for h in range(2):
-            j = 2 * i + h
-            body += _unpack(half, src, h == 1, "a")
-            if general:
-                body += ["@pd div.rn.f32 q, a, d;", "@!pd mov.b32 q, 0;",
-                         f"setp.lt.f32 pe{j}, q, 0f00000000;",
-                         "abs.f32 q, q;", "min.f32 q, q, 0f40C00000;"]
-            else:
-                body += ["abs.f32 aa, a;", "mul.rn.f32 qa, aa, r;", "neg.f32 nq, qa;",
-                         "fma.rn.f32 er, nq, d, aa;", "fma.rn.f32 q, er, r, qa;"]
-            acc = "acc0" if j < 8 else "acc1"
-            if hw:
-                if h == 0:
-                    body.append("mov.b32 flo, q;")
-                else:
-                    body += ["mov.b32 fhi, q;", f"cvt.rn.satfinite.e2m1x2.f32 eb{i}, fhi, flo;"]
-            else:
-                body += _encode_sw("q", j % 8, acc, f"pe{j}")
-    if hw:
-        body += ["mov.b32 acc0, {eb0, eb1, eb2, eb3};", "mov.b32 acc1, {eb4, eb5, eb6, eb7};"]
-        for j in range(16):
-            acc = "acc0" if j < 8 else "acc1"
-            body.append(f"@pe{j} or.b32 {acc}, {acc}, {_pow16(j % 8, 8)};")
+                 *[f"mov.b32 c{i}, {{$r{i}}};" for i in range(8)],
+                 "mul.rn.f32 lim, d, 0f40D00000;", "setp.gt.f32 pd, bamax, lim;",
+                 "@!pd bra L_CLAMPED;", "mul.rn.f32 lim, d, 0f40C00000;",
+                 f"cvt.rz.{x2}.f32 limw, lim, lim;",
+                 *[f"min.xorsign.abs.{x2} c{i}, c{i}, limw;" for i in range(8)],
+                 "L_CLAMPED:", *_elements(half, hw, "fast")]
     body += ["mov.b32 {$w0}, acc0;", "mov.b32 {$w1}, acc1;", "mov.b32 {$w2}, sfb;", "}"]
     return "\n".join(body)
 

@@ -104,35 +104,26 @@ def test_fast_and_general_paths_agree(dtype):
     assert_identical(outs[1], quantize(x, gs), "general path")
 
 
-BULK = [(256, 1, 2, 6), (256, 2, 1, 4), (128, 2, 3, 3), (64, 1, 1, 2)]
-
-
-@pytest.mark.parametrize("threads, items, per_sm, stages", BULK)
-@pytest.mark.parametrize("m, k", [(1, 16), (1, 4096), (3, 4160), (129, 2080), (300, 1072),
-                                  (1000, 4096)])
-def test_shared_memory_staging_bit_identical(threads, items, per_sm, stages, m, k):
-    """``staging="bulk"``: a producer warp streams chunks into shared-memory stages by bulk
-    copies, the other warps quantize them. Chunk tails (the last chunk's bytes copied in
-    halves, quarters, ...), padding columns (K / 16 not a multiple of 4) and rows, M = 1,
-    and one CTA looping over every chunk (each stage refilled many times)."""
-    import copy
-
-    x = awkward_input(m, k, torch.bfloat16, seed=3 * m + k).cuda()
-    target = quant._spec_for(x, "static").target
-    spec = QuantSpec(target=target, threads=threads, items=items, ctas_per_sm=per_sm,
-                     order="rows", staging="bulk", stages=stages)
-    kern = quant.compile_quantize(spec)
-    for max_ctas in (None, 1):
-        k_run = copy.copy(kern)
-        if max_ctas is not None:
-            k_run.max_ctas = max_ctas
-        for gs in _static_scales(x):
-            gs_t = torch.full((1,), gs, dtype=torch.float32, device="cuda")
-            out = _poisoned_out(m, k)
-            k_run.launch(x, out.data, out.scale, gs_t, None)
-            got = NVFP4Tensor._unchecked(out.data, out.scale, gs_t.reshape(()), (m, k))
-            assert_identical(got, quantize(x, gs_t),
-                             f"{spec.label()} max_ctas={max_ctas} gs={gs:g}")
+def test_saturated_blocks_next_to_unsaturated_ones():
+    """Blocks whose scale saturates (their words are clamped to 6 d) interleaved with blocks
+    that need no clamp, in every warp: both sides of the kernel's per-block branch, and
+    blocks whose largest quotient is just under and over 6 (UE4M3 rounded down, up)."""
+    m, k = 256, 4096
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=g)
+    gs = 2.0 / 2688  # blocks with bamax > 2 saturate (UE4M3 448)
+    big = torch.rand(m, k // 16, generator=g) < 0.5
+    x = x.reshape(m, k // 16, 16)
+    x[big] *= 8.0
+    # a block whose scale rounds down by up to a UE4M3 half step (8.5 -> 8): bamax / d up
+    # to 6.375, the largest quotient of a normal, unsaturated scale (no clamp needed)
+    x[:, 1, 0] = 6.0 * 8.5 * gs * torch.linspace(0.99, 1.01, m)
+    x[:, 1, 1:] = 0.01
+    x = x.reshape(m, k).to(torch.bfloat16).cuda()
+    gs_t = torch.full((1,), gs, dtype=torch.float32, device="cuda")
+    out = _poisoned_out(m, k)
+    got = quant.quantize_activation(x, gs_t, out=out)
+    assert_identical(got, quantize(x, gs_t), "mixed saturation")
 
 
 SPLITS = [(128, 1, 1, "rows"), (256, 4, 2, "rows"), (512, 2, 1, "rows"), (256, 2, 0, "rows"),
