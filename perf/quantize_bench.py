@@ -5,10 +5,12 @@
 Rows: large tensors (16M+ elements: [4096, 4096], [8192, 4096], [4096, 14336],
 [16384, 4096]) and decode sizes (M in 1, 2, 4, 8, 16 x K in 4096, 8192), BF16 (and FP16
 for the large ones), for the static scale, the dynamic scale two-pass and fused, and the
-static scale forced through the general (div.rn) path, and the static scale 2^-7 (a power
-of two, a "short" scale: SM90 then runs its exact loop on every block, the kernel as it was
-before the approximate path; the other static rows use 2 / 2688). ``--sweep`` adds thread /
-item / CTAs-per-SM splits and item orders of the static kernel on the large and decode sizes.
+static scale forced through the general (div.rn) path, the static scale 2^-7 (a power of
+two) and a calibrated static scale (the inputs' amax / 2688, what a calibrated
+``input_scale`` gives: no block scale saturates). The other static rows use 2 / 2688, an
+arbitrary value that saturates about half of randn's blocks (their words are clamped).
+``--sweep`` adds thread / item / CTAs-per-SM splits and item orders of the static kernel on
+the large and decode sizes.
 Every row is checked bit for bit against ``cute_fp4.quantize`` before it is timed.
 
 Timing (device time, CUDA events):
