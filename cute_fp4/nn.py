@@ -11,8 +11,10 @@ FP32 global scale) and computes ``y = x @ W^T (+ bias)`` for bf16/fp16 ``x`` of 
 
 A forward call synchronises nothing with the GPU, checks only the activation (host
 metadata), never the stored weight, and allocates only the output (W4A4: also the
-quantized activation; a split-K schedule: its workspace; a non-contiguous input: one
-contiguous copy). Under ``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4: after a
+quantized activation, in one scratch buffer with a static input scale; a split-K
+schedule: its workspace; a non-contiguous input: one contiguous copy). From the second
+call at an M it launches through a binding of the first call's kernels (W4A16, and W4A4
+with a static input scale: ``docs/correctness.md``). Under ``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4: after a
 ``cute_fp4::quantize`` node), so ``fullgraph=True`` and ``mode="reduce-overhead"`` (CUDA
 graphs) work. Kernels are found through ``gemm``'s memo per (schedule, M, N, K, format,
 dtype, device).
@@ -385,22 +387,57 @@ class NVFP4Linear(torch.nn.Module):
         """Quantize the activation (the fused kernel), then the W4A4 kernel; on a packed
         weight with ``schedule="auto"``, as ``gemm`` does there: the quantized activation
         decoded to its exact BF16 block values, then the W4A16 kernel, the global scales'
-        product as alpha (static: ``self.alpha``, computed once)."""
+        product as alpha (static: ``self.alpha``, computed once). With a static input
+        scale, from the second call at an M and dtype the launches go through a binding
+        made by the first (``quant.BoundActivation`` and ``run.BoundLaunch``)."""
         k, n = self.in_features, self.out_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        bound = self._bound.get((m, x.dtype, "w4a4"))
+        if bound is None or not self._launch_bound_w4a4(bound, x2, w, out):
+            self._launch_w4a4(x2, w, m, dev, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def _launch_bound_w4a4(self, bound, x2, w, out) -> bool:
+        act, gemm = bound
+        if (act.key[0] is not self.input_scale or gemm.key[0] is not w
+                or gemm.key[1] is not self.schedule or gemm.key[2] is not self.alpha):
+            return False
+        scratch, a_ptr, sfa_ptr = act.launch(x2)
+        if gemm.launch_ptrs(a_ptr, sfa_ptr or None, w.data.data_ptr(), out.data_ptr()):
+            return True
+        del scratch  # the GEMM's binding no longer holds: the full path quantizes again
+        return False
+
+    def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
+        """The full W4A4 launches, then (static input scale) their binding."""
+        from cute_fp4.run import bind
+
+        k, n = self.in_features, self.out_features
         a = quantize_activation(x2, self.input_scale)
         alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
         packed = self.layout == "packed"
-        if packed and isinstance(self.schedule, str) and self.schedule == "auto":
+        decode = packed and isinstance(self.schedule, str) and self.schedule == "auto"
+        if decode:
             fmt = _ACT_FORMATS[torch.bfloat16]
             a, alpha = quant.w4a16_operands(a, self.weight_scale_2, alpha)
         else:
             fmt = "nvfp4"
-        kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev, packed=packed)
-        y = _run(kern, a, w, alpha, (m, n, k, fmt))
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
+        dims = (m, n, k, fmt)
+        _run(kern, a, w, alpha, dims, out)
+        if self.alpha is None:
+            return  # a dynamic scale: alpha changes with every call
+        gemm = bind(kern, a, w, out, alpha, dims, (w, self.schedule, self.alpha),
+                    resolution_deadline(self.schedule), a_scale_per_call=not decode)
+        act = gemm and quant.BoundActivation.make(x2, self.input_scale, decode,
+                                                  (self.input_scale,))
+        if len(self._bound) >= 64:
+            self._bound.clear()
+        if act is not None:
+            self._bound[(m, x2.dtype, "w4a4")] = (act, gemm)
 
     def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
         """The forward torch.compile traces: plain tensors into the custom ops."""

@@ -478,6 +478,61 @@ def w4a16_operands(a: NVFP4Tensor, weight_scale: torch.Tensor, alpha=None):
     return dequantize_activation(a), alpha
 
 
+class BoundActivation:
+    """The activation side of a W4A4 forward at one M with a static global scale, bound
+    once (as ``run.BoundLaunch`` binds a GEMM): the quantizer and, for a product run by
+    the W4A16 kernel (``decode``), the dequantizer, launched through their TVM-FFI
+    entries on raw addresses inside one scratch allocation per call (codes, scales, BF16
+    values), on the current stream. The caller has checked the activation (contiguous,
+    16-byte aligned, [M, K] of the bound dtype on the bound device) and matches the
+    binding on the scale tensor (``key``); the results equal :func:`quantize_activation`
+    and :func:`dequantize_activation`'s on the same input, bit for bit.
+
+    Build with :meth:`make` (None where a kernel has no TVM-FFI entry)."""
+
+    __slots__ = ("key", "_q", "_dq", "_qtail", "_dqtail", "_gs", "_stream_of", "_dev",
+                 "_offsets", "_bytes", "_m", "_k")
+
+    @classmethod
+    def make(cls, x: torch.Tensor, global_scale: torch.Tensor, decode: bool, key=None
+             ) -> BoundActivation | None:
+        m, k = x.shape
+        q = _kernel_for(x, "static")
+        dq = _dequant_kernel() if decode else None
+        if q._ffi is None or (dq is not None and dq._ffi is None):
+            return None
+        return cls(q, dq, x, global_scale, key)
+
+    def __init__(self, q: CompiledQuantize, dq, x: torch.Tensor, gs: torch.Tensor, key):
+        m, k = x.shape
+        self.key, self._q, self._dq, self._m, self._k = key, q, dq, m, k
+        self._gs, self._dev = gs.data_ptr(), x.device.index
+        self._stream_of = q._stream_handle
+        self._qtail = (m, k, q.max_ctas)
+        self._dqtail = (m, k, 0)  # write_alpha off: alpha is the layer's (static scale)
+        rows, cols = scale_shape(m, k)
+        sizes = (m * k // 2, rows * cols, 2 * m * k if dq is not None else 0)
+        offsets, at = [], 0
+        for size in sizes:  # codes (8-byte aligned), scales (16), BF16 values (16)
+            offsets.append(at)
+            at += -(-size // 256) * 256
+        self._offsets, self._bytes = tuple(offsets), at
+
+    def launch(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Quantize (and decode) ``x``: (the scratch tensor, which must outlive the GEMM's
+        launch on this stream, A's address for the GEMM, its block scales' address: the
+        codes' scales, or 0 after decoding, where the GEMM reads BF16 values)."""
+        scratch = torch.empty(self._bytes, dtype=torch.uint8, device=x.device)
+        base = scratch.data_ptr()
+        codes, scales, values = (base + o for o in self._offsets)
+        stream = self._stream_of(self._dev)
+        self._q._ffi(x.data_ptr(), codes, scales, self._gs, self._gs, *self._qtail, stream)
+        if self._dq is None:
+            return scratch, codes, scales
+        self._dq._ffi(codes, scales, values, values, values, values, *self._dqtail, stream)
+        return scratch, values, 0
+
+
 def _dequant_out(a, out) -> torch.Tensor:
     m, k = _check_nvfp4_activation(a)
     if out is None:
@@ -491,7 +546,7 @@ def _dequant_out(a, out) -> torch.Tensor:
 
 
 __all__ = ["quantize_activation", "dequantize_activation", "dequantize_with_alpha",
-           "w4a16_operands",
+           "w4a16_operands", "BoundActivation",
            "compile_quantize",
            "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
            "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

@@ -213,7 +213,8 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
 
 
 class BoundLaunch:
-    """A W4A16 kernel's launch with its weight, alpha, sizes and split-K workspace fixed:
+    """A GEMM kernel's launch with its weight, alpha, sizes and split-K workspace fixed
+    (W4A16; W4A4 with A's block scales given per call):
     :func:`run_checked`'s checks and argument building done once, so a repeated call
     (a module's forward at one M) pays one validity test and the TVM-FFI call
     (:func:`bind`). The caller checks the activation and allocates the output as before;
@@ -246,6 +247,13 @@ class BoundLaunch:
 
     def launch_at(self, a: torch.Tensor, b_ptr: int, out: torch.Tensor) -> bool:
         """:meth:`launch` with the weight's data given by its address."""
+        return self.launch_ptrs(a.data_ptr(), None, b_ptr, out.data_ptr())
+
+    def launch_ptrs(self, a_ptr: int, a_scale_ptr: int | None, b_ptr: int, out_ptr: int
+                    ) -> bool:
+        """:meth:`launch` on raw addresses: A's data, A's block scales (W4A4 bindings,
+        :func:`bind` with ``a_scale_per_call``; None: the bound slot), the weight's data
+        and C's."""
         if b_ptr != self._b:
             return False
         stream = self._stream_of(self._dev)
@@ -254,7 +262,8 @@ class BoundLaunch:
             return False
         if time.monotonic() >= self._expires:
             return False
-        self._ffi(a.data_ptr(), *self._head, out.data_ptr(), *self._tail, stream)
+        head = self._head if a_scale_ptr is None else (a_scale_ptr, *self._head[1:])
+        self._ffi(a_ptr, *head, out_ptr, *self._tail, stream)
         return True
 
 
@@ -278,14 +287,18 @@ def may_keep(stream_handle: int) -> bool:
     return stream_handle == 0 or not _private()
 
 
-def bind(kernel, a, b, out, alpha, dims, key, expires: float) -> BoundLaunch | None:
+def bind(kernel, a, b, out, alpha, dims, key, expires: float,
+         a_scale_per_call: bool = False) -> BoundLaunch | None:
     """A :class:`BoundLaunch` of ``kernel`` for B = ``b`` and ``dims`` (= (M, N, K,
     a_format), the activation's, as :func:`run_checked` takes them), after
     :func:`run_checked` launched the same call on ``a`` into ``out``; None where there is
-    nothing to fix (no TVM-FFI entry; W4A4: A's scales change per call; an alpha that is
-    not already a float32 device scalar, whose copy would not follow the original) or, for
-    split-K, while capturing. ``key``: what the caller matches it on (kept as ``.key``)."""
-    if getattr(kernel, "_ffi", None) is None or dims[3] == "nvfp4":
+    nothing to fix (no TVM-FFI entry; W4A4 unless ``a_scale_per_call``: A's block scales
+    change with every call, so its caller passes their address to
+    :meth:`BoundLaunch.launch_ptrs`; an alpha that is not already a float32 device scalar,
+    whose copy would not follow the original) or, for split-K, while capturing. ``key``:
+    what the caller matches it on (kept as ``.key``)."""
+    w4a4 = dims[3] == "nvfp4"
+    if getattr(kernel, "_ffi", None) is None or (w4a4 and not a_scale_per_call):
         return None
     dev = b.data.device
     split = kernel.schedule.split_k > 1
@@ -295,7 +308,8 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float) -> BoundLaunch | N
     if alpha_t is not alpha and alpha_t is not b.global_scale:
         return None  # a converted copy: the binding would not see the scale change
     ws = split_workspace(kernel, dims[0], dims[1], dev) if split else None
-    args = kernel.raw_args(a, None, b.data, b.scale, out, alpha_t, ws)
+    a_data, a_scale = (a.data, a.scale) if w4a4 else (a, None)
+    args = kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha_t, ws)
     return BoundLaunch(kernel, key, args, dev.index, expires)
 
 

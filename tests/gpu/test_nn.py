@@ -217,11 +217,47 @@ def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
     torch.cuda.current_stream().wait_stream(side)
 
 
-@pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 4),
+@pytest.mark.parametrize("layout", ["auto", "plain"])
+def test_bound_w4a4_launches_follow_each_input_and_the_stream(layout):
+    """From the second call at an M, a W4A4 forward with a static input scale launches its
+    quantizer (on SM90's packed weight also its dequantizer) and GEMM through their
+    bindings (``quant.BoundActivation``, ``run.BoundLaunch``) into one scratch allocation:
+    new inputs every call, several M, an N-D input, a second stream, the input scale
+    changed in place, each against the reference on the activation ``quantize_activation``
+    gives."""
+    from cute_fp4.quant import BoundActivation
+
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    w = cf.quantize(lin.weight.detach())
+    layer = cnn.NVFP4Linear(w, mode="w4a4", input_scale=4.5 / 2688, layout=layout)
+
+    def check(x):
+        y = layer(x)
+        x2 = x.reshape(-1, 1024)
+        res = reference.check(y.reshape(-1, 512), _activation(layer, x2), layer.weight)
+        assert res.passed, str(res)
+
+    for i, shape in enumerate([(1, 1024)] * 3 + [(5, 1024)] * 3 + [(2, 3, 1024)] * 2):
+        check(_x(*shape, seed=50 + i))
+    assert {key[0] for key in layer._bound} == {1, 5, 6}
+    layer.set_input_scale(3.0 / 2688)  # in place: the bindings read the new value
+    check(_x(5, 1024, seed=60))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(2):
+            check(_x(1, 1024, seed=70 + i))
+    torch.cuda.current_stream().wait_stream(side)
+    assert isinstance(layer._bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
+
+
+@pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 2),
                                                 ("w4a4", False, 6)], ids=IDS)
 def test_forward_allocates_only_its_outputs(mode, static, most):
-    """W4A16: the output; W4A4: also the packed activation and its scales (dynamic: the
-    global scale and alpha) and, on SM90's packed weight, its decoded BF16 values. No
+    """W4A16: the output; W4A4 with a static input scale: the output and one scratch
+    buffer (the bound path: the packed activation, its scales and, on SM90's packed
+    weight, its decoded BF16 values); dynamic: those apart, the global scale and alpha. No
     split-K at this shape."""
     _skip_unsupported(mode)
     _, layer = _layer(mode, static, bias=True)
