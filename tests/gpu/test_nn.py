@@ -186,6 +186,17 @@ def test_decoder_shapes_have_no_host_sync(mode, static, n, k, m):
     assert res.passed, str(res)
 
 
+def _on_a_side_stream(check, shape, seeds) -> None:
+    """``check`` on new inputs of ``shape``, called on a second stream (ordered after the
+    current one's work and before its next)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for seed in seeds:
+            check(_x(*shape, seed=seed))
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
     """From the second call at an M, a W4A16 forward launches through its binding
     (``run.bind``): a new input every call (a stale address would repeat the last output,
@@ -209,12 +220,7 @@ def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
             check(_x(2, 4096, seed=30))  # a new M: the full path
             assert run._GENERATION[0] != generation
     assert layer._bound[(1, torch.bfloat16)].kernel.schedule.split_k > 1  # the premise
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(2):
-            check(_x(1, 4096, seed=40 + i))
-    torch.cuda.current_stream().wait_stream(side)
+    _on_a_side_stream(check, (1, 4096), seeds=(40, 41))
 
 
 @pytest.mark.parametrize("layout", ["auto", "plain"])
@@ -243,12 +249,7 @@ def test_bound_w4a4_launches_follow_each_input_and_the_stream(layout):
     assert {key[0] for key in layer._bound} == {1, 5, 6}
     layer.set_input_scale(3.0 / 2688)  # in place: the bindings read the new value
     check(_x(5, 1024, seed=60))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(2):
-            check(_x(1, 1024, seed=70 + i))
-    torch.cuda.current_stream().wait_stream(side)
+    _on_a_side_stream(check, (1, 1024), seeds=(70, 71))
     assert isinstance(layer._bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
