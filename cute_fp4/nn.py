@@ -14,10 +14,10 @@ metadata), never the stored weight, and allocates only the output (W4A4: also th
 quantized activation, in one scratch buffer with a static input scale; a split-K
 schedule: its workspace; a non-contiguous input: one contiguous copy). From the second
 call at an M it launches through a binding of the first call's kernels (W4A16, and W4A4
-with a static input scale: ``docs/correctness.md``). Under ``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4: after a
-``cute_fp4::quantize`` node), so ``fullgraph=True`` and ``mode="reduce-overhead"`` (CUDA
-graphs) work. Kernels are found through ``gemm``'s memo per (schedule, M, N, K, format,
-dtype, device).
+with a static input scale: ``docs/correctness.md``). Under ``torch.compile`` it is one
+``cute_fp4::mm`` node (W4A4: after a ``cute_fp4::quantize`` node), so ``fullgraph=True``
+and ``mode="reduce-overhead"`` (CUDA graphs) work. Kernels are found through ``gemm``'s
+memo per (schedule, M, N, K, format, dtype, device).
 
 Weight layout (``layout``): "plain" keeps the cuBLAS-layout bytes; "packed" holds them in
 WGMMA fragment order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels, which are
