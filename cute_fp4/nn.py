@@ -385,11 +385,13 @@ class NVFP4Linear(torch.nn.Module):
 
     def _forward_w4a4(self, x, w, m: int, dev: int) -> torch.Tensor:
         """Quantize the activation (the fused kernel), then the W4A4 kernel; on a packed
-        weight with ``schedule="auto"``, as ``gemm`` does there: the quantized activation
-        decoded to its exact BF16 block values, then the W4A16 kernel, the global scales'
-        product as alpha (static: ``self.alpha``, computed once). With a static input
-        scale, from the second call at an M and dtype the launches go through a binding
-        made by the first (``quant.BoundActivation`` and ``run.BoundLaunch``)."""
+        weight with ``schedule="auto"``, as ``gemm`` does there: the activation's exact
+        BF16 block values (static scale: quantized to them in one pass,
+        ``quant.quantize_values``; dynamic: quantized, then decoded), then the W4A16
+        kernel, the global scales' product as alpha (static: ``self.alpha``, computed
+        once). With a static input scale, from the second call at an M and dtype the
+        launches go through a binding made by the first (``quant.BoundActivation`` and
+        ``run.BoundLaunch``)."""
         k, n = self.in_features, self.out_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -416,15 +418,17 @@ class NVFP4Linear(torch.nn.Module):
         from cute_fp4.run import bind
 
         k, n = self.in_features, self.out_features
-        a = quantize_activation(x2, self.input_scale)
         alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
         packed = self.layout == "packed"
         decode = packed and isinstance(self.schedule, str) and self.schedule == "auto"
-        if decode:
+        if decode and alpha is not None:  # static: the values in one pass
+            fmt, a = _ACT_FORMATS[torch.bfloat16], quant.quantize_values(x2, self.input_scale)
+        elif decode:
             fmt = _ACT_FORMATS[torch.bfloat16]
-            a, alpha = quant.w4a16_operands(a, self.weight_scale_2, alpha)
+            a, alpha = quant.w4a16_operands(quantize_activation(x2, None),
+                                            self.weight_scale_2, None)
         else:
-            fmt = "nvfp4"
+            fmt, a = "nvfp4", quantize_activation(x2, self.input_scale)
         kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
         dims = (m, n, k, fmt)
         _run(kern, a, w, alpha, dims, out)

@@ -294,7 +294,7 @@ SMALL_ELEMENTS = 1 << 17  # inputs up to this many elements (decode) take 1 bloc
 
 
 def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static",
-                 small: bool = False, **changes):
+                 small: bool = False, output: str = "codes", **changes):
     """The ``QuantSpec`` that ``quantize_activation`` uses on ``target`` for an input of at
     most :data:`SMALL_ELEMENTS` elements (``small``) or more (``changes`` override fields:
     benchmarks and tests).
@@ -304,42 +304,46 @@ def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static",
     atom order, 128 threads x 4 blocks, 14.6 us at 4096^2 (61% of 4.8 TB/s; 256 x 2: 16.0
     us); decode sizes (M <= 16) in the row order (no items for the 127 padding rows), 128
     threads x 1 block, 2.0-2.2 us at K = 4096 (the atom order 2.3-2.5 us). The fused
-    dynamic variant reads the whole input in every CTA, so it takes few CTAs (256 x 2)."""
+    dynamic variant reads the whole input in every CTA, so it takes few CTAs (256 x 2).
+    ``output="values"`` (:func:`quantize_values`) keeps 16 output registers per block, so
+    large inputs take 2 blocks per thread (43 registers; 4 would take 106), row order."""
     from cute_fp4.kernels.quantize import QuantSpec
     from cute_fp4.targets import get_target
 
     if scale == "dynamic_fused":
         fields = {"threads": 256, "items": 2, "order": "rows"}
+    elif output == "values":
+        fields = {"threads": 128, "items": 1 if small else 2, "order": "rows"}
     elif small:
         fields = {"threads": 128, "items": 1, "order": "rows"}
     else:
         fields = {"threads": 128, "items": 4, "order": "atoms"}
     fields = {"target": get_target(target).name, "in_dtype": in_dtype, "scale": scale,
-              "ctas_per_sm": 0, **fields, **changes}
+              "ctas_per_sm": 0, "output": output, **fields, **changes}
     return QuantSpec(**fields)
 
 
-def _spec_for(x: torch.Tensor, scale: str):
+def _spec_for(x: torch.Tensor, scale: str, output: str = "codes"):
     from cute_fp4.targets import require_device
 
     return default_spec(require_device().target.name, _DTYPES[x.dtype], scale,
-                        small=x.numel() <= SMALL_ELEMENTS)
+                        small=x.numel() <= SMALL_ELEMENTS, output=output)
 
 
 _KERNELS: dict[tuple, CompiledQuantize] = {}
 
 
-def _kernel_for(x: torch.Tensor, scale: str) -> CompiledQuantize:
+def _kernel_for(x: torch.Tensor, scale: str, output: str = "codes") -> CompiledQuantize:
     """The default kernel for ``x`` (memoised per device, dtype and variant: no device
     query per call). ``x`` must be on the current device (the launch uses its stream)."""
     cur = torch.cuda.current_device()
     if x.device.index != cur:
         raise InputError(f"x is on {x.device} but the current CUDA device is cuda:{cur}; "
                          f"call under torch.cuda.device({x.device.index})")
-    key = (cur, x.dtype, scale, x.numel() <= SMALL_ELEMENTS)
+    key = (cur, x.dtype, scale, x.numel() <= SMALL_ELEMENTS, output)
     kern = _KERNELS.get(key)
     if kern is None:
-        kern = _KERNELS[key] = compile_quantize(_spec_for(x, scale))
+        kern = _KERNELS[key] = compile_quantize(_spec_for(x, scale, output))
     return kern
 
 
@@ -396,6 +400,33 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
         partials = torch.empty(PARTIALS_MAX, dtype=torch.float32, device=x.device)
     kern.launch(x, data, scale, gs_out, partials)
     return NVFP4Tensor._unchecked(data, scale, gs_out.reshape(()), (m, k))
+
+
+def quantize_values(x: torch.Tensor, global_scale: torch.Tensor | float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact block values (``e2m1 * block_scale``, without the global scale) of
+    ``quantize_activation(x, global_scale)`` as a BF16 ``[M, K]`` tensor, in one GPU pass
+    without the NVFP4 tensor in between: bit for bit
+    ``dequantize_activation(quantize_activation(x, global_scale))`` (a negative element
+    that rounds to zero is -0, a -0 element +0). What a W4A4 product with a static global
+    scale runs through the W4A16 kernel takes (``NVFP4Linear`` on SM90's packed weight),
+    the global scales' product as alpha. ``out``: a contiguous, 16-byte aligned BF16
+    ``[M, K]`` tensor on ``x``'s device to write, else allocated."""
+    m, k = _check_x(x)
+    if global_scale is None:
+        raise InputError("quantize_values() takes a static global scale (a tensor or a "
+                         "number); a dynamic one: quantize_activation, then "
+                         "dequantize_with_alpha")
+    gs = _static_scale(global_scale, x.device)
+    if out is None:
+        out = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+            or tuple(out.shape) != (m, k) or not out.is_contiguous() or out.data_ptr() % 16
+            or out.device != x.device):
+        raise InputError(f"out must be a contiguous, 16-byte aligned bfloat16 [{m}, {k}] "
+                         f"tensor on {x.device}")
+    _kernel_for(x, "static", "values").launch(x, out, out, gs, None)
+    return out
 
 
 _DEQUANT: dict[int, CompiledDequantize] = {}
@@ -480,57 +511,49 @@ def w4a16_operands(a: NVFP4Tensor, weight_scale: torch.Tensor, alpha=None):
 
 class BoundActivation:
     """The activation side of a W4A4 forward at one M with a static global scale, bound
-    once (as ``run.BoundLaunch`` binds a GEMM): the quantizer and, for a product run by
-    the W4A16 kernel (``decode``), the dequantizer, launched through their TVM-FFI
-    entries on raw addresses inside one scratch allocation per call (codes, scales, BF16
-    values), on the current stream. The caller has checked the activation (contiguous,
-    16-byte aligned, [M, K] of the bound dtype on the bound device) and matches the
-    binding on the scale tensor (``key``); the results equal :func:`quantize_activation`
-    and :func:`dequantize_activation`'s on the same input, bit for bit.
+    once (as ``run.BoundLaunch`` binds a GEMM): the quantizer, or for a product run by
+    the W4A16 kernel (``decode``) the quantizer to values (:func:`quantize_values`),
+    launched through its TVM-FFI entry on raw addresses inside one scratch allocation per
+    call (codes and scales, or BF16 values), on the current stream. The caller has checked
+    the activation (contiguous, 16-byte aligned, [M, K] of the bound dtype on the bound
+    device) and matches the binding on the scale tensor (``key``); the results equal
+    :func:`quantize_activation` / :func:`quantize_values` on the same input, bit for bit.
 
     Build with :meth:`make` (None where a kernel has no TVM-FFI entry)."""
 
-    __slots__ = ("key", "_q", "_dq", "_qtail", "_dqtail", "_gs", "_stream_of", "_dev",
-                 "_offsets", "_bytes", "_m", "_k")
+    __slots__ = ("key", "_q", "_decode", "_tail", "_gs", "_stream_of", "_dev", "_scales",
+                 "_bytes")
 
     @classmethod
     def make(cls, x: torch.Tensor, global_scale: torch.Tensor, decode: bool, key=None
              ) -> BoundActivation | None:
-        m, k = x.shape
-        q = _kernel_for(x, "static")
-        dq = _dequant_kernel() if decode else None
-        if q._ffi is None or (dq is not None and dq._ffi is None):
-            return None
-        return cls(q, dq, x, global_scale, key)
+        q = _kernel_for(x, "static", "values" if decode else "codes")
+        return None if q._ffi is None else cls(q, decode, x, global_scale, key)
 
-    def __init__(self, q: CompiledQuantize, dq, x: torch.Tensor, gs: torch.Tensor, key):
+    def __init__(self, q: CompiledQuantize, decode: bool, x: torch.Tensor, gs: torch.Tensor,
+                 key):
         m, k = x.shape
-        self.key, self._q, self._dq, self._m, self._k = key, q, dq, m, k
+        self.key, self._q, self._decode = key, q, decode
         self._gs, self._dev = gs.data_ptr(), x.device.index
         self._stream_of = q._stream_handle
-        self._qtail = (m, k, q.max_ctas)
-        self._dqtail = (m, k, 0)  # write_alpha off: alpha is the layer's (static scale)
+        self._tail = (m, k, q.max_ctas)
         rows, cols = scale_shape(m, k)
-        sizes = (m * k // 2, rows * cols, 2 * m * k if dq is not None else 0)
-        offsets, at = [], 0
-        for size in sizes:  # codes (8-byte aligned), scales (16), BF16 values (16)
-            offsets.append(at)
-            at += -(-size // 256) * 256
-        self._offsets, self._bytes = tuple(offsets), at
+        self._scales = -(-(m * k // 2) // 256) * 256  # codes, then scales (16-byte aligned)
+        self._bytes = 2 * m * k if decode else self._scales + rows * cols
 
     def launch(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        """Quantize (and decode) ``x``: (the scratch tensor, which must outlive the GEMM's
-        launch on this stream, A's address for the GEMM, its block scales' address: the
-        codes' scales, or 0 after decoding, where the GEMM reads BF16 values)."""
+        """Quantize ``x`` (to values, ``decode``): (the scratch tensor, which must outlive
+        the GEMM's launch on this stream, A's address for the GEMM, its block scales'
+        address: the codes' scales, or 0 for values, where the GEMM reads BF16)."""
         scratch = torch.empty(self._bytes, dtype=torch.uint8, device=x.device)
         base = scratch.data_ptr()
-        codes, scales, values = (base + o for o in self._offsets)
         stream = self._stream_of(self._dev)
-        self._q._ffi(x.data_ptr(), codes, scales, self._gs, self._gs, *self._qtail, stream)
-        if self._dq is None:
-            return scratch, codes, scales
-        self._dq._ffi(codes, scales, values, values, values, values, *self._dqtail, stream)
-        return scratch, values, 0
+        if self._decode:  # the scale pointer is never read there: any 16-byte aligned one
+            self._q._ffi(x.data_ptr(), base, base, self._gs, self._gs, *self._tail, stream)
+            return scratch, base, 0
+        scales = base + self._scales
+        self._q._ffi(x.data_ptr(), base, scales, self._gs, self._gs, *self._tail, stream)
+        return scratch, base, scales
 
 
 def _dequant_out(a, out) -> torch.Tensor:
@@ -545,8 +568,8 @@ def _dequant_out(a, out) -> torch.Tensor:
     return out
 
 
-__all__ = ["quantize_activation", "dequantize_activation", "dequantize_with_alpha",
-           "w4a16_operands", "BoundActivation",
+__all__ = ["quantize_activation", "quantize_values", "dequantize_activation",
+           "dequantize_with_alpha", "w4a16_operands", "BoundActivation",
            "compile_quantize",
            "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
            "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

@@ -162,7 +162,12 @@ def fake_kernels(monkeypatch):
     def dequant_alpha(a, other):
         return dequant(a), a.global_scale * other
 
+    def values(x, global_scale):
+        calls.append(("quantize_values", tuple(x.shape), global_scale))
+        return quantize(x, global_scale).block_values(torch.bfloat16)
+
     monkeypatch.setattr(cnn, "quantize_activation", quant)
+    monkeypatch.setattr(cnn.quant, "quantize_values", values)
     monkeypatch.setattr(cnn.quant, "dequantize_activation", dequant)
     monkeypatch.setattr(cnn.quant, "dequantize_with_alpha", dequant_alpha)
     return calls
@@ -225,9 +230,10 @@ def test_w4a4_quantizes_with_the_input_scale(fake_kernels, static):
 @pytest.mark.parametrize("schedule", ["auto", "sm90_rs_packed"])
 def test_packed_w4a4_runs_the_w4a16_kernel_on_the_decoded_activation(fake_kernels, static,
                                                                       schedule):
-    """A packed W4A4 layer with schedule="auto" quantizes, decodes the quantized activation
-    to its BF16 block values and runs a W4A16 kernel with the scales' product as alpha (the
-    same products as W4A4); a named schedule keeps the W4A4 kernel."""
+    """A packed W4A4 layer with schedule="auto" takes the activation's BF16 block values
+    (static scale: quantized to them in one pass; dynamic: quantized, then decoded) and
+    runs a W4A16 kernel with the scales' product as alpha (the same products as W4A4); a
+    named schedule keeps the W4A4 kernel."""
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     gs = float(x.float().abs().max()) / 2688 * 2 if static else None
     layer = cnn.NVFP4Linear.from_linear(_linear(64, 32), "w4a4", input_scale=gs,
@@ -241,7 +247,8 @@ def test_packed_w4a4_runs_the_w4a16_kernel_on_the_decoded_activation(fake_kernel
     if schedule != "auto":
         assert steps == ["quantize", "kernel", "run"] and k_call[5] == "nvfp4"
         return
-    assert steps == ["quantize", "dequantize", "kernel", "run"]
+    assert steps == (["quantize_values", "kernel", "run"] if static else
+                     ["quantize", "dequantize", "kernel", "run"])
     assert k_call[5] == "bf16" and r_call[1] == (6, 32, 64, "bf16")
     if static:
         assert r_call[2] is layer.alpha

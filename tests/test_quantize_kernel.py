@@ -101,20 +101,28 @@ def _encoder_codes(q: np.ndarray) -> np.ndarray:
     return _encode_sw(q.astype(np.float32), np.zeros(q.shape, bool)) & 0x7FFFFF
 
 
-def test_one_add_encoder_is_exact_on_its_range():
-    """The software E2M1 encoder (one float add of M2(em)) against E2M1 RNE: every float32
-    within 2^16 ulps of each decision point and power of two in [0, 6.5], and a stride over
-    the whole range (every float32 in it was checked once, 2026-12-02); q up to 6.5 + 1 ulp
-    (the most a block without a clamp can reach). Beyond the range it fails (q = 7 gives
-    code 8): the comparison can fail."""
-    from quantize_model import e2m1_rne, from_bits
+def _encoder_samples() -> np.ndarray:
+    """float32 q in [0, 6.5 + 1 ulp]: every one within 2^16 ulps of each decision point
+    and power of two, and a stride over the rest."""
+    from quantize_model import from_bits
 
     top = int(np.float32(6.5).view(np.uint32)) + 1
     marks = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 6.5]
     near = np.concatenate([np.arange(-(1 << 16), 1 << 16) + int(np.float32(v).view(np.uint32))
                            for v in marks])
     b = np.unique(np.concatenate([near, np.arange(0, top + 1, 997)]))
-    q = from_bits(b[(b >= 0) & (b <= top)].astype(np.uint32))
+    return from_bits(b[(b >= 0) & (b <= top)].astype(np.uint32))
+
+
+def test_one_add_encoder_is_exact_on_its_range():
+    """The software E2M1 encoder (one float add of M2(em)) against E2M1 RNE: every float32
+    within 2^16 ulps of each decision point and power of two in [0, 6.5], and a stride over
+    the whole range (every float32 in it was checked once, 2026-12-02); q up to 6.5 + 1 ulp
+    (the most a block without a clamp can reach). Beyond the range it fails (q = 7 gives
+    code 8): the comparison can fail."""
+    from quantize_model import e2m1_rne
+
+    q = _encoder_samples()
     assert np.array_equal(_encoder_codes(q), e2m1_rne(q))
     assert _encoder_codes(np.array([7.0]))[0] == 8
 
@@ -253,6 +261,43 @@ def test_default_specs():
 
 
 @pytest.mark.compile
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("small", [False, True])
+def test_values_kernel_compiles(target, small):
+    """``output="values"`` (``quant.quantize_values``): no spills, at most 64 registers,
+    the same 16-byte loads, 16-byte stores of BF16 values (two per block), no code or
+    scale stores, no E2M1 conversion (the value is computed, not encoded)."""
+    spec = quant.default_spec(target, "bf16", "static", small=small, output="values")
+    assert spec.order == "rows" and "-values" in spec.label()
+    rep = quant.quantize_compile_report(spec)
+    ops = rep["opcodes"]
+    assert rep["spills"] == 0 and rep["registers"] <= 64 and rep["kernels"] == 1, rep
+    assert ops["LDG.E.128"] >= 2 * spec.items, ops
+    assert ops["STG.E.128"] >= 2 * spec.items, ops
+    assert ops["STG.E.64"] == 0 and ops["STG.E.U8"] == 0, ops
+    assert ops["F2FP.SATFINITE.E2M1"] == 0, ops
+
+
+def test_value_arithmetic_gives_the_e2m1_value():
+    """The values kernel's ``RN(q + M2) - M2`` is the E2M1 magnitude of q (the sum and the
+    difference exact in float32) on the samples of the encoder test; the comparison can
+    fail (q = 7 rounds to 8, no E2M1 value)."""
+    from quantize_model import M2_BIAS, bits, e2m1_rne, from_bits
+
+    from cute_fp4.nvfp4 import E2M1_VALUES
+
+    def value(q):
+        em = np.maximum(bits(q) >> 23, 127).astype(np.uint64)
+        mg = from_bits(((em * (2**23 + 2) + M2_BIAS) & 0xFFFFFFFF).astype(np.uint32))
+        return ((q + mg).astype(np.float32) - mg).astype(np.float32)
+
+    q = _encoder_samples()
+    table = np.asarray(E2M1_VALUES, dtype=np.float32)
+    assert np.array_equal(value(q), table[e2m1_rne(q)])
+    assert value(np.array([7.0], dtype=np.float32))[0] == 8.0
+
+
 def test_spec_validation():
     with pytest.raises(ValueError, match="in_dtype"):
         QuantSpec(in_dtype="fp32")
@@ -262,6 +307,11 @@ def test_spec_validation():
         QuantSpec(threads=100)
     with pytest.raises(ValueError, match="order"):
         QuantSpec(order="cols")
+    with pytest.raises(ValueError, match="output must be one of"):
+        QuantSpec(output="floats")
+    for bad in ({"scale": "dynamic"}, {"order": "atoms"}):
+        with pytest.raises(ValueError, match="output='values' takes"):
+            QuantSpec(output="values", **bad)
 
 
 # ----------------------------------------------------------------------------- host checks

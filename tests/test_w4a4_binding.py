@@ -1,5 +1,5 @@
 """The W4A4 forward's binding on the CPU (``NVFP4Linear._forward_w4a4``): with a static input
-scale, the second call at an M launches the quantizer, the dequantizer (the packed W4A16
+scale, the second call at an M launches the quantizer (to BF16 values on the packed W4A16
 route) and the GEMM through ``quant.BoundActivation`` and ``run.BoundLaunch`` on the
 addresses the full path would use, with the device and every launch stubbed (the GPU test
 ``tests/gpu/test_nn.py`` checks the results against the reference)."""
@@ -14,7 +14,6 @@ from test_launch_path import Recorder, stub_layer_path  # noqa: F401 (a fixture)
 
 import cute_fp4 as cf
 from cute_fp4 import quant
-from cute_fp4.nvfp4 import scale_shape
 
 host = importlib.import_module("cute_fp4.compile")  # the module (cute_fp4.compile: a function)
 N, K = 256, 512
@@ -30,21 +29,28 @@ class _FakeKernel:
 
 @pytest.fixture
 def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
-    """stub_layer_path plus the activation kernels: the full path quantizes and decodes
-    on the CPU (``cute_fp4.quantize``, ``block_values``); the bound path's quantize and
-    dequantize launches are recorded. Returns (gemm recorder, quantize recorder,
-    dequantize recorder, built GEMMs, stream)."""
+    """stub_layer_path plus the activation kernels: the full path quantizes (to values)
+    on the CPU (``cute_fp4.quantize``, ``block_values``); the bound path's quantizer
+    launches are recorded, with the output each asked for. Returns (gemm recorder,
+    quantize recorder, [outputs asked of _kernel_for], built GEMMs, stream)."""
     from cute_fp4 import nn
 
     host.clear_cache()  # kernels memoised by other tests hold other recorders
     rec, built, stream = stub_layer_path
-    qrec, drec = Recorder(), Recorder()
-    monkeypatch.setattr(quant, "_kernel_for", lambda x, scale: _FakeKernel(qrec, stream))
-    monkeypatch.setattr(quant, "_dequant_kernel", lambda: _FakeKernel(drec, stream))
+    qrec, outputs = Recorder(), []
+
+    def kernel_for(x, scale, output="codes"):
+        assert scale == "static"
+        outputs.append(output)
+        return _FakeKernel(qrec, stream)
+
+    monkeypatch.setattr(quant, "_kernel_for", kernel_for)
     monkeypatch.setattr(nn, "quantize_activation", lambda x, gs: cf.quantize(x, gs))
-    monkeypatch.setattr(quant, "w4a16_operands", lambda a, ws, alpha: (
-        a.block_values(torch.bfloat16), alpha))
-    yield rec, qrec, drec, built, stream
+    monkeypatch.setattr(quant, "quantize_values", lambda x, gs: cf.quantize(x, gs)
+                        .block_values(torch.bfloat16))
+    monkeypatch.setattr(quant, "w4a16_operands", lambda a, ws, alpha: (  # dynamic layers
+        a.block_values(torch.bfloat16), a.global_scale * ws))
+    yield rec, qrec, outputs, built, stream
     host.clear_cache()
 
 
@@ -58,36 +64,32 @@ def _layer(layout: str, input_scale=0.01):
 @pytest.mark.parametrize("layout", ["packed", "plain"])
 @pytest.mark.parametrize("shape", [(3, K), (2, 1, K)])
 def test_second_w4a4_call_launches_through_its_binding(stub_w4a4, layout, shape):
-    """Packed: quantize into the scratch's codes and scales, decode them into its BF16
-    values, the W4A16 GEMM on those values (A's scales: the bound slot). Plain: the W4A4
-    GEMM on the codes with their scales. Everything else as the full path passed it."""
-    rec, qrec, drec, built, stream = stub_w4a4
+    """Packed: quantize to BF16 values into the scratch, the W4A16 GEMM on them (A's scales:
+    the bound slot). Plain: quantize into the scratch's codes and scales, the W4A4 GEMM on
+    them. Everything else as the full path passed it."""
+    rec, qrec, outputs, built, stream = stub_w4a4
     layer = _layer(layout)
     xs = [torch.randn(*shape).to(torch.bfloat16) for _ in range(3)]
     ys = [layer(x) for x in xs]
     m = xs[0].numel() // K
     assert list(layer._bound) == [(m, torch.bfloat16, "w4a4")]
     assert len(rec.calls) == 3 and len(qrec.calls) == 2, "one full call, two bound"
-    assert len(drec.calls) == (2 if layout == "packed" else 0)
+    assert outputs == ["values" if layout == "packed" else "codes"]  # bound once
     first = rec.calls[0]
     gs = layer.input_scale.data_ptr()
-    rows, cols = scale_shape(m, K)
     for i, (x, y) in enumerate(zip(xs[1:], ys[1:])):
         assert y.shape == (*shape[:-1], N) and y.dtype == torch.bfloat16
         q = qrec.calls[i]
-        codes, scales = q[1], q[2]
-        assert q == (x.data_ptr(), codes, scales, gs, gs, m, K, 9, stream[0])
-        assert (scales - codes) % 256 == 0 and scales - codes >= m * K // 2
+        out, scales = q[1], q[2]
+        assert q == (x.data_ptr(), out, scales, gs, gs, m, K, 9, stream[0])
         g = rec.calls[1 + i]
-        assert g[4] == y.data_ptr() and g[5:] == first[5:] and g[2:4] == first[2:4]
-        if layout == "packed":
-            values = drec.calls[i][2]
-            assert drec.calls[i] == (codes, scales, values, values, values, values, m, K, 0,
-                                     stream[0])
-            assert (values - scales) % 256 == 0 and values - scales >= rows * cols
-            assert g[0] == values and g[1] == first[1]  # W4A16: pSFA repeats pSFB
+        assert g[0] == out and g[4] == y.data_ptr()
+        assert g[5:] == first[5:] and g[2:4] == first[2:4]
+        if layout == "packed":  # values: the scale slot is not read (any aligned address)
+            assert scales == out and g[1] == first[1]  # W4A16: pSFA repeats pSFB
         else:
-            assert g[0] == codes and g[1] == scales
+            assert (scales - out) % 256 == 0 and scales - out >= m * K // 2
+            assert g[1] == scales
 
 
 def test_w4a4_binding_follows_the_scales_and_skips_dynamic_layers(stub_w4a4):

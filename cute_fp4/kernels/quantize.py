@@ -66,6 +66,13 @@ Variants (``QuantSpec.scale``):
 * ``"dynamic_fused"``: one kernel whose CTAs each reduce the whole input first (for small
   decode-sized inputs, where a second launch costs more than re-reading from L2).
 
+Output (``QuantSpec.output``): ``"codes"`` (the NVFP4 tensor: packed codes and blocked
+scales) or ``"values"``: each element's exact block value ``e2m1 * scale`` as BF16 ``[M,
+K]`` (static scale, row order), what a W4A4 product run by the W4A16 kernel reads, in one
+pass instead of quantizing and decoding: ``RN(q + M2) - M2`` is the E2M1 magnitude
+(Sterbenz: exact), times the UE4M3 value exact (at most 6 significant bits), negated for
+a negative element (so -0 stays +0, as its code does); two 16-byte stores per block.
+
 Tried and not kept: staging the input through shared memory, first by per-thread cp.async
 (25.2 us against 14.6 us at 4096^2 BF16 on an H200, its MIO queue the top stall), then by a
 producer warp streaming chunks with bulk copies into an mbarrier ring (2026-12-02: 54-69%
@@ -74,7 +81,8 @@ issue the arithmetic fast enough: ``perf/results/2026-12-02-h200-encoder.md``).
 
 Constraints (checked by the host layer, ``cute_fp4.quant``): K a multiple of 16, input
 contiguous and 16-byte aligned, ``M * K < 2^31``, scale buffer 16-byte aligned, packed
-output 8-byte aligned. NaN/Inf inputs give unspecified codes (``quantize`` rejects them).
+output 8-byte aligned (values: 16-byte aligned, the scale pointer never read). NaN/Inf
+inputs give unspecified codes (``quantize`` rejects them).
 """
 
 from __future__ import annotations
@@ -99,6 +107,7 @@ _FAST_GS_MIN = 2.0 ** -80  # global scales outside [min, max] take the general p
 _FAST_GS_MAX = 64.0
 SCALES = ("static", "dynamic", "dynamic_fused")
 ORDERS = ("rows", "atoms")
+OUTPUTS = ("codes", "values")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +126,8 @@ class QuantSpec:
     order: str = "rows"  # item order: "rows" (row-major over the padded scale columns, pad
     # rows zeroed by extra CTAs) or "atoms" (item g writes scale byte g: a warp writes one
     # 32-byte sector of the 128x4 layout; pad rows are items of their own)
+    output: str = "codes"  # "codes": packed E2M1 and blocked UE4M3 scales; "values": each
+    # element's exact block value e2m1 * scale as BF16 [M, K] (static scale, row order)
 
     def __post_init__(self):
         if self.in_dtype not in ("bf16", "fp16"):
@@ -131,6 +142,11 @@ class QuantSpec:
             raise ValueError(f"ctas_per_sm must be 0..32, got {self.ctas_per_sm}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {self.output!r}")
+        if self.output == "values" and (self.scale != "static" or self.order != "rows"):
+            raise ValueError(f"output='values' takes scale='static' and order='rows', got "
+                             f"{self.scale!r}, {self.order!r}")
         if not 1 <= self.items <= 8 or not 1 <= self.amax_vectors <= 8:
             raise ValueError(f"items and amax_vectors must be 1..8, got {self.items}, "
                              f"{self.amax_vectors}")
@@ -143,6 +159,7 @@ class QuantSpec:
         general = "-general" if self.force_general else ""
         grid = f"p{self.ctas_per_sm}"
         path = "" if self.order == "rows" else "-atoms"
+        path += "-values" if self.output == "values" else ""
         return (f"quantize-{self.in_dtype}-{self.scale}-t{self.threads}i{self.items}"
                 f"v{self.amax_vectors}{grid}{path}{general}@{self.target}")
 
@@ -194,6 +211,17 @@ def _mask_low(acc: str) -> list[str]:
     return [f"and.b32 {acc}, {acc}, 0xFFF;"]
 
 
+def _value(j: int, h: int) -> list[str]:
+    """Element ``j``'s exact value ``e2m1(q) * scale`` into ``v{h}``: ``RN(q + M2) - M2``
+    is q rounded to its binade's E2M1 spacing (Sterbenz: exact), the E2M1 magnitude; times
+    the UE4M3 value ``sfv`` (at most 2 x 4 significant bits: exact); negated where the
+    element is negative (``pe{j}``: x < 0, so -0 stays +0 as its code does)."""
+    return ["shr.u32 ex, q, 23;", "max.u32 em, ex, 127;",
+            f"mad.lo.u32 mg, em, 0x800002, {_M2_BIAS:#x};", "add.rn.f32 fm, q, mg;",
+            "sub.rn.f32 fm, fm, mg;", f"mul.rn.f32 v{h}, fm, sfv;",
+            f"@pe{j} neg.f32 v{h}, v{h};"]
+
+
 def _block_scale_fast() -> list[str]:
     """``u = min(RN(t / gs), 448)`` with ``t`` clamped to ``RN(449 gs)``; $r8 gs, $r9 RN(1/gs),
     $r10 RN(449 gs)."""
@@ -213,10 +241,12 @@ _RCP_RN_LINES = ("rcp.approx.ftz.f32 r, dd;", "fma.rn.f32 er, dd, r, 0fBF800000;
                  "neg.f32 er, er;", "fma.rn.f32 r, r, er, r;")
 
 
-def _elements(half: str, hw: bool, mode: str) -> list[str]:
+def _elements(half: str, hw: bool, mode: str, values: bool = False) -> list[str]:
     """PTX for the 16 elements of a block into acc0, acc1 (codes; signs from pe0..pe15).
     ``mode``: "general" (IEEE division of the input words, d in ``d``, ``pd``: d > 0) or
-    "fast" (the quotient ``x * r`` with one correction, of the words in ``c0..c7``)."""
+    "fast" (the quotient ``x * r`` with one correction, of the words in ``c0..c7``).
+    ``values``: instead, each pair's exact values ``e2m1 * scale`` (``sfv``, sign from
+    ``pe``) as BF16 into $w0..$w7."""
     x2 = f"{half}x2"
     body = []
     for i in range(8):
@@ -234,7 +264,11 @@ def _elements(half: str, hw: bool, mode: str) -> list[str]:
                 body += ["abs.f32 aa, a;", "mul.rn.f32 qa, aa, r;", "neg.f32 nq, qa;",
                          "fma.rn.f32 er, nq, d, aa;", "fma.rn.f32 q, er, r, qa;"]
             acc = "acc0" if j < 8 else "acc1"
-            if hw:
+            if values:
+                body += _value(j, h)
+                if h == 1:
+                    body.append(f"cvt.rn.bf16x2.f32 {{$w{i}}}, v1, v0;")
+            elif hw:
                 if h == 0:
                     body.append("mov.b32 flo, q;")
                 else:
@@ -243,7 +277,7 @@ def _elements(half: str, hw: bool, mode: str) -> list[str]:
                 body += _encode_sw("q", j % 8, acc, f"pe{j}")
                 if j % 8 == 2:
                     body += _mask_low(acc)
-    if hw:
+    if hw and not values:
         body += ["mov.b32 acc0, {eb0, eb1, eb2, eb3};", "mov.b32 acc1, {eb4, eb5, eb6, eb7};"]
         for j in range(16):
             acc = "acc0" if j < 8 else "acc1"
@@ -251,14 +285,16 @@ def _elements(half: str, hw: bool, mode: str) -> list[str]:
     return body
 
 
-def _block_ptx(half: str, hw: bool, general: bool) -> str:
+def _block_ptx(half: str, hw: bool, general: bool, values: bool = False) -> str:
     """PTX for one 16-element block: $r0..$r7 the packed input words, $r8 gs, $r9 RN(1/gs),
     $r10 RN(449 gs); $w0, $w1 the packed codes, $w2 the UE4M3 scale byte (twice: low byte
-    and the next, the store keeps the low one)."""
+    and the next, the store keeps the low one); ``values``: $w0..$w7 the block's exact
+    values ``e2m1 * scale`` as BF16 pairs."""
     x2 = f"{half}x2"
     regs = ("m, ua, ub, bamax, t, qa, nq, er, u, sfb, nz, sfv, d, dd, r, lim, limw, z, "
             "c0, c1, c2, c3, c4, c5, c6, c7, a, aa, q, ex, em, mg, fm, acc0, acc1")
     body = ["{", f".reg .b32 {regs};", ".reg .b16 s16, hl, hh;", ".reg .b8 eb<8>;",
+            ".reg .f32 v0, v1;",
             ".reg .pred pe<16>, pd;", ".reg .f32 flo, fhi;", "mov.b32 z, 0;"]
     # block amax: max |x| over the 8 words (sign bits of the result are garbage)
     body.append(f"max.xorsign.abs.{x2} m, {{$r0}}, {{$r1}};")
@@ -280,7 +316,7 @@ def _block_ptx(half: str, hw: bool, general: bool) -> str:
     ]
     if general:
         body.append("setp.gt.f32 pd, d, 0f00000000;")
-        body += _elements(half, hw, "general")
+        body += _elements(half, hw, "general", values)
     else:
         # The words are clamped to RZ(6 d) (codes saturate) only in blocks that need it:
         # where bamax <= RN(6.5 d) every quotient is <= 6.5 and encodes to at most 6 as it
@@ -292,8 +328,11 @@ def _block_ptx(half: str, hw: bool, general: bool) -> str:
                  "@!pd bra L_CLAMPED;", "mul.rn.f32 lim, d, 0f40C00000;",
                  f"cvt.rz.{x2}.f32 limw, lim, lim;",
                  *[f"min.xorsign.abs.{x2} c{i}, c{i}, limw;" for i in range(8)],
-                 "L_CLAMPED:", *_elements(half, hw, "fast")]
-    body += ["mov.b32 {$w0}, acc0;", "mov.b32 {$w1}, acc1;", "mov.b32 {$w2}, sfb;", "}"]
+                 "L_CLAMPED:", *_elements(half, hw, "fast", values)]
+    if values:
+        body.append("}")
+    else:
+        body += ["mov.b32 {$w0}, acc0;", "mov.b32 {$w1}, acc1;", "mov.b32 {$w2}, sfb;", "}"]
     return "\n".join(body)
 
 
@@ -370,15 +409,17 @@ class QuantizeKernel:
         self.dynamic = spec.scale != "static"
         self.fused = spec.scale == "dynamic_fused"
         self.atoms = spec.order == "atoms"
-        self._fast = _block_ptx(self.half, spec.hw_e2m1, False)
-        self._general = _block_ptx(self.half, spec.hw_e2m1, True)
+        self.values = spec.output == "values"
+        self._fast = _block_ptx(self.half, spec.hw_e2m1, False, self.values)
+        self._general = _block_ptx(self.half, spec.hw_e2m1, True, self.values)
+        self._q_align = 16 if self.values else 8  # 16-byte stores of values, 8 of codes
 
     # ------------------------------------------------------------------ host side
     def fake_args(self) -> tuple:
         from cutlass.cute.runtime import make_fake_stream
 
         return (make_ptr(_U32, 0, _GMEM, assumed_align=16),
-                make_ptr(_U32, 0, _GMEM, assumed_align=8),
+                make_ptr(_U32, 0, _GMEM, assumed_align=self._q_align),
                 make_ptr(cutlass.Uint8, 0, _GMEM, assumed_align=16),
                 make_ptr(cutlass.Float32, 0, _GMEM, assumed_align=4),
                 make_ptr(_U32, 0, _GMEM, assumed_align=self._part_align),
@@ -397,7 +438,7 @@ class QuantizeKernel:
         m, k = x.shape
         part = partials if self.spec.scale == "dynamic" else gs
         return (make_ptr(_U32, x.data_ptr(), _GMEM, assumed_align=16),
-                make_ptr(_U32, q.data_ptr(), _GMEM, assumed_align=8),
+                make_ptr(_U32, q.data_ptr(), _GMEM, assumed_align=self._q_align),
                 make_ptr(cutlass.Uint8, sf.data_ptr(), _GMEM, assumed_align=16),
                 make_ptr(cutlass.Float32, gs.data_ptr(), _GMEM, assumed_align=4),
                 make_ptr(_U32, part.data_ptr(), _GMEM, assumed_align=self._part_align),
@@ -421,8 +462,8 @@ class QuantizeKernel:
         n_items = (mp if cutlass.const_expr(self.atoms) else m) * kbp
         n_chunks = (n_items + t * u - 1) // (t * u)
         n_item_ctas = cutlass.min(n_chunks, max_ctas)
-        n_pad_ctas = 0  # "atoms": the pad rows are items
-        if cutlass.const_expr(not self.atoms):
+        n_pad_ctas = 0  # "atoms": the pad rows are items; "values": no scales
+        if cutlass.const_expr(not self.atoms and not self.values):
             n_pad_ctas = self._pad_ctas(m, mp, kbp)
         n_vec = words // 4
         per_amax_cta = t * self.spec.amax_vectors
@@ -450,7 +491,8 @@ class QuantizeKernel:
         mp = (m + 127) // 128 * 128
         words = m * (kk // 2)
         mX = cute.make_tensor(pX, cute.make_layout((cute.assume(words, divby=8),)))
-        mQ = cute.make_tensor(pQ, cute.make_layout((cute.assume(m * (kk // 8), divby=2),)))
+        q_words = m * (kk // 2) if cutlass.const_expr(self.values) else m * (kk // 8)
+        mQ = cute.make_tensor(pQ, cute.make_layout((cute.assume(q_words, divby=2),)))
         sf_len = cute.assume(mp * kbp, divby=512)
         mSF = cute.make_tensor(pSF, cute.make_layout((sf_len,)))
         mSF4 = cute.make_tensor(cute.recast_ptr(pSF, dtype=_U32),
@@ -644,11 +686,13 @@ class QuantizeKernel:
     @cute.jit
     def _block_codes(self, code: str, rW, gs, consts) -> list:
         """The block PTX on each of this thread's ``items`` blocks (input words in ``rW``):
-        per block a register tensor of (codes, codes, scale byte)."""
-        rO = [cute.make_rmem_tensor((3,), _U32) for _ in range(self.items)]
+        per block a register tensor of (codes, codes, scale byte), or ("values") of its
+        eight BF16 pairs."""
+        n = 8 if self.values else 3
+        rO = [cute.make_rmem_tensor((n,), _U32) for _ in range(self.items)]
         for j in cutlass.range_constexpr(self.items):
-            out = _ptx(code, 3, *(rW[j][i] for i in range(8)), gs, consts[0], consts[1])
-            for i in cutlass.range_constexpr(3):
+            out = _ptx(code, n, *(rW[j][i] for i in range(8)), gs, consts[0], consts[1])
+            for i in cutlass.range_constexpr(n):
                 rO[j][i] = out[i]
         return rO
 
@@ -660,11 +704,17 @@ class QuantizeKernel:
         for j in cutlass.range_constexpr(u):
             g = self._item_index(chunk, j, tidx)
             ok, data, gd, off = self._item_flags(g, idx[j, 0], idx[j, 1], grid)
-            if data:
-                cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
-                                  cute.local_tile(mQ, (2,), (gd,)))
-            if ok:
-                mSF[off] = cutlass.Uint8(cutlass.select_(data, rO[j][2], _U32(0)))
+            if cutlass.const_expr(self.values):
+                if data:  # the block's 16 values: two 16-byte stores
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(cute.local_tile(rO[j], (4,), (h,)),
+                                          cute.local_tile(mQ, (4,), (gd * 2 + h,)))
+            else:
+                if data:
+                    cute.autovec_copy(cute.local_tile(rO[j], (2,), (0,)),
+                                      cute.local_tile(mQ, (2,), (gd,)))
+                if ok:
+                    mSF[off] = cutlass.Uint8(cutlass.select_(data, rO[j][2], _U32(0)))
 
     @cute.jit
     def _pad_rows(self, mSF4, m, kbp, first, stride):

@@ -251,3 +251,38 @@ def test_errors_leave_outputs_untouched():
     assert torch.equal(out.data, before[0]) and torch.equal(out.scale.view(torch.uint8),
                                                             before[1])
     assert torch.isnan(out.global_scale).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m, k", SHAPES)
+def test_values_are_the_decoded_codes_bit_for_bit(dtype, m, k):
+    """``quantize_values`` (one pass) against ``dequantize_activation(quantize_activation)``
+    and ``quantize(...).block_values``, every bit (signed zeros included) of outputs
+    poisoned first, for the fast path's scales and the general path's (1e-30, 300)."""
+    x = awkward_input(m, k, dtype, seed=m + 5 * k).cuda()
+    for gs in _static_scales(x):
+        gs_t = torch.full((1,), gs, dtype=torch.float32, device="cuda")
+        out = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got = quant.quantize_values(x, gs_t, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        two_pass = quant.dequantize_activation(quant.quantize_activation(x, gs_t))
+        ref = quantize(x, gs_t).block_values(torch.bfloat16)
+        for want, name in ((two_pass, "two passes"), (ref, "quantize().block_values")):
+            bad = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
+            assert bad == 0, f"[{m}, {k}] {dtype} gs={gs:g}: {bad} values differ from {name}"
+
+
+def test_values_errors_leave_the_output_untouched():
+    x = torch.randn(8, 64, device="cuda").to(torch.bfloat16)
+    out = torch.full((8, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    before = out.clone()
+    for fn, msg in ((lambda: quant.quantize_values(x, None, out=out), "static global scale"),
+                    (lambda: quant.quantize_values(x, -1.0, out=out), "finite and > 0"),
+                    (lambda: quant.quantize_values(x, 0.1, out=out[:, :48]), "out must be"),
+                    (lambda: quant.quantize_values(x[:, :48].contiguous(), 0.1, out=out),
+                     "out must be"),
+                    (lambda: quant.quantize_values(x, 0.1, out=out.half()), "out must be")):
+        with pytest.raises(InputError, match=msg):
+            fn()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), before.view(torch.int16))
