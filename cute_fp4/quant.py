@@ -11,6 +11,11 @@ synchronisation and no allocation beyond the outputs, so it can be captured in a
   kernel and the quantize kernel ("two_pass") or by one kernel whose CTAs each reduce the
   whole input ("fused", for decode-sized inputs up to :data:`FUSED_MAX_ELEMENTS`).
 
+:func:`quantize_values` is the static variant that writes the exact block values (``e2m1 *
+scale``, BF16) instead of the NVFP4 tensor, what a W4A4 product run by the W4A16 kernel
+reads, in one pass. :class:`BoundActivation` launches either for ``NVFP4Linear``'s bound
+W4A4 forward.
+
 Kernels compile once per (target, dtype, variant, decode-sized or not: :func:`default_spec`)
 with symbolic M and K and go through the package's disk cache (``cute_fp4.cache``) like the
 GEMMs.
