@@ -54,9 +54,10 @@ def test_gemms_wait_before_touching_global_memory(name, a_format):
 
 
 @pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
-@pytest.mark.parametrize("scale", ["static", "dynamic"])
+@pytest.mark.parametrize("scale", ["static", "dynamic", "static-values"])
 def test_quantizer_waits_first_and_releases_its_dependents(target, scale):
-    spec = quant.default_spec(target, "bf16", scale)
+    output = "values" if scale.endswith("values") else "codes"
+    spec = quant.default_spec(target, "bf16", scale.split("-")[0], output=output)
     with tempfile.TemporaryDirectory() as d:
         quant.cross_compile_quantize(spec, dump_dir=d)
         _check(cubin_sass(sorted(Path(d).glob("*.cubin"))[-1]), releases=True)
