@@ -26,7 +26,9 @@ Timing (device time, CUDA events):
 
 Bytes (the minimum that must move) = ``2 M K`` (read) + ``M K / 2`` (codes) +
 ``round_up(M, 128) * round_up(K / 16, 4)`` (scales); the two-pass dynamic variant reads
-the input twice (``traffic_bytes``). ``gbs = bytes / graphN_us``; ``pct_peak`` against the
+the input twice (``traffic_bytes``); the values variant (``quant.quantize_values``, a row
+per large shape with the calibrated scale, checked against ``block_values``) moves
+``4 M K`` (BF16 in, BF16 out). ``gbs = bytes / graphN_us``; ``pct_peak`` against the
 device's datasheet bandwidth (``cute_fp4.targets``, 4800 GB/s on an H200).
 """
 
@@ -70,7 +72,9 @@ POW2_GS = 2.0**-7  # a power of two: SM90 runs its exact loop on every block
 ROTATE_BYTES = 100 << 20
 
 
-def nbytes(m: int, k: int) -> int:
+def nbytes(m: int, k: int, values: bool = False) -> int:
+    if values:  # output="values": BF16 in, BF16 out
+        return 4 * m * k
     rp, cp = scale_shape(m, k)
     return 2 * m * k + m * k // 2 + rp * cp
 
@@ -78,11 +82,12 @@ def nbytes(m: int, k: int) -> int:
 class Buffers:
     """Rotating inputs and poisoned outputs for one shape."""
 
-    def __init__(self, m: int, k: int, dtype, count: int, gs: float | None = DEFAULT_GS):
+    def __init__(self, m: int, k: int, dtype, count: int, gs: float | None = DEFAULT_GS,
+                 values: bool = False):
         self.m, self.k = m, k
         g = torch.Generator(device="cuda").manual_seed(m * 31 + k)
         self.x = [torch.randn(m, k, generator=g, device="cuda").to(dtype) for _ in range(count)]
-        self.out = [self._out() for _ in range(count)]
+        self.out = [self._values_out() if values else self._out() for _ in range(count)]
         if gs is None:  # calibrated: the inputs' amax / 2688, no block scale saturates
             gs = max(x.float().abs().max().item() for x in self.x) / 2688
         self.gs = torch.full((1,), gs, dtype=torch.float32, device="cuda")
@@ -95,9 +100,14 @@ class Buffers:
         gs = torch.full((), float("nan"), dtype=torch.float32, device="cuda")
         return NVFP4Tensor._unchecked(data, scale.view(torch.float8_e4m3fn), gs, (m, k))
 
+    def _values_out(self) -> torch.Tensor:
+        return torch.full((self.m, self.k), float("nan"), dtype=torch.bfloat16, device="cuda")
+
 
 def _launcher(kern, buf: Buffers, i: int, dynamic: bool, two_pass: bool):
     x, out = buf.x[i], buf.out[i]
+    if isinstance(out, torch.Tensor):  # output="values": BF16 [M, K] (no scale buffer)
+        return lambda: kern.launch(x, out, out, buf.gs, None)
     gs = out.global_scale if dynamic else buf.gs
     part = buf.partials if two_pass else None
     return lambda: kern.launch(x, out.data, out.scale, gs, part)
@@ -108,6 +118,9 @@ def _check(kern, buf: Buffers, dynamic: bool, two_pass: bool) -> bool:
     ref = quantize(buf.x[0], None if dynamic else buf.gs)
     out = buf.out[0]
     torch.cuda.synchronize()
+    if isinstance(out, torch.Tensor):
+        return torch.equal(out.view(torch.int16),
+                           ref.block_values(torch.bfloat16).view(torch.int16))
     ok = (torch.equal(out.data, ref.data)
           and torch.equal(out.scale.view(torch.uint8), ref.scale.view(torch.uint8)))
     if dynamic:
@@ -149,8 +162,9 @@ def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
               with_torch: bool, gs: float = DEFAULT_GS) -> dict:
     dynamic = spec.scale != "static"
     two_pass = spec.scale == "dynamic"
-    count = max(2, min(GRAPH_N, -(-ROTATE_BYTES // nbytes(m, k))))
-    buf = Buffers(m, k, dtype, count, gs)
+    values = spec.output == "values"
+    count = max(2, min(GRAPH_N, -(-ROTATE_BYTES // nbytes(m, k, values))))
+    buf = Buffers(m, k, dtype, count, gs, values)
     kern = quant.compile_quantize(spec)
     row = {"m": m, "k": k, "dtype": str(dtype).replace("torch.", ""), "spec": spec.label(),
            "scale": spec.scale, "gs": None if dynamic else buf.gs.item(),
@@ -164,7 +178,7 @@ def bench_row(spec: QuantSpec, m: int, k: int, dtype, timer: Timer, bw: float,
     row["graph1_us"] = timer(_launcher(kern, buf, 0, dynamic, two_pass))
     fns = [_launcher(kern, buf, i % count, dynamic, two_pass) for i in range(GRAPH_N)]
     row["graphN_us"] = _graph_n(fns)
-    b = nbytes(m, k)
+    b = nbytes(m, k, values)
     row["bytes"] = b
     row["traffic_bytes"] = b + (2 * m * k if two_pass else 0)
     row["gbs"] = b / row["graphN_us"] / 1e3
@@ -240,6 +254,8 @@ def main(argv=None) -> int:
                 add(bench_row(spec, m, k, dtype, timer, bw, with_torch=not general))
             add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, POW2_GS))
             add(bench_row(default_spec(target, dt), m, k, dtype, timer, bw, False, None))
+            add(bench_row(default_spec(target, dt, output="values"), m, k, dtype, timer, bw,
+                          False, None))
             for changes in _variants(args.variants):
                 add(bench_row(default_spec(target, dt, **changes), m, k, dtype, timer, bw,
                               with_torch=False))
