@@ -407,11 +407,10 @@ class NVFP4Linear(torch.nn.Module):
         if (act.key[0] is not self.input_scale or gemm.key[0] is not w
                 or gemm.key[1] is not self.schedule or gemm.key[2] is not self.alpha):
             return False
-        scratch, a_ptr, sfa_ptr = act.launch(x2)
-        if gemm.launch_ptrs(a_ptr, sfa_ptr or None, w.data.data_ptr(), out.data_ptr()):
-            return True
-        del scratch  # the GEMM's binding no longer holds: the full path quantizes again
-        return False
+        # scratch: held until the GEMM is queued behind the quantizer on this stream; if the
+        # GEMM's binding no longer holds, the full path quantizes again
+        scratch, a_ptr, sfa_ptr = act.launch(x2)  # noqa: F841
+        return gemm.launch_ptrs(a_ptr, sfa_ptr or None, w.data.data_ptr(), out.data_ptr())
 
     def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
         """The full W4A4 launches, then (static input scale) their binding."""

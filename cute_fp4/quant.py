@@ -228,8 +228,7 @@ def cross_compile_quantize(spec, dump_dir: str | None = None):
 
 REPORT_OPCODES = ("LDGSTS.E.BYPASS.LTC128B.128", "LDS.128", "LDG.E.128", "STG.E.64",
                   "STG.E.128", "STG.E.U8", "HMNMX2",
-                  "F2FP.SATFINITE.E2M1", "F2FP.SATFINITE.E4M3", "MUFU.RCP", "REDUX",
-                  "UBLKCP.S.G", "SYNCS.ARRIVE")
+                  "F2FP.SATFINITE.E2M1", "F2FP.SATFINITE.E4M3", "MUFU.RCP", "REDUX")
 
 
 def quantize_compile_report(spec) -> dict:
