@@ -217,8 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-decode", action="store_true", help="skip the decode sizes")
     p.add_argument("--bf16-only", action="store_true", help="skip the FP16 rows")
     p.add_argument("--variants", default="", metavar="F=V[,F=V];...",
-                   help="extra static rows per large shape: QuantSpec field changes, e.g. "
-                        "'encode=quotient;encode=thresholds,items=2'")
+                   help="extra static rows per large shape, with the calibrated scale (the "
+                        "inputs' amax / 2688): QuantSpec field changes, e.g. "
+                        "'items=2;ctas_per_sm=3,order=rows'")
     args = p.parse_args(argv)
     dev = detect_device()
     if dev is None or dev.target is None:
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
                           False, None))
             for changes in _variants(args.variants):
                 add(bench_row(default_spec(target, dt, **changes), m, k, dtype, timer, bw,
-                              with_torch=False))
+                              False, None))
             if args.sweep:
                 for threads, items, per_sm, order in SWEEP:
                     spec = default_spec(target, dt, threads=threads, items=items,

@@ -77,7 +77,12 @@ Tried and not kept: staging the input through shared memory, first by per-thread
 (25.2 us against 14.6 us at 4096^2 BF16 on an H200, its MIO queue the top stall), then by a
 producer warp streaming chunks with bulk copies into an mbarrier ring (2026-12-02: 54-69%
 of 4.8 TB/s against 63-81% for this kernel; its consumer warps, 16-32 per SM, could not
-issue the arithmetic fast enough: ``perf/results/2026-12-02-h200-encoder.md``).
+issue the arithmetic fast enough: ``perf/results/2026-12-02-h200-encoder.md``). Deeper
+rings for the persistent loop (2026-12-02, ``perf/results/2026-12-02-h200-ring.md``): more
+than two register sets do not pipeline deeper, because ptxas tracks every 16-byte load on
+one scoreboard and the first use of a set waits for all of them (51-58%). A ring of
+shared-memory slots filled by cp.async does wait partially (``DEPBAR.LE``), but it
+executes 23% more instructions and ran at 36-68%.
 
 Constraints (checked by the host layer, ``cute_fp4.quant``): K a multiple of 16, input
 contiguous and 16-byte aligned, ``M * K < 2^31``, scale buffer 16-byte aligned, packed
