@@ -11,10 +11,11 @@ FP32 global scale) and computes ``y = x @ W^T (+ bias)`` for bf16/fp16 ``x`` of 
 
 A forward call synchronises nothing with the GPU, checks only the activation (host
 metadata), never the stored weight, and allocates only the output (W4A4: also the
-quantized activation, in one scratch buffer with a static input scale; a split-K
-schedule: its workspace; a non-contiguous input: one contiguous copy). From the second
-call at an M it launches through a binding of the first call's kernels (W4A16, and W4A4
-with a static input scale: ``docs/correctness.md``). Under ``torch.compile`` it is one
+quantized activation, in one scratch buffer with a static input scale or on SM90's
+packed weight; a split-K schedule: its workspace; a non-contiguous input: one contiguous
+copy). From the second call at an M it launches through a binding of the first call's
+kernels (W4A16; W4A4 with a static input scale, or a dynamic one on SM90's packed weight:
+``docs/correctness.md``). Under ``torch.compile`` it is one
 ``cute_fp4::mm`` node (W4A4: after a ``cute_fp4::quantize`` node), so ``fullgraph=True``
 and ``mode="reduce-overhead"`` (CUDA graphs) work. Kernels are found through ``gemm``'s
 memo per (schedule, M, N, K, format, dtype, device).
@@ -115,6 +116,11 @@ def _run(kern, a, w: NVFP4Tensor, alpha, dims, out=None) -> torch.Tensor:
     from cute_fp4.run import run_checked
 
     return run_checked(kern, a, w, out, alpha, dims)
+
+
+def _device_scalar(t: torch.Tensor, device: torch.device) -> bool:
+    """A float32 tensor of one element on ``device`` (what a kernel reads a scale from)."""
+    return t.dtype == torch.float32 and t.numel() == 1 and t.device == device
 
 
 def _scalar(value, name: str, device) -> torch.Tensor:
@@ -389,9 +395,10 @@ class NVFP4Linear(torch.nn.Module):
         BF16 block values (static scale: quantized to them in one pass,
         ``quant.quantize_values``; dynamic: quantized, then decoded), then the W4A16
         kernel, the global scales' product as alpha (static: ``self.alpha``, computed
-        once). With a static input scale, from the second call at an M and dtype the
-        launches go through a binding made by the first (``quant.BoundActivation`` and
-        ``run.BoundLaunch``)."""
+        once; dynamic: by the decoder, per call). From the second call at an M and dtype
+        the launches go through a binding made by the first (``quant.BoundActivation`` and
+        ``run.BoundLaunch``), except with a dynamic scale on the codes route (torch
+        multiplies the two scales there)."""
         k, n = self.in_features, self.out_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -404,13 +411,17 @@ class NVFP4Linear(torch.nn.Module):
 
     def _launch_bound_w4a4(self, bound, x2, w, out) -> bool:
         act, gemm = bound
-        if (act.key[0] is not self.input_scale or gemm.key[0] is not w
-                or gemm.key[1] is not self.schedule or gemm.key[2] is not self.alpha):
+        if (act.key[0] is not self.input_scale or act.key[1] is not self.weight_scale_2
+                or gemm.key[0] is not w or gemm.key[1] is not self.schedule
+                or gemm.key[2] is not self.alpha):
             return False
-        # scratch: held until the GEMM is queued behind the quantizer on this stream; if the
-        # GEMM's binding no longer holds, the full path quantizes again
-        scratch, a_ptr, sfa_ptr = act.launch(x2)  # noqa: F841
-        return gemm.launch_ptrs(a_ptr, sfa_ptr or None, w.data.data_ptr(), out.data_ptr())
+        b_ptr = w.data.data_ptr()
+        if gemm.accepts(b_ptr) is None:  # e.g. split-K while capturing: the full path
+            return False
+        # scratch: held until the GEMM is queued behind the activation kernels on this stream
+        scratch, a_ptr, sfa_ptr, alpha_ptr = act.launch(x2)  # noqa: F841
+        return gemm.launch_ptrs(a_ptr, sfa_ptr or None, b_ptr, out.data_ptr(),
+                                alpha_ptr or None)
 
     def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
         """The full W4A4 launches, then (static input scale) their binding."""
@@ -431,12 +442,14 @@ class NVFP4Linear(torch.nn.Module):
         kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
         dims = (m, n, k, fmt)
         _run(kern, a, w, alpha, dims, out)
-        if self.alpha is None:
-            return  # a dynamic scale: alpha changes with every call
+        dynamic = self.input_scale is None
+        if dynamic and not (decode and _device_scalar(self.weight_scale_2, x2.device)):
+            return  # the codes route with a dynamic scale: torch multiplies the scales
         gemm = bind(kern, a, w, out, alpha, dims, (w, self.schedule, self.alpha),
                     resolution_deadline(self.schedule), a_scale_per_call=not decode)
-        act = gemm and quant.BoundActivation.make(x2, self.input_scale, decode,
-                                                  (self.input_scale,))
+        act = gemm and quant.BoundActivation.make(
+            x2, self.input_scale, decode, (self.input_scale, self.weight_scale_2),
+            other_scale=self.weight_scale_2 if dynamic else None)
         if len(self._bound) >= 64:
             self._bound.clear()
         if act is not None:

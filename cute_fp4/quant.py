@@ -514,50 +514,88 @@ def w4a16_operands(a: NVFP4Tensor, weight_scale: torch.Tensor, alpha=None):
 
 
 class BoundActivation:
-    """The activation side of a W4A4 forward at one M with a static global scale, bound
-    once (as ``run.BoundLaunch`` binds a GEMM): the quantizer, or for a product run by
-    the W4A16 kernel (``decode``) the quantizer to values (:func:`quantize_values`),
-    launched through its TVM-FFI entry on raw addresses inside one scratch allocation per
-    call (codes and scales, or BF16 values), on the current stream. The caller has checked
-    the activation (contiguous, 16-byte aligned, [M, K] of the bound dtype on the bound
-    device) and matches the binding on the scale tensor (``key``); the results equal
-    :func:`quantize_activation` / :func:`quantize_values` on the same input, bit for bit.
+    """The activation side of a W4A4 forward at one M, bound once (as ``run.BoundLaunch``
+    binds a GEMM) and launched through TVM-FFI entries on raw addresses inside one scratch
+    allocation per call, on the current stream:
+
+    * a static global scale: the quantizer (codes and scales), or for a product run by the
+      W4A16 kernel (``decode``) the quantizer to values (:func:`quantize_values`);
+    * a dynamic one (``global_scale`` None; ``decode`` only): the quantizer computing the
+      scale (one or two kernels, as :func:`quantize_activation` picks them), then the
+      decoder writing the exact BF16 block values and alpha, the two global scales'
+      product (:func:`dequantize_with_alpha`, ``other_scale`` the weight's).
+
+    The caller has checked the activation (contiguous, 16-byte aligned, [M, K] of the bound
+    dtype on the bound device) and matches the binding on the scale tensors (``key``); the
+    results equal the unbound functions' on the same input, bit for bit.
 
     Build with :meth:`make` (None where a kernel has no TVM-FFI entry)."""
 
-    __slots__ = ("key", "_q", "_decode", "_tail", "_gs", "_stream_of", "_dev", "_scales",
-                 "_bytes")
+    __slots__ = ("key", "_q", "_dq", "_decode", "_tail", "_gs", "_other", "_stream_of",
+                 "_dev", "_offsets", "_bytes", "_mk", "_two_pass")
 
     @classmethod
-    def make(cls, x: torch.Tensor, global_scale: torch.Tensor, decode: bool, key=None
-             ) -> BoundActivation | None:
+    def make(cls, x: torch.Tensor, global_scale: torch.Tensor | None, decode: bool, key=None,
+             other_scale: torch.Tensor | None = None) -> BoundActivation | None:
+        if global_scale is None:
+            if not decode or other_scale is None:
+                raise InputError("a dynamic-scale binding decodes (decode=True) and takes "
+                                 "the weight's global scale (other_scale)")
+            q = _kernel_for(x, _scale_variant(None, x.numel(), "auto"))
+            dq = _dequant_kernel()
+            return None if q._ffi is None or dq._ffi is None else cls(q, dq, x, None,
+                                                                       other_scale, key)
         q = _kernel_for(x, "static", "values" if decode else "codes")
-        return None if q._ffi is None else cls(q, decode, x, global_scale, key)
+        return None if q._ffi is None else cls(q, None, x, global_scale, None, key, decode)
 
-    def __init__(self, q: CompiledQuantize, decode: bool, x: torch.Tensor, gs: torch.Tensor,
-                 key):
+    def __init__(self, q: CompiledQuantize, dq: CompiledDequantize | None, x: torch.Tensor,
+                 gs: torch.Tensor | None, other: torch.Tensor | None, key, decode=True):
+        from cute_fp4.kernels.quantize import PARTIALS_MAX
+
         m, k = x.shape
-        self.key, self._q, self._decode = key, q, decode
-        self._gs, self._dev = gs.data_ptr(), x.device.index
-        self._stream_of = q._stream_handle
-        self._tail = (m, k, q.max_ctas)
+        self.key, self._q, self._dq, self._decode = key, q, dq, decode
+        self._two_pass = q.spec.scale == "dynamic"  # an amax kernel writes partials first
+        self._gs = 0 if gs is None else gs.data_ptr()
+        self._other = 0 if other is None else other.data_ptr()
+        self._dev, self._stream_of = x.device.index, q._stream_handle
+        self._tail, self._mk = (m, k, q.max_ctas), (m, k)
         rows, cols = scale_shape(m, k)
-        self._scales = -(-(m * k // 2) // 256) * 256  # codes, then scales (16-byte aligned)
-        self._bytes = 2 * m * k if decode else self._scales + rows * cols
+        if dq is None:  # codes, then scales; or values
+            sizes = {"values": 2 * m * k} if decode else {"codes": m * k // 2,
+                                                          "scales": rows * cols}
+        else:  # codes, scales, the global scale, the amax partials, values, alpha
+            sizes = {"codes": m * k // 2, "scales": rows * cols, "gs": 4,
+                     "partials": 4 * PARTIALS_MAX if self._two_pass else 0,
+                     "values": 2 * m * k, "alpha": 4}
+        self._offsets, at = {}, 0
+        for name, size in sizes.items():  # every part 256-byte aligned
+            self._offsets[name] = at
+            at += -(-size // 256) * 256
+        self._bytes = at
 
-    def launch(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    def launch(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
         """Quantize ``x`` (to values, ``decode``): (the scratch tensor, which must outlive
         the GEMM's launch on this stream, A's address for the GEMM, its block scales'
-        address: the codes' scales, or 0 for values, where the GEMM reads BF16)."""
+        address (codes) or 0 (values: the GEMM reads BF16), alpha's address (a dynamic
+        scale) or 0 (the bound alpha holds))."""
         scratch = torch.empty(self._bytes, dtype=torch.uint8, device=x.device)
-        base = scratch.data_ptr()
+        at = {name: scratch.data_ptr() + off for name, off in self._offsets.items()}
         stream = self._stream_of(self._dev)
+        if self._dq is not None:
+            gs = at["gs"]
+            part = at["partials"] if self._two_pass else gs  # never read: fused
+            self._q._ffi(x.data_ptr(), at["codes"], at["scales"], gs, part, *self._tail,
+                         stream)
+            self._dq._ffi(at["codes"], at["scales"], at["values"], gs, self._other,
+                          at["alpha"], *self._mk, 1, stream)
+            return scratch, at["values"], 0, at["alpha"]
         if self._decode:  # the scale pointer is never read there: any 16-byte aligned one
+            base = at["values"]
             self._q._ffi(x.data_ptr(), base, base, self._gs, self._gs, *self._tail, stream)
-            return scratch, base, 0
-        scales = base + self._scales
-        self._q._ffi(x.data_ptr(), base, scales, self._gs, self._gs, *self._tail, stream)
-        return scratch, base, scales
+            return scratch, base, 0, 0
+        self._q._ffi(x.data_ptr(), at["codes"], at["scales"], self._gs, self._gs,
+                     *self._tail, stream)
+        return scratch, at["codes"], at["scales"], 0
 
 
 def _dequant_out(a, out) -> torch.Tensor:

@@ -249,21 +249,35 @@ class BoundLaunch:
         """:meth:`launch` with the weight's data given by its address."""
         return self.launch_ptrs(a.data_ptr(), None, b_ptr, out.data_ptr())
 
-    def launch_ptrs(self, a_ptr: int, a_scale_ptr: int | None, b_ptr: int, out_ptr: int
-                    ) -> bool:
-        """:meth:`launch` on raw addresses: A's data, A's block scales (W4A4 bindings,
-        :func:`bind` with ``a_scale_per_call``; None: the bound slot), the weight's data
-        and C's."""
+    def accepts(self, b_ptr: int) -> int | None:
+        """The current stream's handle if a launch on the weight data at ``b_ptr`` would go
+        through now, else None (what :meth:`launch_ptrs` tests first; a W4A4 forward asks
+        before launching its activation kernels, which the full path would repeat)."""
         if b_ptr != self._b:
-            return False
+            return None
         stream = self._stream_of(self._dev)
         if self._split and (stream != self._stream or self._generation != _GENERATION[0]
                             or _capturing_now() or not may_keep(stream)):
-            return False
+            return None
         if time.monotonic() >= self._expires:
+            return None
+        return stream
+
+    def launch_ptrs(self, a_ptr: int, a_scale_ptr: int | None, b_ptr: int, out_ptr: int,
+                    alpha_ptr: int | None = None) -> bool:
+        """:meth:`launch` on raw addresses: A's data, A's block scales (W4A4 bindings,
+        :func:`bind` with ``a_scale_per_call``; None: the bound slot), the weight's data,
+        C's, and alpha's (a float32 device scalar computed per call, as a dynamic activation
+        scale gives it; None: the bound alpha)."""
+        stream = self.accepts(b_ptr)
+        if stream is None:
             return False
         head = self._head if a_scale_ptr is None else (a_scale_ptr, *self._head[1:])
-        self._ffi(a_ptr, *head, out_ptr, *self._tail, stream)
+        tail = self._tail
+        if alpha_ptr is not None:  # unsplit kernels pass alpha's address in the workspace
+            tail = ((alpha_ptr, *tail[1:]) if self._split  # slots too (never read there)
+                    else (alpha_ptr, alpha_ptr, alpha_ptr, *tail[3:]))
+        self._ffi(a_ptr, *head, out_ptr, *tail, stream)
         return True
 
 

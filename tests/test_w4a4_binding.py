@@ -1,8 +1,9 @@
-"""The W4A4 forward's binding on the CPU (``NVFP4Linear._forward_w4a4``): with a static input
-scale, the second call at an M launches the quantizer (to BF16 values on the packed W4A16
-route) and the GEMM through ``quant.BoundActivation`` and ``run.BoundLaunch`` on the
-addresses the full path would use, with the device and every launch stubbed (the GPU test
-``tests/gpu/test_nn.py`` checks the results against the reference)."""
+"""The W4A4 forward's binding on the CPU (``NVFP4Linear._forward_w4a4``): from the second
+call at an M, the quantizer (to BF16 values on the packed W4A16 route; with a dynamic
+scale, quantizer then decoder) and the GEMM launch through ``quant.BoundActivation`` and
+``run.BoundLaunch`` on the addresses the full path would use, with the device and every
+launch stubbed (the GPU test ``tests/gpu/test_nn.py`` checks the results against the
+reference)."""
 
 from __future__ import annotations
 
@@ -22,29 +23,32 @@ N, K = 256, 512
 class _FakeKernel:
     """A compiled quantize / dequantize kernel: a recording TVM-FFI entry."""
 
-    def __init__(self, rec, stream):
+    def __init__(self, rec, stream, scale="static"):
         self._ffi, self.max_ctas = rec, 9
         self._stream_handle = lambda index: stream[0]
+        self.spec = type("Spec", (), {"scale": scale})
 
 
 @pytest.fixture
 def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
     """stub_layer_path plus the activation kernels: the full path quantizes (to values)
     on the CPU (``cute_fp4.quantize``, ``block_values``); the bound path's quantizer
-    launches are recorded, with the output each asked for. Returns (gemm recorder,
-    quantize recorder, [outputs asked of _kernel_for], built GEMMs, stream)."""
+    launches are recorded, with the output each asked for (a dynamic scale: its variant;
+    the decoder's launches in ``qrec.decoded``). Returns (gemm recorder, quantize recorder,
+    [outputs asked of _kernel_for], built GEMMs, stream)."""
     from cute_fp4 import nn
 
     host.clear_cache()  # kernels memoised by other tests hold other recorders
     rec, built, stream = stub_layer_path
     qrec, outputs = Recorder(), []
+    qrec.decoded = Recorder()
 
     def kernel_for(x, scale, output="codes"):
-        assert scale == "static"
-        outputs.append(output)
-        return _FakeKernel(qrec, stream)
+        outputs.append(output if scale == "static" else scale)
+        return _FakeKernel(qrec, stream, scale)
 
     monkeypatch.setattr(quant, "_kernel_for", kernel_for)
+    monkeypatch.setattr(quant, "_dequant_kernel", lambda: _FakeKernel(qrec.decoded, stream))
     monkeypatch.setattr(nn, "quantize_activation", lambda x, gs: cf.quantize(x, gs))
     monkeypatch.setattr(quant, "quantize_values", lambda x, gs: cf.quantize(x, gs)
                         .block_values(torch.bfloat16))
@@ -119,9 +123,38 @@ def test_w4a4_binding_follows_the_scales_and_skips_dynamic_layers(stub_w4a4):
     layer(x)  # bound again, on the new weight
     assert len(qrec.calls) == 3 and rec.calls[-1][2] == layer.weight_packed.data_ptr()
     layer._bound[(2, torch.bfloat16, "w4a4")][1]._expires = 0.0  # the GEMM's time is up:
-    layer(x)  # the bound quantizer ran, the full path runs the whole forward again
-    assert len(qrec.calls) == 4 and len(rec.calls) == n + 3
-    dynamic = _layer("packed", input_scale=None)
+    layer(x)  # asked first, so the bound quantizer does not run; the full path runs it all
+    assert len(qrec.calls) == 3 and len(rec.calls) == n + 3
+    dynamic = _layer("plain", input_scale=None)
     for _ in range(3):
         dynamic(x)
-    assert dynamic._bound == {}
+    assert dynamic._bound == {}  # the codes route: torch multiplies the two scales
+
+
+@pytest.mark.parametrize("m", [2, 4096])
+def test_dynamic_scale_binds_quantizer_decoder_and_alpha(stub_w4a4, m):
+    """A dynamic input scale on the packed route: the bound call quantizes into the scratch
+    (codes, scales, the global scale; amax partials for a large M, two kernels), decodes
+    there to values and alpha (the weight's global scale read from its buffer), and the
+    GEMM reads the values and alpha from the scratch (every alpha slot of an unsplit
+    kernel); nothing else changes from the full path's launch."""
+    rec, qrec, outputs, _, stream = stub_w4a4
+    layer = _layer("packed", input_scale=None)
+    xs = [torch.randn(m, K).to(torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    two_pass = m * K > quant.FUSED_MAX_ELEMENTS
+    assert outputs == ["dynamic" if two_pass else "dynamic_fused"]
+    assert len(rec.calls) == 3 and len(qrec.calls) == len(qrec.decoded.calls) == 2
+    first, ws = rec.calls[0], layer.weight_scale_2.data_ptr()
+    for i, (x, y) in enumerate(zip(xs[1:], ys[1:])):
+        codes, scales, gs, part = qrec.calls[i][1:5]
+        assert qrec.calls[i] == (x.data_ptr(), codes, scales, gs, part, m, K, 9, stream[0])
+        assert (part != gs) == two_pass and scales - codes >= m * K // 2
+        values, alpha = qrec.decoded.calls[i][2], qrec.decoded.calls[i][5]
+        assert qrec.decoded.calls[i] == (codes, scales, values, gs, ws, alpha, m, K, 1,
+                                         stream[0])
+        assert len({codes, scales, gs, part, values, alpha} - {gs}) == 4 + two_pass
+        assert all(p % 256 == 0 for p in (scales - codes, gs - codes, values - codes))
+        g = rec.calls[1 + i]
+        assert g[0] == values and g[4] == y.data_ptr() and g[5:8] == (alpha,) * 3
+        assert g[1:4] == first[1:4] and g[8:] == first[8:]
