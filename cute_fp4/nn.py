@@ -11,14 +11,12 @@ FP32 global scale) and computes ``y = x @ W^T (+ bias)`` for bf16/fp16 ``x`` of 
 
 A forward call synchronises nothing with the GPU, checks only the activation (host
 metadata), never the stored weight, and allocates only the output (W4A4: also the
-quantized activation, in one scratch buffer with a static input scale or on SM90's
-packed weight; a split-K schedule: its workspace; a non-contiguous input: one contiguous
-copy). From the second call at an M it launches through a binding of the first call's
-kernels (W4A16; W4A4 with a static input scale, or a dynamic one on SM90's packed weight:
-``docs/correctness.md``). Under ``torch.compile`` it is one
-``cute_fp4::mm`` node (W4A4: after a ``cute_fp4::quantize`` node), so ``fullgraph=True``
-and ``mode="reduce-overhead"`` (CUDA graphs) work. Kernels are found through ``gemm``'s
-memo per (schedule, M, N, K, format, dtype, device).
+quantized activation, in one scratch buffer; a split-K schedule: its workspace; a
+non-contiguous input: one contiguous copy). From the second call at an M it launches
+through a binding of the first call's kernels (``docs/correctness.md``). Under
+``torch.compile`` it is one ``cute_fp4::mm`` node (W4A4: after a ``cute_fp4::quantize``
+node), so ``fullgraph=True`` and ``mode="reduce-overhead"`` (CUDA graphs) work. Kernels
+are found through ``gemm``'s memo per (schedule, M, N, K, format, dtype, device).
 
 Weight layout (``layout``): "plain" keeps the cuBLAS-layout bytes; "packed" holds them in
 WGMMA fragment order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels, which are
@@ -395,10 +393,9 @@ class NVFP4Linear(torch.nn.Module):
         BF16 block values (static scale: quantized to them in one pass,
         ``quant.quantize_values``; dynamic: quantized, then decoded), then the W4A16
         kernel, the global scales' product as alpha (static: ``self.alpha``, computed
-        once; dynamic: by the decoder, per call). From the second call at an M and dtype
-        the launches go through a binding made by the first (``quant.BoundActivation`` and
-        ``run.BoundLaunch``), except with a dynamic scale on the codes route (torch
-        multiplies the two scales there)."""
+        once; dynamic: per call, by the decoder, or by torch on the codes route). From the
+        second call at an M and dtype the launches go through a binding made by the first
+        (``quant.BoundActivation`` and ``run.BoundLaunch``)."""
         k, n = self.in_features, self.out_features
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -424,7 +421,7 @@ class NVFP4Linear(torch.nn.Module):
                                 alpha_ptr or None)
 
     def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
-        """The full W4A4 launches, then (static input scale) their binding."""
+        """The full W4A4 launches, then their binding."""
         from cute_fp4.run import bind
 
         k, n = self.in_features, self.out_features
@@ -439,12 +436,15 @@ class NVFP4Linear(torch.nn.Module):
                                             self.weight_scale_2, None)
         else:
             fmt, a = "nvfp4", quantize_activation(x2, self.input_scale)
+        dynamic = self.input_scale is None
+        scalar = _device_scalar(self.weight_scale_2, x2.device)
+        if dynamic and not decode and scalar:  # what gemm computes, as a tensor to bind
+            alpha = self.weight_scale_2 * a.global_scale
         kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
         dims = (m, n, k, fmt)
         _run(kern, a, w, alpha, dims, out)
-        dynamic = self.input_scale is None
-        if dynamic and not (decode and _device_scalar(self.weight_scale_2, x2.device)):
-            return  # the codes route with a dynamic scale: torch multiplies the scales
+        if dynamic and not scalar:
+            return  # alpha from a scale of another dtype or device: the full path
         gemm = bind(kern, a, w, out, alpha, dims, (w, self.schedule, self.alpha),
                     resolution_deadline(self.schedule), a_scale_per_call=not decode)
         act = gemm and quant.BoundActivation.make(

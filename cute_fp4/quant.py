@@ -520,10 +520,12 @@ class BoundActivation:
 
     * a static global scale: the quantizer (codes and scales), or for a product run by the
       W4A16 kernel (``decode``) the quantizer to values (:func:`quantize_values`);
-    * a dynamic one (``global_scale`` None; ``decode`` only): the quantizer computing the
-      scale (one or two kernels, as :func:`quantize_activation` picks them), then the
-      decoder writing the exact BF16 block values and alpha, the two global scales'
-      product (:func:`dequantize_with_alpha`, ``other_scale`` the weight's).
+    * a dynamic one (``global_scale`` None): the quantizer computing the scale (one or two
+      kernels, as :func:`quantize_activation` picks them) and alpha, the two global
+      scales' product (``other_scale``: the weight's), for the GEMM to read per call:
+      ``decode``, the decoder writes the exact BF16 block values and alpha
+      (:func:`dequantize_with_alpha`); else torch multiplies the scales into the scratch
+      (as ``gemm`` does for a W4A4 call without alpha).
 
     The caller has checked the activation (contiguous, 16-byte aligned, [M, K] of the bound
     dtype on the bound device) and matches the binding on the scale tensors (``key``); the
@@ -531,64 +533,71 @@ class BoundActivation:
 
     Build with :meth:`make` (None where a kernel has no TVM-FFI entry)."""
 
-    __slots__ = ("key", "_q", "_dq", "_decode", "_tail", "_gs", "_other", "_stream_of",
-                 "_dev", "_offsets", "_bytes", "_mk", "_two_pass")
+    __slots__ = ("key", "_q", "_dq", "_decode", "_dynamic", "_tail", "_gs", "_other",
+                 "_stream_of", "_dev", "_offsets", "_words", "_mk", "_two_pass")
 
     @classmethod
     def make(cls, x: torch.Tensor, global_scale: torch.Tensor | None, decode: bool, key=None,
              other_scale: torch.Tensor | None = None) -> BoundActivation | None:
         if global_scale is None:
-            if not decode or other_scale is None:
-                raise InputError("a dynamic-scale binding decodes (decode=True) and takes "
-                                 "the weight's global scale (other_scale)")
+            if other_scale is None:
+                raise InputError("a dynamic-scale binding takes the weight's global scale "
+                                 "(other_scale) for alpha")
             q = _kernel_for(x, _scale_variant(None, x.numel(), "auto"))
-            dq = _dequant_kernel()
-            return None if q._ffi is None or dq._ffi is None else cls(q, dq, x, None,
-                                                                       other_scale, key)
-        q = _kernel_for(x, "static", "values" if decode else "codes")
-        return None if q._ffi is None else cls(q, None, x, global_scale, None, key, decode)
+            dq = _dequant_kernel() if decode else None
+            if q._ffi is None or (decode and dq._ffi is None):
+                return None
+        else:
+            q, dq = _kernel_for(x, "static", "values" if decode else "codes"), None
+            if q._ffi is None:
+                return None
+        return cls(q, dq, x, global_scale, other_scale, key, decode)
 
     def __init__(self, q: CompiledQuantize, dq: CompiledDequantize | None, x: torch.Tensor,
-                 gs: torch.Tensor | None, other: torch.Tensor | None, key, decode=True):
+                 gs: torch.Tensor | None, other: torch.Tensor | None, key, decode: bool):
         from cute_fp4.kernels.quantize import PARTIALS_MAX
 
         m, k = x.shape
         self.key, self._q, self._dq, self._decode = key, q, dq, decode
+        self._dynamic = gs is None
         self._two_pass = q.spec.scale == "dynamic"  # an amax kernel writes partials first
         self._gs = 0 if gs is None else gs.data_ptr()
-        self._other = 0 if other is None else other.data_ptr()
+        self._other = None if other is None else other.reshape(1)  # follows in-place writes
         self._dev, self._stream_of = x.device.index, q._stream_handle
         self._tail, self._mk = (m, k, q.max_ctas), (m, k)
         rows, cols = scale_shape(m, k)
-        if dq is None:  # codes, then scales; or values
-            sizes = {"values": 2 * m * k} if decode else {"codes": m * k // 2,
-                                                          "scales": rows * cols}
-        else:  # codes, scales, the global scale, the amax partials, values, alpha
-            sizes = {"codes": m * k // 2, "scales": rows * cols, "gs": 4,
-                     "partials": 4 * PARTIALS_MAX if self._two_pass else 0,
-                     "values": 2 * m * k, "alpha": 4}
+        sizes = {"codes": m * k // 2, "scales": rows * cols}  # every part 256-byte aligned
+        if self._dynamic:  # the global scale, the amax partials, [values,] alpha
+            sizes.update(gs=4, partials=4 * PARTIALS_MAX if self._two_pass else 0,
+                         values=2 * m * k if decode else 0, alpha=4)
+        elif decode:
+            sizes = {"values": 2 * m * k}
         self._offsets, at = {}, 0
-        for name, size in sizes.items():  # every part 256-byte aligned
+        for name, size in sizes.items():
             self._offsets[name] = at
             at += -(-size // 256) * 256
-        self._bytes = at
+        self._words = at // 4  # a float32 scratch: alpha's slot is a tensor for torch
 
     def launch(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
         """Quantize ``x`` (to values, ``decode``): (the scratch tensor, which must outlive
         the GEMM's launch on this stream, A's address for the GEMM, its block scales'
         address (codes) or 0 (values: the GEMM reads BF16), alpha's address (a dynamic
         scale) or 0 (the bound alpha holds))."""
-        scratch = torch.empty(self._bytes, dtype=torch.uint8, device=x.device)
+        scratch = torch.empty(self._words, dtype=torch.float32, device=x.device)
         at = {name: scratch.data_ptr() + off for name, off in self._offsets.items()}
         stream = self._stream_of(self._dev)
-        if self._dq is not None:
+        if self._dynamic:
             gs = at["gs"]
             part = at["partials"] if self._two_pass else gs  # never read: fused
             self._q._ffi(x.data_ptr(), at["codes"], at["scales"], gs, part, *self._tail,
                          stream)
-            self._dq._ffi(at["codes"], at["scales"], at["values"], gs, self._other,
-                          at["alpha"], *self._mk, 1, stream)
-            return scratch, at["values"], 0, at["alpha"]
+            if self._decode:
+                self._dq._ffi(at["codes"], at["scales"], at["values"], gs,
+                              self._other.data_ptr(), at["alpha"], *self._mk, 1, stream)
+                return scratch, at["values"], 0, at["alpha"]
+            g, a = self._offsets["gs"] // 4, self._offsets["alpha"] // 4
+            torch.mul(self._other, scratch[g:g + 1], out=scratch[a:a + 1])  # as gemm: w * a
+            return scratch, at["codes"], at["scales"], at["alpha"]
         if self._decode:  # the scale pointer is never read there: any 16-byte aligned one
             base = at["values"]
             self._q._ffi(x.data_ptr(), base, base, self._gs, self._gs, *self._tail, stream)

@@ -96,10 +96,9 @@ def test_second_w4a4_call_launches_through_its_binding(stub_w4a4, layout, shape)
             assert g[1] == scales
 
 
-def test_w4a4_binding_follows_the_scales_and_skips_dynamic_layers(stub_w4a4):
+def test_w4a4_binding_follows_the_scales(stub_w4a4):
     """The input scale changed in place keeps the binding (the kernels read it); a
-    replaced scale buffer or weight takes the full path and binds again; a layer without
-    an input scale (dynamic, alpha per call) never binds."""
+    replaced scale buffer or weight takes the full path and binds again."""
     rec, qrec, _, _, _ = stub_w4a4
     layer = _layer("packed")
     x = torch.randn(2, K).to(torch.bfloat16)
@@ -125,10 +124,31 @@ def test_w4a4_binding_follows_the_scales_and_skips_dynamic_layers(stub_w4a4):
     layer._bound[(2, torch.bfloat16, "w4a4")][1]._expires = 0.0  # the GEMM's time is up:
     layer(x)  # asked first, so the bound quantizer does not run; the full path runs it all
     assert len(qrec.calls) == 3 and len(rec.calls) == n + 3
-    dynamic = _layer("plain", input_scale=None)
-    for _ in range(3):
-        dynamic(x)
-    assert dynamic._bound == {}  # the codes route: torch multiplies the two scales
+
+
+@pytest.mark.parametrize("m", [2, 4096])
+def test_dynamic_scale_on_the_codes_route_binds_quantizer_and_alpha(stub_w4a4, m):
+    """A dynamic input scale on the plain weight (the W4A4 kernel): the bound call
+    quantizes into the scratch (codes, scales, the global scale, partials for a large M),
+    torch multiplies the weight's scale by it into the scratch's alpha slot, and the GEMM
+    reads the codes, their scales and that alpha."""
+    rec, qrec, outputs, _, stream = stub_w4a4
+    layer = _layer("plain", input_scale=None)
+    xs = [torch.randn(m, K).to(torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    two_pass = m * K > quant.FUSED_MAX_ELEMENTS
+    assert outputs == ["dynamic" if two_pass else "dynamic_fused"]
+    assert len(rec.calls) == 3 and len(qrec.calls) == 2 and qrec.decoded.calls == []
+    first = rec.calls[0]
+    for i, (x, y) in enumerate(zip(xs[1:], ys[1:])):
+        codes, scales, gs, part = qrec.calls[i][1:5]
+        assert qrec.calls[i] == (x.data_ptr(), codes, scales, gs, part, m, K, 9, stream[0])
+        assert (part != gs) == two_pass
+        g = rec.calls[1 + i]
+        alpha = g[5]
+        assert g[:2] == (codes, scales) and g[4] == y.data_ptr() and g[6:8] == (alpha,) * 2
+        assert alpha > gs > scales and (alpha - codes) % 256 == 0 and alpha != first[5]
+        assert g[2:4] == first[2:4] and g[8:] == first[8:]
 
 
 @pytest.mark.parametrize("m", [2, 4096])

@@ -253,18 +253,19 @@ def test_bound_w4a4_launches_follow_each_input_and_the_stream(layout):
     assert isinstance(layer._bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
-def test_bound_dynamic_w4a4_follows_each_input_and_the_stream():
-    """A W4A4 forward with a dynamic input scale on SM90's packed weight binds too: the
-    quantizer computing the scale (fused for small M, an amax kernel first for larger),
-    the decoder writing values and alpha into the same scratch, the GEMM reading both.
-    New inputs every call (a stale scale or alpha would be the last call's), several M,
-    an N-D input, a second stream, each against the reference. On other targets (the
-    codes route, not bound) the same calls run the full path."""
+@pytest.mark.parametrize("layout", ["auto", "plain"])
+def test_bound_dynamic_w4a4_follows_each_input_and_the_stream(layout):
+    """A W4A4 forward with a dynamic input scale binds too: the quantizer computing the
+    scale (fused for small M, an amax kernel first for larger), then on SM90's packed
+    weight the decoder writing values and alpha into the same scratch, else torch
+    multiplying the scales into it; the GEMM reads alpha there. New inputs every call (a
+    stale scale or alpha would be the last call's), several M, an N-D input, a second
+    stream, each against the reference."""
     from cute_fp4.quant import FUSED_MAX_ELEMENTS, BoundActivation
 
     torch.manual_seed(0)
     lin = nn.Linear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16)
-    layer = cnn.NVFP4Linear(cf.quantize(lin.weight.detach()), mode="w4a4")
+    layer = cnn.NVFP4Linear(cf.quantize(lin.weight.detach()), mode="w4a4", layout=layout)
 
     def check(x):
         y = layer(x)
@@ -278,23 +279,18 @@ def test_bound_dynamic_w4a4_follows_each_input_and_the_stream():
         x = _x(*shape, seed=80 + i)
         check(x * (1 + i))  # a scale that differs call by call
     _on_a_side_stream(check, (5, 1024), seeds=(90, 91))
-    if layer.layout == "packed":
-        assert {key[0] for key in layer._bound} == {1, 5, 6, big}
-        assert isinstance(layer._bound[(big, torch.bfloat16, "w4a4")][0], BoundActivation)
+    assert {key[0] for key in layer._bound} == {1, 5, 6, big}
+    assert isinstance(layer._bound[(big, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
 @pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 2),
-                                                ("w4a4", False, 6)], ids=IDS)
+                                                ("w4a4", False, 2)], ids=IDS)
 def test_forward_allocates_only_its_outputs(mode, static, most):
-    """W4A16: the output; W4A4 with a static input scale, or a dynamic one on SM90's
-    packed weight: the output and one scratch buffer (the bound path: the packed
-    activation, its scales, its decoded BF16 values, the dynamic scale and alpha); a
-    dynamic scale on the codes route: those apart, the global scale and alpha. No split-K
-    at this shape."""
+    """W4A16: the output; W4A4: the output and one scratch buffer (the bound path: the
+    packed activation and its scales, or its decoded BF16 values; a dynamic scale: also
+    the scale, the amax partials and alpha). No split-K at this shape."""
     _skip_unsupported(mode)
     _, layer = _layer(mode, static, bias=True)
-    if layer.layout == "packed":
-        most = min(most, 2)
     x = _x(3, 640)
     layer(x)
     torch.cuda.synchronize()
