@@ -126,24 +126,37 @@ def test_w4a4_binding_follows_the_scales(stub_w4a4):
     assert len(qrec.calls) == 3 and len(rec.calls) == n + 3
 
 
+def _dynamic_calls(stub, layout: str, m: int):
+    """Three forwards of a dynamic-scale layer: (gemm recorder, quantize recorder, layer,
+    [(input, output) of the two bound calls], two quantize kernels?), after checking what
+    every dynamic binding shares: one full call, then the quantizer of the right variant
+    on the input, into the scratch (codes, then scales at least M K / 2 bytes on, the
+    global scale, amax partials for two kernels)."""
+    rec, qrec, outputs, _, stream = stub
+    layer = _layer(layout, input_scale=None)
+    xs = [torch.randn(m, K).to(torch.bfloat16) for _ in range(3)]
+    ys = [layer(x) for x in xs]
+    two_pass = m * K > quant.FUSED_MAX_ELEMENTS
+    assert outputs == ["dynamic" if two_pass else "dynamic_fused"]
+    assert len(rec.calls) == 3 and len(qrec.calls) == 2
+    for i, x in enumerate(xs[1:]):
+        codes, scales, gs, part = qrec.calls[i][1:5]
+        assert qrec.calls[i] == (x.data_ptr(), codes, scales, gs, part, m, K, 9, stream[0])
+        assert (part != gs) == two_pass and scales - codes >= m * K // 2
+    return rec, qrec, layer, list(zip(xs[1:], ys[1:])), two_pass
+
+
 @pytest.mark.parametrize("m", [2, 4096])
 def test_dynamic_scale_on_the_codes_route_binds_quantizer_and_alpha(stub_w4a4, m):
     """A dynamic input scale on the plain weight (the W4A4 kernel): the bound call
     quantizes into the scratch (codes, scales, the global scale, partials for a large M),
     torch multiplies the weight's scale by it into the scratch's alpha slot, and the GEMM
     reads the codes, their scales and that alpha."""
-    rec, qrec, outputs, _, stream = stub_w4a4
-    layer = _layer("plain", input_scale=None)
-    xs = [torch.randn(m, K).to(torch.bfloat16) for _ in range(3)]
-    ys = [layer(x) for x in xs]
-    two_pass = m * K > quant.FUSED_MAX_ELEMENTS
-    assert outputs == ["dynamic" if two_pass else "dynamic_fused"]
-    assert len(rec.calls) == 3 and len(qrec.calls) == 2 and qrec.decoded.calls == []
+    rec, qrec, layer, calls, two_pass = _dynamic_calls(stub_w4a4, "plain", m)
+    assert qrec.decoded.calls == []
     first = rec.calls[0]
-    for i, (x, y) in enumerate(zip(xs[1:], ys[1:])):
+    for i, (_, y) in enumerate(calls):
         codes, scales, gs, part = qrec.calls[i][1:5]
-        assert qrec.calls[i] == (x.data_ptr(), codes, scales, gs, part, m, K, 9, stream[0])
-        assert (part != gs) == two_pass
         g = rec.calls[1 + i]
         alpha = g[5]
         assert g[:2] == (codes, scales) and g[4] == y.data_ptr() and g[6:8] == (alpha,) * 2
@@ -158,18 +171,11 @@ def test_dynamic_scale_binds_quantizer_decoder_and_alpha(stub_w4a4, m):
     there to values and alpha (the weight's global scale read from its buffer), and the
     GEMM reads the values and alpha from the scratch (every alpha slot of an unsplit
     kernel); nothing else changes from the full path's launch."""
-    rec, qrec, outputs, _, stream = stub_w4a4
-    layer = _layer("packed", input_scale=None)
-    xs = [torch.randn(m, K).to(torch.bfloat16) for _ in range(3)]
-    ys = [layer(x) for x in xs]
-    two_pass = m * K > quant.FUSED_MAX_ELEMENTS
-    assert outputs == ["dynamic" if two_pass else "dynamic_fused"]
-    assert len(rec.calls) == 3 and len(qrec.calls) == len(qrec.decoded.calls) == 2
-    first, ws = rec.calls[0], layer.weight_scale_2.data_ptr()
-    for i, (x, y) in enumerate(zip(xs[1:], ys[1:])):
+    rec, qrec, layer, calls, two_pass = _dynamic_calls(stub_w4a4, "packed", m)
+    assert len(qrec.decoded.calls) == 2
+    first, ws, stream = rec.calls[0], layer.weight_scale_2.data_ptr(), stub_w4a4[4]
+    for i, (_, y) in enumerate(calls):
         codes, scales, gs, part = qrec.calls[i][1:5]
-        assert qrec.calls[i] == (x.data_ptr(), codes, scales, gs, part, m, K, 9, stream[0])
-        assert (part != gs) == two_pass and scales - codes >= m * K // 2
         values, alpha = qrec.decoded.calls[i][2], qrec.decoded.calls[i][5]
         assert qrec.decoded.calls[i] == (codes, scales, values, gs, ws, alpha, m, K, 1,
                                          stream[0])
