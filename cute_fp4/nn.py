@@ -49,6 +49,7 @@ from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_
 from cute_fp4.compile import kernel_for, resolution_deadline
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.operands import alpha_tensor
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
 from cute_fp4.quant import quantize_activation
 
@@ -425,21 +426,20 @@ class NVFP4Linear(torch.nn.Module):
         from cute_fp4.run import bind
 
         k, n = self.in_features, self.out_features
-        alpha = self.alpha  # None (dynamic): the kernel path multiplies the two scales
+        alpha, dynamic = self.alpha, self.input_scale is None  # static: alpha made once
         packed = self.layout == "packed"
         decode = packed and isinstance(self.schedule, str) and self.schedule == "auto"
-        if decode and alpha is not None:  # static: the values in one pass
+        if decode and not dynamic:  # the values in one pass
             fmt, a = _ACT_FORMATS[torch.bfloat16], quant.quantize_values(x2, self.input_scale)
-        elif decode:
+        elif decode:  # the decoder writes alpha too
             fmt = _ACT_FORMATS[torch.bfloat16]
             a, alpha = quant.w4a16_operands(quantize_activation(x2, None),
                                             self.weight_scale_2, None)
         else:
             fmt, a = "nvfp4", quantize_activation(x2, self.input_scale)
-        dynamic = self.input_scale is None
+            if dynamic:  # gemm's own product, made here as the tensor the binding takes
+                alpha = alpha_tensor(a, w, None)
         scalar = _device_scalar(self.weight_scale_2, x2.device)
-        if dynamic and not decode and scalar:  # what gemm computes, as a tensor to bind
-            alpha = self.weight_scale_2 * a.global_scale
         kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
         dims = (m, n, k, fmt)
         _run(kern, a, w, alpha, dims, out)

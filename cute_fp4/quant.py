@@ -584,27 +584,29 @@ class BoundActivation:
         address (codes) or 0 (values: the GEMM reads BF16), alpha's address (a dynamic
         scale) or 0 (the bound alpha holds))."""
         scratch = torch.empty(self._words, dtype=torch.float32, device=x.device)
-        at = {name: scratch.data_ptr() + off for name, off in self._offsets.items()}
+        base, off = scratch.data_ptr(), self._offsets
         stream = self._stream_of(self._dev)
-        if self._dynamic:
-            gs = at["gs"]
-            part = at["partials"] if self._two_pass else gs  # never read: fused
-            self._q._ffi(x.data_ptr(), at["codes"], at["scales"], gs, part, *self._tail,
+        if self._decode and not self._dynamic:  # the scale pointer is never read there
+            values = base + off["values"]
+            self._q._ffi(x.data_ptr(), values, values, self._gs, self._gs, *self._tail,
                          stream)
-            if self._decode:
-                self._dq._ffi(at["codes"], at["scales"], at["values"], gs,
-                              self._other.data_ptr(), at["alpha"], *self._mk, 1, stream)
-                return scratch, at["values"], 0, at["alpha"]
-            g, a = self._offsets["gs"] // 4, self._offsets["alpha"] // 4
-            torch.mul(self._other, scratch[g:g + 1], out=scratch[a:a + 1])  # as gemm: w * a
-            return scratch, at["codes"], at["scales"], at["alpha"]
-        if self._decode:  # the scale pointer is never read there: any 16-byte aligned one
-            base = at["values"]
-            self._q._ffi(x.data_ptr(), base, base, self._gs, self._gs, *self._tail, stream)
-            return scratch, base, 0, 0
-        self._q._ffi(x.data_ptr(), at["codes"], at["scales"], self._gs, self._gs,
-                     *self._tail, stream)
-        return scratch, at["codes"], at["scales"], 0
+            return scratch, values, 0, 0
+        codes, scales = base + off["codes"], base + off["scales"]
+        if not self._dynamic:
+            self._q._ffi(x.data_ptr(), codes, scales, self._gs, self._gs, *self._tail,
+                         stream)
+            return scratch, codes, scales, 0
+        gs, alpha = base + off["gs"], base + off["alpha"]
+        part = base + off["partials"] if self._two_pass else gs  # never read: fused
+        self._q._ffi(x.data_ptr(), codes, scales, gs, part, *self._tail, stream)
+        if self._decode:
+            values = base + off["values"]
+            self._dq._ffi(codes, scales, values, gs, self._other.data_ptr(), alpha,
+                          *self._mk, 1, stream)
+            return scratch, values, 0, alpha
+        g, a = off["gs"] // 4, off["alpha"] // 4
+        torch.mul(self._other, scratch[g:g + 1], out=scratch[a:a + 1])  # as gemm: w * a
+        return scratch, codes, scales, alpha
 
 
 def _dequant_out(a, out) -> torch.Tensor:
