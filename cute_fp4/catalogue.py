@@ -113,6 +113,9 @@ def all_schedules(family: str | None = None, grouped: bool | None = None) -> lis
 def get(name: str) -> Schedule:
     """The catalogue schedule ``name``; an unknown name is an InputError suggesting the
     closest names (or saying that its file failed to load, and why)."""
+    if not isinstance(name, str):
+        raise InputTypeError(f"catalogue.get() takes a schedule name (str), got "
+                             f"{type(name).__name__} {name!r}")
     loaded = _loaded()
     if name in loaded.table:
         return loaded.table[name]

@@ -391,6 +391,7 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
     """
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
+    _check_scale_type(global_scale)
     if not x.is_floating_point() or x.element_size() == 1:
         raise InputError(f"quantize() needs a float32/float16/bfloat16/float64 tensor, "
                          f"got {x.dtype}")
@@ -402,7 +403,7 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
     rows, k = x.shape
     _check_quantizable(x)
     xf = x.float()
-    _check_finite(xf)
+    _check_finite(xf, source=x)
     if global_scale is None:
         global_scale = _amax_scale(xf)
     gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device).reshape(())
@@ -420,12 +421,32 @@ def _check_quantizable(x: torch.Tensor) -> None:
         raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
 
 
-def _check_finite(xf: torch.Tensor, bad: int | None = None) -> None:
+def _check_scale_type(global_scale) -> None:
+    """A global scale is None, a real number or a tensor; anything else is a typed error."""
+    ok = (global_scale is None or isinstance(global_scale, torch.Tensor)
+          or (isinstance(global_scale, int | float) and not isinstance(global_scale, bool)))
+    if not ok:
+        raise InputTypeError("quantize(): global_scale must be None, a float or a float "
+                             f"tensor, got {type(global_scale).__name__} {global_scale!r}")
+
+
+def _check_finite(xf: torch.Tensor, bad: int | None = None,
+                  source: torch.Tensor | None = None) -> None:
+    """Refuse NaN/Inf in ``xf`` (the float32 copy of ``source``); values that were finite
+    in ``source`` but overflow float32 are named as such."""
     if bad is None and torch.isfinite(xf).all():
         return
     bad = int((~torch.isfinite(xf)).sum()) if bad is None else bad
-    if bad:
-        raise InputError(f"x has {bad} NaN/Inf values; NVFP4 has no encoding for them")
+    if not bad:
+        return
+    if source is not None and source.dtype == torch.float64:
+        overflow = int((torch.isfinite(source) & ~torch.isfinite(xf)).sum())
+        if overflow:
+            raise InputError(f"x has {overflow} finite float64 values beyond float32's range "
+                             f"(|x| > {torch.finfo(torch.float32).max:.4g}; largest "
+                             f"{float(source[torch.isfinite(source)].abs().max()):.4g}); "
+                             "scale the input down before quantizing")
+    raise InputError(f"x has {bad} NaN/Inf values; NVFP4 has no encoding for them")
 
 
 def _amax_scale(xf: torch.Tensor) -> float:

@@ -226,3 +226,25 @@ def test_gemm_traces_into_one_op_under_torch_compile():
         f(a, b)
     assert len(graphs) == 1
     assert "cute_fp4.mm" in graphs[0].code
+
+
+NEW_USER_MISTAKES = [
+    ("string global scale", TypeError, "global_scale must be None, a float",
+     lambda: cf.quantize(torch.randn(16, 64), global_scale="a")),
+    ("float64 overflowing float32", ValueError, "1024 finite float64 values beyond float32",
+     lambda: cf.quantize(torch.full((16, 64), 1e300, dtype=torch.float64))),
+    ("schedule name not a str", TypeError, r"schedule name \(str\), got NoneType",
+     lambda: catalogue.get(None)),
+]
+
+
+@pytest.mark.parametrize("case", NEW_USER_MISTAKES, ids=[c[0] for c in NEW_USER_MISTAKES])
+def test_new_user_mistakes(case):
+    _, exc, match, fn = case
+    raises(exc, match, fn)
+
+
+def test_float64_nan_is_still_named_nan():
+    x = torch.randn(16, 64, dtype=torch.float64)
+    x[0, 0] = float("nan")
+    raises(ValueError, "1 NaN/Inf values", lambda: cf.quantize(x))
