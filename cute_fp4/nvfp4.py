@@ -423,11 +423,15 @@ def _check_quantizable(x: torch.Tensor) -> None:
 
 def _check_scale_type(global_scale) -> None:
     """A global scale is None, a real number or a tensor; anything else is a typed error."""
-    ok = (global_scale is None or isinstance(global_scale, torch.Tensor)
-          or (isinstance(global_scale, int | float) and not isinstance(global_scale, bool)))
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    ok = (global_scale is None or isinstance(global_scale, torch.Tensor) or number(global_scale)
+          or (isinstance(global_scale, list | tuple) and all(map(number, global_scale))))
     if not ok:
-        raise InputTypeError("quantize(): global_scale must be None, a float or a float "
-                             f"tensor, got {type(global_scale).__name__} {global_scale!r}")
+        raise InputTypeError("quantize(): global_scale must be None, a float, a float "
+                             "tensor or a list of floats, "
+                             f"got {type(global_scale).__name__} {global_scale!r}")
 
 
 def _check_finite(xf: torch.Tensor, bad: int | None = None,
