@@ -422,7 +422,8 @@ def _check_quantizable(x: torch.Tensor) -> None:
 
 
 def _check_scale_type(global_scale) -> None:
-    """A global scale is None, a real number or a tensor; anything else is a typed error."""
+    """A global scale is None, a real number, a tensor or a list/tuple of numbers (one per
+    expert); anything else is a typed error."""
     def number(v) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool)
 

@@ -46,6 +46,10 @@ QUANTIZE = [
      lambda: cf.quantize(torch.ones(1, 16), 0.0)),
     ("gs negative", ValueError, "got -1", lambda: cf.quantize(torch.ones(1, 16), -1.0)),
     ("gs nan", ValueError, "got nan", lambda: cf.quantize(torch.ones(1, 16), float("nan"))),
+    ("string global scale", TypeError, "global_scale must be None, a float",
+     lambda: cf.quantize(torch.randn(16, 64), global_scale="a")),
+    ("float64 overflowing float32", ValueError, "1024 finite float64 values beyond float32",
+     lambda: cf.quantize(torch.full((16, 64), 1e300, dtype=torch.float64))),
 ]
 
 CONTAINER = [
@@ -229,10 +233,6 @@ def test_gemm_traces_into_one_op_under_torch_compile():
 
 
 NEW_USER_MISTAKES = [
-    ("string global scale", TypeError, "global_scale must be None, a float",
-     lambda: cf.quantize(torch.randn(16, 64), global_scale="a")),
-    ("float64 overflowing float32", ValueError, "1024 finite float64 values beyond float32",
-     lambda: cf.quantize(torch.full((16, 64), 1e300, dtype=torch.float64))),
     ("schedule name not a str", TypeError, r"schedule name \(str\), got NoneType",
      lambda: catalogue.get(None)),
 ]
