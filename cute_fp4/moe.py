@@ -56,8 +56,8 @@ from cute_fp4.api import quantize_op
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.grouped import grouped_gemm
 from cute_fp4.nn import keep_format_dtypes
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
-from cute_fp4.packed import PackedNVFP4Weight, repack
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape, swizzle_scales
+from cute_fp4.packed import PackedNVFP4Weight, pack, packed_rows, repack
 
 __all__ = ["LAYOUTS", "MODES", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
            "check_stages", "combine", "expert", "moe_bf16", "moe_reference", "route",
@@ -247,6 +247,24 @@ class NVFP4MoE(torch.nn.Module):
         return cls(quantize(w13.detach()), quantize(w2.detach()), mode, schedule,
                    input_scales, layout)
 
+    @classmethod
+    def from_modelopt(cls, w13: tuple, w2: tuple, mode: str = "w4a16", schedule="auto",
+                      input_scales=(None, None), layout: str = "auto") -> NVFP4MoE:
+        """From already-quantized expert stacks in ModelOpt's checkpoint form, without a
+        BF16 copy: ``w13 = (weight, weight_scale, weight_scale_2)`` with ``weight`` uint8
+        ``[E, 2I, H/2]`` (gate rows, then up), ``weight_scale`` float8_e4m3fn
+        ``[E, 2I, H/16]`` (row-major, as stored) and ``weight_scale_2`` float32 ``[E]`` (one
+        global scale per expert); ``w2`` likewise ``[E, H, I/2]``, ``[E, H, I/16]``, ``[E]``.
+        The bytes are kept as given (the packed layout: repacked expert by expert, so the
+        transient is one expert), the scales swizzled expert by expert."""
+        stacks = [_modelopt_stack(name, *t) for name, t in (("w13", w13), ("w2", w2))]
+        e, h, i = _check_weights(*stacks)
+        if layout not in LAYOUTS:
+            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if _pick_layout(layout, *stacks, h, i, stacks[0].device) == "packed":
+            stacks = [_pack_by_expert(w) for w in stacks]
+        return cls(*stacks, mode, schedule, input_scales, layout)
+
     def _refresh_alpha(self) -> None:
         """W4A4 with static scales: alpha[e] = input_scale * weight_scale_2[e], once."""
         for name in ("w13", "w2"):
@@ -388,6 +406,48 @@ def _check_weights(w13, w2) -> tuple[int, int, int]:
         raise FormatError(f"hidden {h} and intermediate {i} must be multiples of 32 (16-byte "
                           "packed FP4 rows)")
     return e, h, i
+
+
+def _modelopt_stack(name: str, weight, weight_scale, weight_scale_2) -> NVFP4Tensor:
+    """One expert stack from ModelOpt's tensors (see ``NVFP4MoE.from_modelopt``): the
+    shapes and dtypes checked, the row-major scales swizzled expert by expert."""
+    ts = (weight, weight_scale, weight_scale_2)
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        raise InputTypeError(f"{name}: weight, weight_scale and weight_scale_2 must be torch "
+                             f"tensors, got {', '.join(type(t).__name__ for t in ts)}")
+    if weight.dtype != torch.uint8 or weight.dim() != 3:
+        raise FormatError(f"{name} weight must be uint8 [E, N, K/2], got {weight.dtype} "
+                          f"{tuple(weight.shape)}")
+    e, n, half_k = weight.shape
+    want = (e, n, 2 * half_k // 16)
+    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(
+            weight_scale.shape) != want:
+        raise FormatError(f"{name} weight_scale must be float8_e4m3fn {list(want)} (row-major "
+                          f"[E, N, K/16]), got {weight_scale.dtype} "
+                          f"{tuple(weight_scale.shape)}")
+    if weight_scale.device != weight.device:
+        raise FormatError(f"{name}: weight is on {weight.device}, weight_scale on "
+                          f"{weight_scale.device}")
+    raw = weight_scale.contiguous().view(torch.uint8)
+    nan, neg = int(((raw & 0x7F) == 0x7F).sum()), int(((raw & 0x80) != 0).sum())
+    if nan or neg:
+        raise FormatError(f"{name} weight_scale holds {nan} NaN and {neg} negative bytes; "
+                          "NVFP4 block scales are finite UE4M3")
+    rp, cp = scale_shape(n, 2 * half_k)
+    scale = torch.empty((e, rp, cp), dtype=torch.float8_e4m3fn, device=weight.device)
+    for x in range(e):
+        scale[x] = swizzle_scales(weight_scale[x].contiguous())
+    gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
+    return NVFP4Tensor(weight, scale, gs.to(weight.device), (e, n, 2 * half_k))
+
+
+def _pack_by_expert(w: NVFP4Tensor) -> PackedNVFP4Weight:
+    """``repack`` of an expert stack one expert at a time (the transient is one expert)."""
+    e, n, k = w.shape
+    data = torch.empty((e, packed_rows(n), k // 2), dtype=torch.uint8, device=w.device)
+    for x in range(e):
+        data[x] = pack(w.data[x].contiguous())
+    return PackedNVFP4Weight(data, w.scale, w.global_scale, w.shape)
 
 
 def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device) -> str:
