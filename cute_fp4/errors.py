@@ -15,6 +15,15 @@ class InputError(CuteFp4Error, ValueError):
     """A GEMM operand or output is unusable: shape, dtype, device, layout or alignment."""
 
 
+class OffsetsError(InputError):
+    """A grouped GEMM's ``offsets`` break the contract (``offsets[0] = 0``, non-decreasing,
+    ``offsets[E] = total_M``); ``index`` and ``value`` name the first bad entry."""
+
+    def __init__(self, message: str, index: int, value: int):
+        super().__init__(message)
+        self.index, self.value = index, value
+
+
 class InputTypeError(CuteFp4Error, TypeError):
     """An argument has the wrong Python or torch type."""
 
@@ -37,3 +46,7 @@ class CompileError(CuteFp4Error, RuntimeError):
 
 class ValidationError(CuteFp4Error, AssertionError):
     """A kernel's output disagrees with the exact reference beyond the error rule."""
+
+
+class CuteFp4Warning(UserWarning):
+    """A legal call that probably does not do what was meant (the message says why)."""

@@ -9,13 +9,20 @@ mode ``[E, N, K]`` (a PackedNVFP4Weight stack for the sm_90a ``rs_packed`` sched
 ``offsets[E] = total_M``; empty experts allowed); ``alpha`` float32 ``[E]``, default
 ``a.global_scale * b.global_scale`` (W4A16: ``b.global_scale``).
 
-The values of ``offsets`` are never read on the host: a call checks metadata only (shapes,
-dtypes, devices, strides, pointers), so it needs no GPU sync and can be captured in a CUDA
-graph with the offsets changing between replays. Every check runs before anything is
-launched or written; a bad input raises a typed error with the numbers and leaves ``out``
-untouched. Shape and dtype checks come before the device check, so they are the same on
-the CPU. ``check=True`` (which does sync) validates the first call of each kernel against
-``reference.check_grouped``.
+The values of ``offsets`` are never read on the host by default: a call checks metadata
+only (shapes, dtypes, devices, strides, pointers), so it needs no GPU sync and can be
+captured in a CUDA graph with the offsets changing between replays. Whatever the offsets
+hold, the kernels read and write only rows ``0 .. total_M`` of ``a`` and ``out``: each
+expert's range is clamped to them (``kernels.scheduler.group_rows``), so an offset past the
+end, a negative or a decreasing one never touches memory outside the tensors (the rows of
+``out`` they describe are then not the contract's). ``validate_offsets=True`` checks the
+offsets on every call (torch ops on the device, one sync) and raises
+:class:`~cute_fp4.errors.OffsetsError` naming the first bad entry before anything is
+launched; ``check=True`` does so on the calls it validates. Every check runs before
+anything is launched or written; a bad input raises a typed error with the numbers and
+leaves ``out`` untouched. Shape and dtype checks come before the device check, so they are
+the same on the CPU. ``check=True`` (which does sync) validates the first call of each
+kernel against ``reference.check_grouped``.
 
 Layering: the API layer, next to ``api`` (it builds on ``compile``, ``catalogue`` and the
 operand checks); nothing below imports it. The op is registered on first use, as
@@ -32,7 +39,7 @@ import torch
 from cute_fp4 import reference
 from cute_fp4.compile import CompiledGemm, Signature
 from cute_fp4.compile import compile as compile_schedule
-from cute_fp4.errors import DeviceError, InputError, InputTypeError
+from cute_fp4.errors import DeviceError, InputError, InputTypeError, OffsetsError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.operands import _a_format, _check_tensor, as_e4m3
 from cute_fp4.oplib import LazyOp, define, while_tracing
@@ -40,8 +47,8 @@ from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
 __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
-           "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op", "resolve_grouped",
-           "run_grouped"]
+           "check_offsets", "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op",
+           "resolve_grouped", "run_grouped"]
 
 # the catalogue schedule "auto" runs, per kernel family of the present GPU ...
 AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
@@ -144,6 +151,39 @@ def _check_offsets(offsets, n_exp: int, dev: torch.device) -> None:
         raise InputError(f"offsets must be [E + 1] = [{n_exp + 1}] for the {n_exp} experts of "
                          f"b, got shape {tuple(offsets.shape)}")
     _check_small(offsets, "offsets", torch.int32, n_exp + 1, dev)
+
+
+def check_offsets(offsets: torch.Tensor, total_m: int) -> None:
+    """The offsets' values against the contract (``offsets[0] = 0``, non-decreasing,
+    ``offsets[E] = total_m``), computed where they are (torch ops on the device) and read
+    back once (one GPU sync): :class:`OffsetsError` naming the first bad entry, its value
+    and the rule it breaks. Not allowed while a CUDA graph is being captured."""
+    if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise InputError("validating the offsets reads them back (a GPU sync), which a "
+                         "CUDA-graph capture cannot do: validate them before capturing")
+    o = offsets.reshape(-1).to(torch.int64)
+    last = o.numel() - 1
+    idx = torch.arange(last + 1, device=o.device)
+    prev = torch.cat([o[:1], o[:-1]])
+    bad = ((o < 0) | (o > total_m) | (o < prev) | ((idx == 0) & (o != 0))
+           | ((idx == last) & (o != total_m)))
+    first = torch.where(bad, idx, last + 1).min()
+    at = first.clamp(max=last)
+    i, v, p = torch.stack([first, o[at], o[(at - 1).clamp(min=0)]]).tolist()
+    if i > last:
+        return
+    if v < 0:
+        why = "is negative"
+    elif v > total_m:
+        why = f"is past the end: a has total_M = {total_m} rows"
+    elif i == 0:
+        why = "must be 0"
+    elif v < p:
+        why = f"< offsets[{i - 1}] = {p}: offsets must be non-decreasing"
+    else:
+        why = f"must equal total_M = {total_m} (the rows of a)"
+    raise OffsetsError(f"offsets[{i}] = {v} {why} (E = {last} experts; nothing was "
+                       "launched)", i, v)
 
 
 def _check_alpha(a, b, alpha, n_exp: int, dev: torch.device) -> None:
@@ -373,12 +413,16 @@ def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims) ->
     return result
 
 
-def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check) -> torch.Tensor:
+def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
+                  validate_offsets: bool = False) -> torch.Tensor:
     dt = _torch_out(out_dtype)
     dims = check_grouped_operands(a, b, offsets, out, alpha, dt, require_cuda=False)
     kern = _kernel_for(schedule, dims, dt, b)
+    validate = check and dims.total_m and not kern.validated
+    if validate or validate_offsets:
+        check_offsets(offsets, dims.total_m)
     result = _launch(kern, a, b, offsets, out, alpha, dims)
-    if check and dims.total_m and not kern.validated:
+    if validate:
         reference.assert_close_grouped(result, a, b, offsets, alpha)
         kern.validated = True
     return result
@@ -386,7 +430,8 @@ def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check) -> torc
 
 def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 alpha=None, check: bool = False) -> torch.Tensor:
+                 alpha=None, check: bool = False,
+                 validate_offsets: bool = False) -> torch.Tensor:
     """The grouped (MoE) GEMM: ``out[offsets[e]:offsets[e+1]] = alpha[e] *
     a[offsets[e]:offsets[e+1]] @ b[e].T`` (module docstring for the operands).
 
@@ -394,13 +439,20 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
     a catalogue name or a Schedule, grouped. ``out``: ``[total_M, N]`` of ``out_dtype``,
     written only on the experts' rows (all of them); allocated when None. total_M = 0
     returns the (empty) output without a launch. No GPU sync; ``check=True`` validates the
-    first call of each kernel against the exact reference (syncs; ValidationError).
+    first call of each kernel against the exact reference, its offsets first (syncs;
+    OffsetsError, ValidationError). ``validate_offsets=True``: the offsets on every call,
+    before the launch (one sync; OffsetsError naming the first bad entry). Without it, bad
+    offsets give wrong rows of ``out`` but never touch memory outside ``a`` and ``out``.
     """
     if torch.compiler.is_compiling():
+        if validate_offsets:
+            raise InputError("validate_offsets=True reads the offsets back (a GPU sync), "
+                             "which torch.compile cannot trace: validate them outside")
         return _op_call(a, b, offsets, schedule, out, out_dtype, alpha)
     if not _OP.registered:
         _OP.register()
-    return _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check)
+    return _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
+                         validate_offsets)
 
 
 # ----------------------------------------------------------------------------- custom op

@@ -17,10 +17,12 @@ units share a column block of B), then step across; see :func:`unit_coords`.
 
 Grouped (MoE) GEMMs use the same protocol (``prepare``, ``total``, ``coords(unit)``,
 ``first_unit``) through :class:`GroupedScheduler`: group ``g`` owns rows
-``offsets[g] .. offsets[g+1]`` of A and D (a device tensor: no host sync), cut into
-``ceil(rows / tile_m)`` row tiles times ``tiles_n`` column tiles; the group index is
-``WorkTile.l`` and the tile's first row and valid row count are ``WorkTile.row0`` /
-``WorkTile.rows``. The kernels only ever read a ``WorkTile``.
+``lo(g) .. hi(g)`` of A and D, from a device offset table (no host sync) clamped to the
+``m_total`` rows there are (:func:`group_rows`), cut into ``ceil(rows / tile_m)`` row tiles
+times ``tiles_n`` column tiles; the group index is ``WorkTile.l`` and the tile's first row
+and valid row count are ``WorkTile.row0`` / ``WorkTile.rows``. The kernels only ever read a
+``WorkTile``, so whatever the offsets hold (past the end, negative, decreasing), no unit
+reads a row of A or writes a row of D outside ``0 .. m_total``.
 
 ``unit_coords`` is plain integer arithmetic, so the kernels (DSL integers) and the CPU
 tests (Python ints) run the very same function.
@@ -123,6 +125,22 @@ class TileScheduler:
 GROUPS_PER_LANE = MAX_GROUPS // 32  # tile-count prefixes each lane keeps in registers
 
 
+def clamp_row(offset, m_total, minimum=min, maximum=max):
+    """A group offset clamped to the rows there are: ``0 <= clamp_row <= m_total``."""
+    return minimum(maximum(offset, 0), m_total)
+
+
+def group_rows(lo_offset, hi_offset, m_total, minimum=min, maximum=max):
+    """Group ``g``'s rows ``[lo, hi)`` from ``offsets[g]`` and ``offsets[g + 1]``: both
+    clamped to ``[0, m_total]`` and ``hi >= lo`` (a decreasing offset gives an empty group),
+    so that no offset table, however wrong, sends a unit outside A or D. A valid table
+    (``0 = offsets[0] <= ... <= offsets[E] = m_total``) is unchanged. Five integer
+    operations; the kernels (DSL integers) and the CPU tests (Python ints) run this
+    function."""
+    lo = clamp_row(lo_offset, m_total, minimum, maximum)
+    return lo, maximum(clamp_row(hi_offset, m_total, minimum, maximum), lo)
+
+
 def group_of_tile(t, prefix, lane_sum, lane_get, select, maximum=max):
     """Group of row tile ``t`` and that group's first row tile, from the inclusive prefix
     sums of row tiles per group, ``GROUPS_PER_LANE`` per lane (lane ``l`` holds groups
@@ -156,23 +174,28 @@ class GroupedScheduler:
     tile ``u % tiles_n`` (consecutive units share the activation rows). :meth:`prepare`
     (every warp, once, on the device) loads ``offsets`` and keeps each lane's eight
     inclusive prefix sums of row tiles per group in registers; :meth:`coords` then finds a
-    unit's group with one warp reduction and one shuffle (no loop, no shared memory). At
-    most :data:`MAX_GROUPS` groups. The host cannot know the unit count without reading
-    the offsets, so the grid is sized for the worst case (every group adding a partial
-    tile) and CTAs past the real count exit at once.
+    unit's group with one warp reduction and one shuffle (no loop, no shared memory). Both
+    take a group's rows through :func:`group_rows` (clamped to ``[0, m_total]``, never
+    negative), so the unit count and every unit's rows stay inside A and D whatever the
+    offsets hold. At most :data:`MAX_GROUPS` groups. The host cannot know the unit count
+    without reading the offsets, so the grid is sized for the worst case of a valid table
+    (every group adding a partial tile) and CTAs past the real count exit at once; an
+    invalid table that counts more units (overlapping groups) is still walked to the end,
+    every CTA striding by the grid.
     """
 
-    def __init__(self, groups, tiles_n, k_tiles, tile_m: int, bound=None, offsets=None,
-                 prefix=None, total=None):
+    def __init__(self, groups, tiles_n, k_tiles, tile_m: int, m_total, bound=None,
+                 offsets=None, prefix=None, total=None):
         self.groups, self.tiles_n, self.k_tiles = groups, tiles_n, k_tiles
-        self.tile_m, self.bound = tile_m, bound
+        self.tile_m, self.m_total, self.bound = tile_m, m_total, bound
         self.offsets, self.prefix, self.total = offsets, prefix, total
         self.split_k = 1
 
-    # DSL protocol: three Int32 values into the kernel; a prepared scheduler (passed to
+    # DSL protocol: four Int32 values into the kernel; a prepared scheduler (passed to
     # device functions) also carries its unit count, prefixes and the offsets tensor.
     def __extract_mlir_values__(self):
-        vals = [cutlass.Int32(v).ir_value() for v in (self.groups, self.tiles_n, self.k_tiles)]
+        vals = [cutlass.Int32(v).ir_value()
+                for v in (self.groups, self.tiles_n, self.k_tiles, self.m_total)]
         if self.prefix is not None:
             vals += [cutlass.Int32(v).ir_value() for v in (self.total, *self.prefix)]
             vals += extract_mlir_values(self.offsets)
@@ -180,21 +203,22 @@ class GroupedScheduler:
 
     def __new_from_mlir_values__(self, values):
         base = [cutlass.Int32(v) for v in values[:3]]
+        m_total = cutlass.Int32(values[3])
         if self.prefix is None:
-            return GroupedScheduler(*base, self.tile_m)
-        n = 4 + GROUPS_PER_LANE
-        return GroupedScheduler(*base, self.tile_m, None,
+            return type(self)(*base, self.tile_m, m_total)
+        n = 5 + GROUPS_PER_LANE
+        return type(self)(*base, self.tile_m, m_total, None,
                                 new_from_mlir_values(self.offsets, values[n:]),
-                                [cutlass.Int32(v) for v in values[4:n]],
-                                cutlass.Int32(values[3]))
+                                [cutlass.Int32(v) for v in values[5:n]],
+                                cutlass.Int32(values[4]))
 
-    @staticmethod
-    def create(groups, m_total, n, k, tile_mnk) -> GroupedScheduler:
+    @classmethod
+    def create(cls, groups, m_total, n, k, tile_mnk) -> GroupedScheduler:
         """Scheduler of ``groups`` GEMMs over ``m_total`` rows, ``n x k`` each."""
         tm, tn, tk = tile_mnk
         tiles_n = (n + tn - 1) // tn
         bound = tiles_n * ((m_total + tm - 1) // tm + groups)
-        return GroupedScheduler(groups, tiles_n, (k + tk - 1) // tk, tm, bound)
+        return cls(groups, tiles_n, (k + tk - 1) // tk, tm, m_total, bound)
 
     def grid(self, persistent: bool, max_ctas):
         """CTAs to launch: enough for the worst case of unit counts (see the class doc)."""
@@ -211,7 +235,8 @@ class GroupedScheduler:
         local = []
         for j in range(GROUPS_PER_LANE):
             nxt = offsets[cutlass.min(first + j + 1, self.groups)]
-            run = run + (nxt - prev + self.tile_m - 1) // self.tile_m
+            lo, hi = group_rows(prev, nxt, self.m_total, cutlass.min, cutlass.max)
+            run = run + (hi - lo + self.tile_m - 1) // self.tile_m
             local.append(run)
             prev = nxt
         scan = run
@@ -220,9 +245,9 @@ class GroupedScheduler:
             scan = scan + cutlass.select_(lane >= d, up, 0)
         base = scan - run
         total_tiles = cute.arch.shuffle_sync(scan, 31)
-        return GroupedScheduler(self.groups, self.tiles_n, self.k_tiles, self.tile_m,
-                                self.bound, offsets, [base + v for v in local],
-                                total_tiles * self.tiles_n)
+        return type(self)(self.groups, self.tiles_n, self.k_tiles, self.tile_m, self.m_total,
+                          self.bound, offsets, [base + v for v in local],
+                          total_tiles * self.tiles_n)
 
     def coords(self, unit) -> WorkTile:
         t = unit // self.tiles_n
@@ -230,12 +255,13 @@ class GroupedScheduler:
             t, self.prefix, lambda x: cute.arch.warp_redux_sync(cutlass.Int32(x), "add"),
             cute.arch.shuffle_sync, _select_i32, cutlass.max)
         mt = t - first
-        row0 = self.offsets[g] + mt * self.tile_m
-        return WorkTile(mt, unit - t * self.tiles_n, g, 0, 0, self.k_tiles, row0,
-                        self.offsets[g + 1] - row0)
+        lo, hi = group_rows(self.offsets[g], self.offsets[g + 1], self.m_total, cutlass.min,
+                            cutlass.max)
+        row0 = lo + mt * self.tile_m
+        return WorkTile(mt, unit - t * self.tiles_n, g, 0, 0, self.k_tiles, row0, hi - row0)
 
     first_unit = staticmethod(TileScheduler.first_unit)
 
 
 __all__ = ["GROUPS_PER_LANE", "MAX_GROUPS", "GroupedScheduler", "TileScheduler", "WorkTile",
-           "group_of_tile", "unit_coords"]
+           "clamp_row", "group_of_tile", "group_rows", "unit_coords"]

@@ -10,6 +10,9 @@ E = 1, 8, 16, 128. FP16 and BF16 activations for W4A16, NVFP4 for W4A4, each whe
 accepts it (else skipped with the plan's reason); reruns bit-identical; FP16/FP32 outputs;
 ``grouped_gemm`` itself ("auto", check=True, total_M = 0, the refusals on a GPU, no sync,
 torch.compile); a CUDA graph of ``grouped_gemm(out=...)`` replayed with changed offsets.
+Offsets that break the contract (past the end, negative, decreasing, offsets[0] != 0) with
+guard rows around ``a`` and ``out``: nothing outside them is read or written, and
+``validate_offsets=True`` / ``check=True`` name the bad entry before launching.
 Every test runs under a watchdog: a hang ends the run with a message (a failure).
 """
 
@@ -22,7 +25,8 @@ import cute_fp4 as cf
 from cute_fp4 import catalogue, grouped, packed, reference
 from cute_fp4.bench import capture_graph
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004
-from cute_fp4.errors import InputError
+from cute_fp4.errors import InputError, OffsetsError
+from cute_fp4.kernels.scheduler import group_rows
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Mainloop, Problem
@@ -332,3 +336,138 @@ def test_quantize_stack_on_the_gpu_is_per_expert():
         te = t.expert(e)
         assert torch.equal(te.data, r.data) and torch.equal(bits(te.scale), bits(r.scale))
         assert torch.equal(te.global_scale, r.global_scale)
+
+
+# ----------------------------------------------------------------------------- bad offsets
+
+BAD_M = 300  # total_M of the bad-offset cases (3 experts)
+GUARD = 64  # guard rows before and after a and out
+# name -> (offsets, index and value the validation names)
+BAD_OFFSETS = {
+    "last_past_end": ([0, 100, 200, BAD_M + 300], 3, BAD_M + 300),
+    "negative": ([0, 100, -50, BAD_M], 2, -50),
+    "decreasing": ([0, 250, 40, BAD_M], 2, 40),
+    "first_not_zero": ([37, 100, 200, BAD_M], 0, 37),
+    "first_negative": ([-200, 100, 200, BAD_M], 0, -200),
+    "all_past_end": ([400, 500, 600, 700], 0, 400),
+}
+
+
+def _bad_cases():
+    out = []
+    for s in GROUPED:
+        for fmt in ("bf16", "nvfp4") if s.arch.family == "sm90" else ("nvfp4",):
+            for name in BAD_OFFSETS:
+                out.append(pytest.param(s, fmt, name, id=f"{s.name}-{fmt}-{name}"))
+    return out
+
+
+def _guarded_activations(fmt: str, x: torch.Tensor):
+    """(a over rows GUARD .. GUARD + M of a larger buffer, the float rows, its global scale):
+    16-bit guards are NaN, NVFP4 guards 0xFF codes and NaN (0x7F) scale bytes, so a value
+    read from a guard makes an output row non-finite or wrong."""
+    m, k = x.shape
+    if fmt != "nvfp4":
+        dt = torch.bfloat16 if fmt == "bf16" else torch.float16
+        big = torch.full((GUARD + m + GUARD, k), float("nan"), dtype=dt, device="cuda")
+        big[GUARD:GUARD + m] = x.to(dt)
+        return big[GUARD:GUARD + m], big
+    q = cf.quantize(x)
+    data = torch.full((GUARD + m + GUARD, k // 2), 0xFF, dtype=torch.uint8, device="cuda")
+    data[GUARD:GUARD + m] = q.data
+    sf = q.scale.view(torch.uint8).reshape(-1)
+    pad = 128 * 16  # bytes of guard scales before and after (whole 128-row atoms' worth)
+    sbig = torch.full((pad + sf.numel() + pad,), 0x7F, dtype=torch.uint8, device="cuda")
+    sbig[pad:pad + sf.numel()] = sf
+    scale = sbig[pad:pad + sf.numel()].view(torch.float8_e4m3fn).view(q.scale.shape)
+    a = NVFP4Tensor._unchecked(data[GUARD:GUARD + m], scale, q.global_scale, (m, k))
+    return a, (data, sbig)
+
+
+def _sub_activations(fmt: str, x: torch.Tensor, gs, lo: int, hi: int):
+    """Rows lo .. hi of the activations, as an operand of their own (NVFP4: quantized with
+    the same global scale, so its rows equal those of the whole tensor)."""
+    if fmt != "nvfp4":
+        return x[lo:hi].to(torch.bfloat16 if fmt == "bf16" else torch.float16)
+    return cf.quantize(x[lo:hi], gs)
+
+
+@pytest.mark.parametrize("s, fmt, name", _bad_cases())
+def test_bad_offsets_stay_inside_a_and_out(s, fmt, name):
+    """Whatever the offsets hold, nothing outside ``a`` is read and nothing outside
+    ``out`` is written: guards around both keep their sentinels, no output row is
+    non-finite, rows no expert's clamped range covers keep their poison, and where the
+    clamped ranges do not overlap the rows they cover match the exact reference of those
+    ranges."""
+    kern = _kernel(s, fmt, 3)
+    offsets, _, _ = BAD_OFFSETS[name]
+    n, k = 136, K_TAILS[s.mainloop is Mainloop.RS_PACKED][1]
+    x = (_awkward(BAD_M, k, seed=81) / 64).cuda()
+    a, guards = _guarded_activations(fmt, x)
+    _, b, _ = make_case(s, "bf16", [1, 1, 1], n, k, seed=82)
+    offs = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    sentinel = 7.0
+    big = torch.full((GUARD + BAD_M + GUARD, n), sentinel, dtype=kern.out_dtype, device="cuda")
+    out = big[GUARD:GUARD + BAD_M]
+    out.fill_(float("nan"))
+    guards_before = [g.clone() for g in (guards if isinstance(guards, tuple) else (guards,))]
+    grouped.run_grouped(kern, a, b, offs, out=out)
+    torch.cuda.synchronize()
+    assert bool((big[:GUARD] == sentinel).all()), f"{name}: a row before out was written"
+    assert bool((big[GUARD + BAD_M:] == sentinel).all()), f"{name}: a row after out was written"
+    for g0, g1 in zip(guards_before, guards if isinstance(guards, tuple) else (guards,)):
+        assert torch.equal(g0.view(torch.uint8), g1.view(torch.uint8))  # a's buffer unchanged
+    ranges = [group_rows(offsets[g], offsets[g + 1], BAD_M) for g in range(3)]
+    covered = torch.zeros(BAD_M, dtype=torch.bool)
+    for lo, hi in ranges:
+        covered[lo:hi] = True
+    rows_nan = out.isnan().any(dim=1).cpu()
+    assert bool(rows_nan[~covered].all()), f"{name}: a row no expert owns was written"
+    assert not bool(rows_nan[covered].any()), f"{name}: an expert's row is unwritten/NaN"
+    assert bool(out[covered.cuda()].isfinite().all()), f"{name}: a guard value was read"
+    spans = [(lo, hi) for lo, hi in ranges if hi > lo]
+    disjoint = all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))
+    if spans and disjoint:  # the covered rows, one contiguous run: check them exactly
+        lo0, hi1 = spans[0][0], spans[-1][1]
+        sub = torch.tensor([min(max(lo - lo0, 0), hi1 - lo0) for lo, _ in ranges]
+                           + [hi1 - lo0], dtype=torch.int32, device="cuda")
+        sub[1:-1] = torch.tensor([hi - lo0 for _, hi in ranges[:-1]], dtype=torch.int32)
+        a_sub = _sub_activations(fmt, x, getattr(a, "global_scale", None), lo0, hi1)
+        res = reference.check_grouped(out[lo0:hi1], a_sub, b, sub)
+        assert res.passed, f"{name}: {res}"
+
+
+@pytest.mark.parametrize("name", sorted(BAD_OFFSETS))
+def test_validate_offsets_names_the_bad_entry(name):
+    s, fmt = _native_auto()
+    offsets, index, value = BAD_OFFSETS[name]
+    n, k = 136, 256
+    a = _activations(fmt, BAD_M, k, seed=91)
+    _, b, _ = make_case(s, fmt, [1, 1, 1], n, k, seed=92)
+    offs = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    out = torch.full((BAD_M, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(OffsetsError, match=rf"offsets\[{index}\] = {value}\b") as e:
+        cf.grouped_gemm(a, b, offs, out=out, validate_offsets=True)
+    assert (e.value.index, e.value.value) == (index, value)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())  # nothing launched
+    valid = torch.tensor([0, 100, 200, BAD_M], dtype=torch.int32, device="cuda")
+    y = cf.grouped_gemm(a, b, valid, validate_offsets=True)  # a valid table passes
+    assert reference.check_grouped(y, a, b, valid).passed
+
+
+def test_check_true_validates_the_offsets_first(monkeypatch):
+    s, fmt = _native_auto()
+    n, k = 136, 256
+    a = _activations(fmt, BAD_M, k, seed=93)
+    _, b, _ = make_case(s, fmt, [1, 1, 1], n, k, seed=94)
+    offs = torch.tensor(BAD_OFFSETS["negative"][0], dtype=torch.int32, device="cuda")
+    out = torch.full((BAD_M, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    dims = grouped.check_grouped_operands(a, b, offs, out, None)
+    kern = compile(grouped.resolve_grouped(grouped.auto_schedule_name(str(s.arch.family), dims)),
+                   Signature(fmt))
+    monkeypatch.setattr(kern, "validated", False)  # the call check=True validates
+    with pytest.raises(OffsetsError, match=r"offsets\[2\] = -50 is negative"):
+        cf.grouped_gemm(a, b, offs, out=out, check=True)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())
