@@ -31,7 +31,7 @@ _EXPORTS = {
     "gemm": "api", "validate": "api", "grouped_gemm": "grouped",
     "NVFP4Linear": "nn", "convert": "nn",
 }
-_SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn")
+_SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn", "hf")
 
 __all__ = sorted([*_EXPORTS, "plan", "compile"]) + list(_SUBMODULES)
 

@@ -1,0 +1,280 @@
+"""transformers' fused MoE experts on the grouped NVFP4 kernels.
+
+transformers v5 stores a MoE layer's experts as one module holding fused tensors,
+``gate_up_proj [E, 2I, H]`` (gate rows, then up) and ``down_proj [E, H, I]``, and picks the
+function that runs them by name through its experts interface
+(``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``, ``config._experts_implementation``).
+This module registers one more, ``"cute_fp4"`` (:func:`experts_forward`): the module keeps
+its class and routing, and its experts run on a :class:`~cute_fp4.moe.NVFP4MoE` held as its
+child ``nvfp4``.
+
+Loading merges the per-expert checkpoint tensors with transformers' own weight
+conversions (:func:`nvfp4_converters`: the model's expert converters, repeated for the
+four NVFP4 tensors) into buffers named after the fused tensor (:data:`SUFFIXES`), e.g.
+``gate_up_proj`` uint8 ``[E, 2I, H/2]``, ``gate_up_proj_weight_scale`` float8 ``[E, 2I, H/16]``,
+``gate_up_proj_weight_scale_2`` float32 ``[E, 2]`` (gate, up), ``gate_up_proj_input_scale``
+``[E, 2]``; ``down_proj*`` likewise with ``[E]`` scales. :func:`finalize` turns them into the
+``NVFP4MoE`` (one global scale per expert for gate_up: the gate's; an up projection with
+another global scale is corrected after the GEMM by ``up_ratio``; W4A4 takes the largest
+input scale of each GEMM) and keeps the checkpoint's per-expert scales for saving
+(:func:`checkpoint_tensors`, bit-exact).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
+
+from cute_fp4 import moe as moe_mod
+from cute_fp4.errors import FormatError
+from cute_fp4.moe import NVFP4MoE, combine, expert, route, silu_and_mul
+
+__all__ = ["IMPLEMENTATION", "PROJECTIONS", "SUFFIXES", "attach", "checkpoint_tensors",
+           "expert_names", "experts_forward", "finalize", "holds_nvfp4", "install_placeholders",
+           "is_experts", "nvfp4_converters", "unsupported"]
+
+IMPLEMENTATION = "cute_fp4"  # the name registered in transformers' experts interface
+PROJECTIONS = ("gate_up_proj", "down_proj")
+# checkpoint tensor of one expert -> suffix of the fused buffer on the experts module
+SUFFIXES = {"weight": "", "weight_scale": "_weight_scale", "weight_scale_2": "_weight_scale_2",
+            "input_scale": "_input_scale"}
+_META = ("gate_up_proj_weight_scale_2", "gate_up_proj_input_scale", "down_proj_input_scale",
+         "up_ratio")
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """A transformers fused-experts module: 3-D ``gate_up_proj`` and ``down_proj``."""
+    t = [getattr(module, p, None) for p in PROJECTIONS]
+    return (all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in t)
+            and hasattr(module, "num_experts"))
+
+
+def holds_nvfp4(module: torch.nn.Module) -> bool:
+    """An experts module running on an ``NVFP4MoE`` (its child ``nvfp4``)."""
+    return isinstance(getattr(module, "nvfp4", None), NVFP4MoE)
+
+
+def unsupported(module: torch.nn.Module) -> str | None:
+    """Why ``NVFP4MoE`` cannot run these experts, None when it can (gated SiLU, [gate; up]
+    concatenated, [out, in] weights, no bias)."""
+    if getattr(module, "is_transposed", False):
+        return "its weights are stored transposed ([E, in, out])"
+    if getattr(module, "has_bias", False):
+        return "its projections have biases"
+    if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
+        return "it is not a gated [gate; up] MLP"
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        return f"its activation is {act!r} (the NVFP4 experts compute silu(gate) * up)"
+    return None
+
+
+# ----------------------------------------------------------------------------- conversions
+
+def _clean(pattern: str) -> str:
+    return pattern.replace("\\", "").removeprefix("^").removesuffix("$")
+
+
+def moe_converter(conv) -> bool:
+    """A model's converter that merges per-expert ``.weight`` tensors (MergeModulelist)."""
+    return (isinstance(conv, WeightConverter)
+            and any(isinstance(op, MergeModulelist) for op in conv.operations)
+            and len(conv.target_patterns) == 1 and len(conv.source_patterns) in (1, 2)
+            and all("*" in s and _clean(s).endswith(".weight") for s in conv.source_patterns))
+
+
+class StackPair(ConversionOps):
+    """Conversion op: the merged ``[E]`` scales of gate and up stacked into ``[E, 2]``
+    (Concatenate's counterpart for per-expert scalars)."""
+
+    @torch.no_grad
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        parts = [input_dict.pop(p) for p in source_patterns if p in input_dict]
+        parts = [p if isinstance(p, torch.Tensor) else torch.stack(p) for p in parts]
+        return {target_patterns[0]: torch.stack(parts, dim=1)}
+
+
+def nvfp4_converters(conv) -> list:
+    """The model's expert converter ``conv`` as four converters, one per NVFP4 tensor of
+    an expert, each anchored so that it takes only its own tensor; all merge on the CPU
+    (``force_cpu``), so a layer's experts reach the device once, merged."""
+    out = []
+    for tensor, suffix in SUFFIXES.items():
+        sources = [_clean(s)[: -len("weight")] + tensor + "$" for s in conv.source_patterns]
+        if tensor in ("weight", "weight_scale"):
+            ops = copy.deepcopy(conv.operations)
+        else:
+            ops = [MergeModulelist(dim=0)] + ([StackPair()] if len(sources) == 2 else [])
+        new = WeightConverter(sources, _clean(conv.target_patterns[0]) + suffix, ops,
+                              force_cpu=True)
+        new.scope_prefix, new.base_model_prefix = conv.scope_prefix, conv.base_model_prefix
+        out.append(new)
+    return out
+
+
+def expert_names(conversions, experts_name: str) -> dict[str, list[tuple[str, str]]]:
+    """``projection -> [(template, source), ...]`` (gate, up; down) for the ``.weight``
+    tensors of experts module ``experts_name``: ``template`` the model-naming key with
+    ``{e}`` for the expert, ``source`` the converter's pattern it ends with (``{e}`` too):
+    the first expert converter of ``conversions`` whose target is that module's tensor."""
+    out = {}
+    for proj in PROJECTIONS:
+        full = f"{experts_name}.{proj}"
+        for conv in conversions:
+            if not moe_converter(conv):
+                continue
+            target = _clean(conv.target_patterns[0])
+            hit = re.search(re.escape(target).replace(r"\*", r"[^.]+") + "$", full)
+            if hit is None:
+                continue
+            sources = [_clean(s).replace("*", "{e}") for s in conv.source_patterns]
+            out[proj] = [(full[:hit.start()] + s, s) for s in sources]
+            break
+    return out
+
+
+def expert_of(source: str, key: str) -> tuple[int, int] | None:
+    """``(expert, start of its digits)`` of checkpoint ``key`` ending with ``source`` (a
+    pattern with ``{e}``), None if it does not."""
+    head, _, tail = source.partition("{e}")
+    m = re.search(re.escape(head) + r"(\d+)" + re.escape(tail) + "$", key)
+    return None if m is None else (int(m.group(1)), m.start(1))
+
+
+# ----------------------------------------------------------------------------- placeholders
+
+def install_placeholders(module: torch.nn.Module, input_scales: bool) -> None:
+    """Replace the fused BF16 tensors of ``module`` (on the meta device) by buffers of the
+    checkpoint's NVFP4 tensors, merged (module docstring)."""
+    e, n13, h = module.gate_up_proj.shape
+    i = module.down_proj.shape[2]
+    specs = {
+        "gate_up_proj": ((e, n13, h // 2), torch.uint8),
+        "gate_up_proj_weight_scale": ((e, n13, h // 16), torch.float8_e4m3fn),
+        "gate_up_proj_weight_scale_2": ((e, 2), torch.float32),
+        "down_proj": ((e, h, i // 2), torch.uint8),
+        "down_proj_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
+        "down_proj_weight_scale_2": ((e,), torch.float32),
+    }
+    if input_scales:
+        specs["gate_up_proj_input_scale"] = ((e, 2), torch.float32)
+        specs["down_proj_input_scale"] = ((e,), torch.float32)
+    for proj in PROJECTIONS:
+        delattr(module, proj)
+    for name, (shape, dtype) in specs.items():
+        module.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+
+
+def placeholder_names(module: torch.nn.Module) -> list[str]:
+    return [n for n in module._buffers if n.startswith(PROJECTIONS) and n not in _META[3:]]
+
+
+def finalize(module: torch.nn.Module, mode: str, layout: str = "auto") -> None:
+    """The loaded placeholder buffers of ``module`` -> its ``NVFP4MoE`` (``attach``)."""
+    b = {n: module._buffers.pop(n) for n in placeholder_names(module)}
+    attach(module, (b["gate_up_proj"], b["gate_up_proj_weight_scale"]),
+           (b["down_proj"], b["down_proj_weight_scale"], b["down_proj_weight_scale_2"]),
+           b["gate_up_proj_weight_scale_2"], b.get("gate_up_proj_input_scale"),
+           b.get("down_proj_input_scale"), mode, layout)
+
+
+def attach(module: torch.nn.Module, w13: tuple, w2: tuple, w13_scale_2: torch.Tensor,
+           w13_input: torch.Tensor | None, w2_input: torch.Tensor | None, mode: str,
+           layout: str = "auto", moe: NVFP4MoE | None = None) -> None:
+    """Give ``module`` its ``NVFP4MoE`` (``moe``, or one built from the checkpoint tensors
+    ``w13 = (weight, weight_scale)``, ``w2 = (weight, weight_scale, weight_scale_2)``) and
+    keep the checkpoint's per-expert scales: ``w13_scale_2`` ``[E, 2]`` (gate, up), the input
+    scales ``[E, 2]`` and ``[E]`` (or None)."""
+    gate, up = w13_scale_2[:, 0].contiguous(), w13_scale_2[:, 1].contiguous()
+    if moe is None:
+        scales = (None, None)
+        if mode == "w4a4" and w13_input is not None and w2_input is not None:
+            scales = (w13_input.max(), w2_input.max())  # one activation scale per GEMM
+        moe = NVFP4MoE.from_modelopt((*w13, gate), w2, mode, "auto", scales, layout)
+    for proj in PROJECTIONS:
+        if proj in module._parameters:
+            delattr(module, proj)
+    module.nvfp4 = moe
+    module.register_buffer("gate_up_proj_weight_scale_2", w13_scale_2, persistent=False)
+    module.register_buffer("gate_up_proj_input_scale", w13_input, persistent=False)
+    module.register_buffer("down_proj_input_scale", w2_input, persistent=False)
+    ratio = None if torch.equal(gate, up) else (up / gate).to(moe.w13.data.device)
+    module.register_buffer("up_ratio", ratio, persistent=False)
+
+
+def checkpoint_tensors(module: torch.nn.Module) -> dict[str, list[dict[str, list]]]:
+    """The NVFP4 experts of ``module`` as ModelOpt's per-expert tensors on the CPU:
+    ``projection -> [one dict per source] -> tensor name -> [expert 0, 1, ...]``, the
+    sources ordered as :func:`expert_names` gives them (gate, up; down). Bit for bit what
+    was loaded (or quantized)."""
+    moe: NVFP4MoE = module.nvfp4
+    i = moe.intermediate
+    gs13 = module._buffers["gate_up_proj_weight_scale_2"].cpu()
+    in13, in2 = module._buffers["gate_up_proj_input_scale"], module._buffers[
+        "down_proj_input_scale"]
+    gate, up, down = ({"weight": [], "weight_scale": [], "weight_scale_2": [],
+                       "input_scale": []} for _ in range(3))
+    for e in range(moe.num_experts):
+        w13, w2 = expert(moe.w13, e), expert(moe.w2, e)
+        d13, s13 = w13.data.cpu(), w13.scale_linear().cpu()
+        for j, part in enumerate((gate, up)):
+            rows = slice(0, i) if j == 0 else slice(i, 2 * i)
+            part["weight"].append(d13[rows].clone())
+            part["weight_scale"].append(s13[rows].clone())
+            part["weight_scale_2"].append(gs13[e, j].clone())
+            if in13 is not None:
+                part["input_scale"].append(in13[e, j].cpu().clone())
+        down["weight"].append(w2.data.cpu().clone())
+        down["weight_scale"].append(w2.scale_linear().cpu())
+        down["weight_scale_2"].append(w2.global_scale.cpu().reshape(()).clone())
+        if in2 is not None:
+            down["input_scale"].append(in2[e].cpu().clone())
+    return {"gate_up_proj": [gate, up], "down_proj": [down]}
+
+
+# ----------------------------------------------------------------------------- forward
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"cute_fp4"`` experts implementation: ``self.nvfp4`` (an NVFP4MoE) on the
+    routed tokens; experts left in BF16 (excluded) run transformers' grouped_mm."""
+    moe: NVFP4MoE | None = getattr(self, "nvfp4", None)
+    if moe is None:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    ratio = self._buffers.get("up_ratio")
+    if ratio is None:
+        return moe(hidden_states, top_k_index, top_k_weights)
+    return _forward_up_ratio(moe, ratio, hidden_states, top_k_index, top_k_weights)
+
+
+def _forward_up_ratio(moe: NVFP4MoE, ratio: torch.Tensor, x: torch.Tensor,
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``NVFP4MoE.stages`` with each up row scaled by its expert's ``up / gate`` global
+    scales (the GEMM ran with the gate's) before the activation."""
+    moe._check_input(x, topk_ids, topk_weights)
+    r = route(topk_ids, moe.num_experts)
+    a13 = moe._activation(x.index_select(0, r.token), "w13")
+    gate_up = moe_mod._grouped_gemm(a13, moe.w13, r.offsets, moe.schedule, x.dtype,
+                                    moe._buffers["w13_alpha"])
+    i = moe.intermediate
+    row_ratio = ratio.index_select(0, topk_ids.reshape(-1).index_select(0, r.order))
+    up = (gate_up[:, i:].float() * row_ratio.unsqueeze(1)).to(gate_up.dtype)
+    act = silu_and_mul(torch.cat((gate_up[:, :i], up), dim=1))
+    a2 = moe._activation(act, "w2")
+    down = moe_mod._grouped_gemm(a2, moe.w2, r.offsets, moe.schedule, x.dtype,
+                                 moe._buffers["w2_alpha"])
+    return combine(down, r, topk_weights)
+
+
+def check_shapes(module: torch.nn.Module, name: str) -> None:
+    """The kernels' limits on the experts' sizes (hidden and intermediate multiples of
+    32), as a FormatError naming the module."""
+    e, n13, h = module.gate_up_proj.shape
+    if n13 % 2 or h % 32 or (n13 // 2) % 32:
+        raise FormatError(f"{name}: hidden {h} and intermediate {n13 // 2} must be multiples "
+                          "of 32 for the grouped NVFP4 kernels")

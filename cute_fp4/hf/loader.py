@@ -1,0 +1,60 @@
+"""``from_pretrained``: a ModelOpt NVFP4 checkpoint directory -> the transformers model, with
+quantized linears as ``NVFP4Linear`` and MoE experts on the grouped kernels.
+
+transformers does the loading (``AutoModelForCausalLM.from_pretrained``: the model built on
+the meta device, the safetensors shards streamed onto the device, the model's own weight
+conversions); the quantizer plugin of ``cute_fp4.hf.quantizer`` checks the checkpoint
+before any tensor is read and turns the loaded tensors into cute_fp4's layers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from cute_fp4.errors import DeviceError, InputError
+from cute_fp4.hf.checkpoint import read_quant_format
+from cute_fp4.hf.quantizer import MODES, register
+
+__all__ = ["from_pretrained"]
+
+
+def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cuda",
+                    mode: str = "auto", layout: str = "auto", **transformers_kwargs):
+    """Load the ModelOpt NVFP4 checkpoint in directory ``path`` (config.json with a
+    ``quantization_config``, or hf_quant_config.json; safetensors shards) as a transformers
+    causal LM on ``device``.
+
+    ``mode``: "w4a16", "w4a4" or "auto" (W4A4 where the GPU has FP4 MMA, SM12x, and the
+    checkpoint has input scales; W4A16 elsewhere). ``layout``: the weight layout of the
+    layers (``NVFP4Linear``; "auto": fragment order on SM90). ``device="cpu"`` loads for
+    inspection (a forward then raises DeviceError). Other keyword arguments go to
+    ``AutoModelForCausalLM.from_pretrained`` (``dtype`` defaults to bfloat16, the dtype of
+    the layers left unquantized).
+
+    Quantized tensors are never converted to BF16: device memory peaks at the NVFP4 bytes
+    plus the BF16 of the excluded modules plus one layer's transient. A checkpoint that
+    does not hold what its config promises raises ``CheckpointError`` (file, key,
+    expectation) before anything is loaded.
+    """
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    path = os.fspath(path)
+    fmt = read_quant_format(path)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device={str(device)!r} but CUDA is not available; "
+                          "device='cpu' loads the checkpoint for inspection")
+    method = register()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = transformers_kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
+    qc = fmt.to_dict()
+    qc.pop("producer", None)
+    config.quantization_config = {**qc, "quant_method": method, "source": fmt.source,
+                                  "cute_fp4": {"mode": mode, "layout": layout}}
+    transformers_kwargs.setdefault("dtype", torch.bfloat16)
+    transformers_kwargs.setdefault("device_map", {"": dev})
+    transformers_kwargs.setdefault("experts_implementation", "cute_fp4")
+    return AutoModelForCausalLM.from_pretrained(path, config=config, **transformers_kwargs)

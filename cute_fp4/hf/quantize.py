@@ -1,0 +1,217 @@
+"""``quantize_model``: a BF16 transformers model quantized to NVFP4 in place, layer by layer,
+optionally with activation scales calibrated on given batches; ``save_pretrained`` then
+writes it as a ModelOpt NVFP4 checkpoint.
+
+Quantized: every ``nn.Linear`` whose in_features is a multiple of 32 and out_features of 8
+(the kernels' limits) and every fused-experts module of a gated SiLU MoE, except what
+``exclude`` names (fnmatch patterns or names, a name also excluding what is below it) and
+linears tied to the input embeddings. Each weight gets its global scale from its own amax
+(an expert stack: one per expert, gate and up together) and the rounding of
+``cute_fp4.quantize``. With ``calibration`` (an iterable of batches: ``input_ids`` tensors
+or dicts of ``model(**batch)`` arguments), every quantized layer's input amax over the
+batches gives its ``input_scale`` (``amax / 2688``; experts: per expert, the tokens routed to
+it, for the gate_up and the down projection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.hf import experts as ex
+from cute_fp4.hf.checkpoint import excluded
+from cute_fp4.hf.quantizer import (
+    MODES,
+    ModelOptNVFP4Config,
+    ModelOptNVFP4Quantizer,
+    register,
+    resolve_mode,
+)
+from cute_fp4.moe import NVFP4MoE, route, silu_and_mul
+from cute_fp4.nn import NVFP4Linear
+from cute_fp4.nvfp4 import E2M1_MAX, E4M3_MAX, quantize
+
+__all__ = ["QuantizeReport", "quantize_model"]
+
+_DECODE = E4M3_MAX * E2M1_MAX  # amax / 2688 = the decode-form global scale
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeReport:
+    """What :func:`quantize_model` did: ``mode`` the layers run, the module names quantized,
+    ``(name, reason)`` of those left in BF16, and whether input scales were calibrated."""
+
+    mode: str
+    quantized: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+    calibrated: bool
+
+    def __str__(self) -> str:
+        head = (f"quantized {len(self.quantized)} modules to NVFP4 ({self.mode}"
+                f"{', calibrated input scales' if self.calibrated else ''})")
+        return "\n  ".join([head, *(f"kept {n}: {r}" for n, r in self.skipped)])
+
+
+def _tied_to_embeddings(model, module) -> bool:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(module, "weight", None)
+    return emb is not None and w is not None and w is getattr(emb, "weight", None)
+
+
+def _candidates(model, exclude) -> tuple[dict, list]:
+    """name -> "linear" or "experts" for what is quantized; (name, reason) for the rest."""
+    todo, skipped = {}, []
+    for name, m in model.named_modules():
+        is_exp = ex.is_experts(m)
+        if not name or not (type(m) is torch.nn.Linear or is_exp):
+            continue
+        pattern = excluded(name, exclude)
+        if pattern:
+            skipped.append((name, f"matches exclude pattern {pattern!r}"))
+        elif is_exp:
+            e, n13, h = m.gate_up_proj.shape
+            why = ex.unsupported(m) or (None if h % 32 == 0 and n13 % 64 == 0 else
+                                        f"hidden {h} / intermediate {n13 // 2} are not "
+                                        "multiples of 32")
+            (skipped.append((name, why)) if why else todo.__setitem__(name, "experts"))
+        elif _tied_to_embeddings(model, m):
+            skipped.append((name, "its weight is tied to the input embeddings"))
+        elif m.in_features % 32 or m.out_features % 8:
+            skipped.append((name, f"[{m.out_features}, {m.in_features}]: in_features must be "
+                                  "a multiple of 32 and out_features of 8"))
+        else:
+            todo[name] = "linear"
+    return todo, skipped
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def _calibrate(model, todo: dict, batches: Iterable) -> dict[str, object]:
+    """name -> input amax (a linear: a float; experts: (amax [E] of gate_up's input, amax
+    [E] of down's input)) over ``batches`` run through the BF16 model."""
+    amax: dict[str, object] = {}
+    hooks = []
+
+    def linear_hook(name):
+        def hook(mod, args):
+            a = float(args[0].detach().abs().amax())
+            amax[name] = max(amax.get(name, 0.0), a)
+        return hook
+
+    def experts_hook(name):
+        def hook(mod, args):
+            x, ids = args[0].detach(), args[1]
+            a13, a2 = _expert_amax(mod, x, ids)
+            old = amax.get(name)
+            amax[name] = (a13, a2) if old is None else (torch.maximum(old[0], a13),
+                                                        torch.maximum(old[1], a2))
+        return hook
+
+    for name, kind in todo.items():
+        mod = model.get_submodule(name)
+        hook = linear_hook(name) if kind == "linear" else experts_hook(name)
+        hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                if isinstance(batch, dict):
+                    model(**batch)
+                elif isinstance(batch, torch.Tensor):
+                    model(input_ids=batch)
+                else:
+                    raise InputTypeError("calibration batches must be input_ids tensors or "
+                                         f"dicts of model arguments, got {type(batch).__name__}")
+    finally:
+        for h in hooks:
+            h.remove()
+    return amax
+
+
+def _expert_amax(mod, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per expert: the amax of the tokens routed to it, and of its activation
+    ``silu(gate) * up`` (the down projection's input), in the module's BF16 weights."""
+    from cute_fp4.moe import _bf16_grouped
+
+    e = mod.num_experts
+    flat = ids.reshape(-1).long()
+    r = route(ids, e)
+    row_expert = flat.index_select(0, r.order)
+    xs = x.index_select(0, r.token)
+    act = silu_and_mul(_bf16_grouped(xs, mod.gate_up_proj.to(x.dtype), r.offsets))
+    out = []
+    for rows in (xs, act):
+        a = torch.zeros(e, dtype=torch.float32, device=x.device)
+        out.append(a.scatter_reduce(0, row_expert, rows.abs().amax(-1).float(), "amax").cpu())
+    return tuple(out)
+
+
+def _fill(a: torch.Tensor) -> torch.Tensor:
+    """Experts no batch reached take the largest amax of the module's other experts."""
+    return torch.where(a > 0, a, a.max())
+
+
+# ----------------------------------------------------------------------------- quantize
+
+def quantize_model(model: torch.nn.Module, *, exclude: Iterable[str] = ("lm_head",),
+                   calibration: Iterable | None = None, mode: str = "auto",
+                   layout: str = "auto") -> QuantizeReport:
+    """Quantize the BF16 transformers model ``model`` to NVFP4 in place (module
+    docstring), one layer at a time, on the device each layer is on. ``mode``: what the
+    layers run ("auto": W4A4 on an SM12x GPU with calibrated input scales, else W4A16).
+    The model can run, and :func:`cute_fp4.hf.save_pretrained` write it."""
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+    exclude = tuple(exclude)
+    todo, skipped = _candidates(model, exclude)
+    amax = _calibrate(model, todo, calibration) if calibration is not None else {}
+    dev = next(model.parameters()).device
+    mode = resolve_mode(mode, dev, bool(amax))
+    for name, kind in todo.items():
+        module = model.get_submodule(name)
+        if kind == "linear":
+            a = amax.get(name, 0.0)
+            w = quantize(module.weight.detach())
+            bias = None if module.bias is None else module.bias.detach()
+            layer = NVFP4Linear(w, bias, mode, "auto", a / _DECODE if a > 0 else None, layout)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, layer)
+        else:
+            _quantize_experts(module, amax.get(name), mode, layout)
+    method = register()
+    _mark_quantized(model, todo, skipped, method, mode)
+    return QuantizeReport(mode, tuple(todo), tuple(skipped), bool(amax))
+
+
+def _quantize_experts(module, amax, mode: str, layout: str) -> None:
+    w13, w2 = quantize(module.gate_up_proj.detach()), quantize(module.down_proj.detach())
+    gs = w13.global_scale
+    in13 = in2 = None
+    scales = (None, None)
+    if amax is not None:
+        in13 = (_fill(amax[0]) / _DECODE).to(gs.device)
+        in2 = (_fill(amax[1]) / _DECODE).to(gs.device)
+        if mode == "w4a4":
+            scales = (in13.max(), in2.max())
+        in13 = torch.stack((in13, in13), dim=1)
+    moe = NVFP4MoE(w13, w2, mode, "auto", scales, layout)
+    ex.attach(module, (), (), torch.stack((gs, gs), dim=1), in13, in2, mode, layout, moe)
+
+
+def _mark_quantized(model, todo, skipped, method: str, mode: str) -> None:
+    """What from_pretrained leaves on a model: its quantization config (the exclusions),
+    the quantizer (transformers asks it about compile and saving), the experts
+    implementation."""
+    config = ModelOptNVFP4Config(quant_algo="NVFP4", exclude_modules=[n for n, _ in skipped],
+                                 quant_method=method, cute_fp4={"mode": mode})
+    model.config.quantization_config = config
+    quantizer = ModelOptNVFP4Quantizer(config, pre_quantized=True)
+    model.hf_quantizer = quantizer
+    model.is_quantized = True
+    model.cute_fp4_mode = mode
+    if any(kind == "experts" for kind in todo.values()):
+        model.set_experts_implementation(ex.IMPLEMENTATION)
