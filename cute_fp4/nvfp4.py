@@ -9,10 +9,15 @@ Conventions (see ``shared/notes/nvfp4-format.md``):
   FlashInfer expect: shape ``[round_up(R, 128), round_up(K/16, 4)]`` whose flat bytes are in
   the order of :func:`scale_offset`; padding is zero.
 
-Quantization (round to nearest, ties to even, on the E2M1 grid):
-``s = e4m3(min(block_amax / 6 / global_scale, 448))`` (subnormal scales allowed; a non-zero
-block whose scale would round to 0 gets the smallest subnormal, 2^-9), then
-``q = e2m1(x / (float(s) * global_scale))`` saturating at +-6. Arithmetic is float32.
+Quantization (round to nearest, ties to even, on the E2M1 grid), the one rule of every
+device: ``t = block_amax * fl32(1/6)`` (a float32 product with the float32 reciprocal of 6,
+never a division by 6), ``s = e4m3(min(t / global_scale, 448))`` (IEEE float32 division;
+subnormal scales allowed; a non-zero block whose scale would round to 0 gets the smallest
+subnormal, 2^-9), then ``q = e2m1(x / (float(s) * global_scale))`` (float32 product, IEEE
+float32 division) saturating at +-6. Every operation is one correctly rounded float32
+operation, so the CPU, CUDA and the fused kernel (``cute_fp4.kernels.quantize``) produce the
+same bytes for every input (``docs/correctness.md``). (torch divides by a Python scalar on
+the CPU but multiplies by its reciprocal on CUDA; the rule multiplies explicitly.)
 
 The block format is a parameter (:class:`BlockFormat`) so that MXFP4 (E8M0 scales, blocks
 of 32) can be added without changing the container or the layouts.
@@ -32,6 +37,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; 8..15 are 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9
+# float32(1/6) exactly, as a Python float: ``bamax * RCP6`` rounds once to float32 on every
+# device (the fused kernel's ``mul.rn.f32 t, bamax, 0f3E2AAAAB``)
+RCP6 = 0.1666666716337204
 # Midpoints between consecutive E2M1 magnitudes. A tie between codes i and i+1 goes to
 # the even code: down when i is even, up when i is odd.
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -466,7 +474,7 @@ def _encode(xf: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     rows, k = xf.shape
     blocks = xf.view(rows, k // 16, 16)
     bamax = blocks.abs().amax(dim=-1)
-    sf = (bamax / E2M1_MAX / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = (bamax * RCP6 / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     tiny = (sf.float() == 0) & (bamax > 0)
     sf = torch.where(tiny, torch.full_like(sf, E4M3_MIN_SUBNORMAL), sf)
     denom = (sf.float() * gs).unsqueeze(-1)

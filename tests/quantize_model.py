@@ -8,9 +8,10 @@ against ``cute_fp4.quantize`` on the CPU checks the tricks (one Markstein correc
 element, the one-add E2M1 encoding, the masked packed-word accumulation, the clamp at
 ``6 d`` of the blocks that need it, the zero-padding) without a GPU.
 
-``div6``: the kernel reproduces ``quantize`` on CUDA, where torch turns ``bamax / 6.0``
-into ``bamax * float32(1/6)``; on the CPU torch divides. ``div6="true"`` models the CPU
-form so that the model can be compared bit for bit with CPU ``quantize``.
+``div6``: the one quantization rule (``cute_fp4.nvfp4``) computes ``bamax * float32(1/6)``
+on every device, as the kernel does (``"recip"``, the default); ``div6="true"`` models a
+division by 6 instead, which rounds differently for some blocks: the tests use it to show
+that the comparison would notice.
 """
 
 from __future__ import annotations
@@ -306,3 +307,86 @@ def tie_case():
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
     x[0, 0] = 5.0
     return x, float(gs)
+
+
+# ----------------------------------------------------------------------------- the rule
+
+def _step16(v: torch.Tensor, dtype: torch.dtype, ulps: int) -> torch.Tensor:
+    """``v`` (positive, 16-bit ``dtype``) moved ``ulps`` representable values up or down."""
+    return (v.to(dtype).view(torch.int16) + ulps).view(dtype)
+
+
+def e2m1_tie_blocks(dtype: torch.dtype, gs: float) -> torch.Tensor:
+    """[<= 2 x 126, 16] ``dtype`` blocks, two per positive finite UE4M3 value ``s``: element 0 is
+    ``6 s gs`` (the block amax that gives scale ``s``), the others sit on every E2M1
+    decision point of ``d = s gs`` (the ties, exactly representable: a tie has at most 3
+    significant bits, ``s`` at most 4) and one representable value above and below each,
+    the negated ties, a zero and ``-6 s gs``. ``gs`` a power of two keeps ``d`` exact."""
+    codes = torch.arange(1, 127, dtype=torch.uint8)
+    s = codes.view(torch.float8_e4m3fn).float() * gs
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    ties = (bounds[None, :] * s[:, None]).to(dtype)
+    first = (6 * s[:, None]).to(dtype)
+    a = torch.cat([first, ties, _step16(ties, dtype, 1), torch.zeros_like(first)], dim=1)
+    b = torch.cat([first, _step16(ties, dtype, -1), -ties, -first], dim=1)
+    blocks = torch.cat([a, b])
+    return blocks[blocks.isfinite().all(dim=1)]  # FP16: scales whose 6 s gs overflow go
+
+
+def ue4m3_boundary_cases(dtype: torch.dtype) -> list[tuple[torch.Tensor, float]]:
+    """(blocks, global scale) pairs whose block scales ``u = RN(amax fl(1/6)) / gs`` land on
+    every UE4M3 rounding boundary: for each significand pattern ``P = 1 + i/16`` (odd ``i``:
+    the midpoints between UE4M3 values, ties included; even ``i``: the values themselves)
+    the global scales nearest ``t / P`` (two float32 steps either side) for a base amax
+    ``b``, and blocks with amax ``b 2^j`` over every binade that fits the 16-bit type, so
+    that ``u = P 2^j`` crosses the subnormal scales, the round-to-zero floor and the
+    saturation at 448. Bases: small and large ones (the kernel's fast path for
+    ``2^-80 <= gs <= 64``, the general path above 64), of significands that make a division
+    by 6 round differently from the rule's product and of ones that do not. The other 15
+    elements of a block are random multiples of its amax."""
+    g = torch.Generator().manual_seed(17)
+    rcp6 = np.float32(1.0 / 6.0)
+    # significands where RN(b fl(1/6)) and RN(b / 6) differ (5, 1.25) and where not
+    sigs = (1.0, 5.0, 1.25, 1.6875)
+    bases = [m * e for m in sigs for e in ((1.0, 2.0**10) if dtype == torch.float16 else
+                                          (1.0, 2.0**-20, 2.0**10))]
+    limit = 65504.0 if dtype == torch.float16 else 3.0e38
+    tiny = 2.0**-14 if dtype == torch.float16 else 2.0**-126
+    out = []
+    for b in bases:
+        t = np.float32(b) * rcp6
+        js = [j for j in range(-14, 10) if tiny <= b * 2.0**j <= limit]
+        amax = torch.tensor([b * 2.0**j for j in js])
+        for i in range(16):
+            p = np.float32(1 + i / 16)
+            gs0 = np.float32(t / p)
+            for step in range(-2, 3):
+                gs = gs0
+                for _ in range(abs(step)):
+                    gs = np.nextafter(gs, np.float32(np.inf) if step > 0 else np.float32(0))
+                rest = (torch.rand(len(js), 15, generator=g) * 2 - 1) * amax[:, None]
+                blocks = torch.cat([amax[:, None], rest], dim=1).to(dtype)
+                out.append((blocks, float(gs)))
+    return out
+
+
+def random_blocks(n_blocks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[n_blocks / 256, 4096] ``dtype``: random blocks with a random binade each (2^-24 ..
+    2^14, FP16: its range), 3% zero blocks, 3% blocks with one non-zero element, 2% negative
+    zeros, 1% blocks of one repeated value."""
+    g = torch.Generator().manual_seed(seed)
+    rows = n_blocks // 256
+    x = torch.randn(rows, 256, 16, generator=g)
+    lo = -10 if dtype == torch.float16 else -24
+    x *= torch.exp2(torch.randint(lo, 15, (rows, 256, 1), generator=g).float())
+    u = torch.rand(rows, 256, generator=g)
+    x[u < 0.03] = 0.0
+    one = (u >= 0.03) & (u < 0.06)
+    x[one] = x[one] * (torch.arange(16) == 0)
+    rep = (u >= 0.06) & (u < 0.07)
+    x[rep] = x[rep][:, :1].expand(-1, 16)
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    x = x.to(dtype).reshape(rows, 4096)
+    x[torch.rand(rows, 4096, generator=g) < 0.02] = -0.0
+    return x

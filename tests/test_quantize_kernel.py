@@ -40,9 +40,9 @@ SHAPES = [(1, 16), (1, 4096), (3, 48), (7, 96), (16, 8192), (127, 64), (129, 104
 
 
 def _same(x, gs, **kw):
-    """Model (CPU division semantics) vs CPU quantize: data, scale (padding included)."""
+    """Model vs CPU quantize: data, scale (padding included)."""
     ref = quantize(x, gs)
-    data, scale, _ = quantize_model(x, gs, div6="true", **kw)
+    data, scale, _ = quantize_model(x, gs, **kw)
     return (np.array_equal(data, ref.data.numpy())
             and np.array_equal(scale, ref.scale.view(torch.uint8).reshape(-1).numpy()))
 
@@ -65,21 +65,21 @@ def test_model_detects_wrong_codes():
     """The comparison can fail: flipping one code or one padding byte is noticed."""
     x = awkward_input(3, 48, torch.bfloat16, seed=1)
     ref = quantize(x)
-    data, scale, _ = quantize_model(x, None, div6="true")
+    data, scale, _ = quantize_model(x, None)
     data[1, 3] ^= 0x01
     assert not np.array_equal(data, ref.data.numpy())
     scale[-1] ^= 0x01  # a padding byte of row 127
     assert not np.array_equal(scale, ref.scale.view(torch.uint8).reshape(-1).numpy())
 
 
-def test_kernel_division_semantics_differ_from_cpu_torch():
-    """The kernel follows torch on CUDA (``bamax * float32(1/6)``), which the CPU does not:
-    for this block the two give different scales (the GPU test checks the CUDA side)."""
+def test_cpu_quantize_follows_the_one_rule_where_division_differs():
+    """On this block ``bamax / 6`` and ``bamax * float32(1/6)`` give different scales: CPU
+    quantize takes the one rule's (the kernel's, CUDA's) and the comparison can tell."""
     x, gs = tie_case()
-    cpu = quantize_model(x, gs, div6="true")[1]
-    gpu = quantize_model(x, gs, div6="recip")[1]
-    assert cpu[0] != gpu[0]
-    assert _same(x, gs)  # and the CPU form still matches CPU quantize
+    divided = quantize_model(x, gs, div6="true")[1]
+    rule = quantize_model(x, gs, div6="recip")[1]
+    assert divided[0] != rule[0]
+    assert np.array_equal(quantize(x, gs).scale.view(torch.uint8).reshape(-1).numpy(), rule)
 
 
 @pytest.mark.parametrize("sig_bits", [8, 11])

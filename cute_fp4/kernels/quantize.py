@@ -1,11 +1,11 @@
 """Fused activation quantization: BF16/FP16 ``[M, K]`` -> NVFP4 (packed E2M1 + UE4M3 scales).
 
-Bit-identical to :func:`cute_fp4.nvfp4.quantize` run on a CUDA tensor with the same global
+Bit-identical to :func:`cute_fp4.nvfp4.quantize` (CPU or CUDA) with the same global
 scale (``gs``, the decode form ``amax / 2688``), per 16-element block::
 
     bamax = max |x|                              (exact)
-    t     = bamax * fl32(1/6)                    (torch on CUDA divides by a Python scalar as
-                                                  a multiplication by its float32 reciprocal)
+    t     = bamax * fl32(1/6)                    (nvfp4's rule on every device: a product
+                                                  with float32(1/6), never a division)
     sf    = e4m3_rne(min(t / gs, 448)); sf = 2^-9 if sf == 0 and bamax > 0
     d     = sf * gs                              (float32)
     code  = e2m1_rne(x / d) (saturating), sign = x / d < 0; all codes 0 when d == 0
@@ -302,7 +302,7 @@ def _block_ptx(half: str, hw: bool, general: bool, values: bool = False) -> str:
     body += [f"max.xorsign.abs.{x2} m, m, {{$r{i}}};" for i in range(2, 8)]
     body += _unpack(half, "m", False, "ua") + _unpack(half, "m", True, "ub")
     body += ["abs.f32 ua, ua;", "abs.f32 ub, ub;", "max.f32 bamax, ua, ub;",
-             "mul.rn.f32 t, bamax, 0f3E2AAAAB;"]  # torch: bamax / 6.0 on CUDA
+             "mul.rn.f32 t, bamax, 0f3E2AAAAB;"]  # the rule: bamax * fl32(1/6)
     if general:
         body += ["div.rn.f32 u, t, {$r8};", "min.f32 u, u, 0f43E00000;"]
     else:

@@ -171,7 +171,7 @@ def test_few_ctas_loop_over_every_chunk(max_ctas, path):
 def test_special_tensors():
     """All zeros (dynamic scale 1, every code 0), one element per block set, the largest
     finite values, and the block whose scale rounds differently under '/ 6' and
-    '* float32(1/6)' (torch on CUDA multiplies; the kernel follows CUDA)."""
+    '* float32(1/6)' (the rule multiplies on every device)."""
     z = torch.zeros(5, 64, dtype=torch.bfloat16, device="cuda")
     assert_identical(quant.quantize_activation(z), quantize(z), "zeros")
     one = torch.zeros(3, 256, dtype=torch.float16, device="cuda")
