@@ -46,7 +46,7 @@ from cute_fp4.run import (
     run_checked,
     run_compiled,
 )
-from cute_fp4.schedule import Mainloop, OutDtype, Schedule
+from cute_fp4.schedule import OutDtype, Schedule
 
 __all__ = ["ALIGN", "DEFAULT_SHAPES", "SWAPAB_MAX_M", "ValidationReport", "check_operands",
            "gemm", "heuristic", "make_operands", "mm", "mm_packed", "out_dtype_of",
@@ -80,17 +80,26 @@ def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
 
 
 def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
-              a_format: str = "bf16") -> Schedule:
+              a_format: str = "bf16", target: str | None = None) -> Schedule:
     """The catalogue schedule a shape gets when nothing was tuned for it (``packed``: the
-    weight is a fragment-order PackedNVFP4Weight, which only ``mainloop=rs_packed`` reads;
-    its tile depends on the activation format, ``a_format``)."""
+    weight is a fragment-order PackedNVFP4Weight, which the ``rs_packed`` and ``stream``
+    mainloops read; the schedule depends on the activation format, ``a_format``;
+    ``target``: the GPU's target name, default the family's first)."""
     from cute_fp4 import catalogue
 
     if packed:
+        target = target or _family_target(family)
+        if family == "sm120":
+            if a_format == "nvfp4":
+                raise InputError("on sm_120a/sm_121a a PackedNVFP4Weight takes 16-bit "
+                                 "activations (the stream kernel); W4A4 runs on the plain "
+                                 "weight: use weight.unpack()")
+            # the stream kernel is SM120's only W4A16 kernel: every M, tiles of 16 rows
+            return stream_decode_schedule(target, min(m, 16), n, k)
         if family != "sm90":
-            raise InputError(f"a PackedNVFP4Weight runs on sm_90a only, not on {family}; "
-                             "use weight.unpack()")
-        return _packed_heuristic(m, n, k, a_format)
+            raise InputError(f"a PackedNVFP4Weight runs on sm_90a and sm_120a/sm_121a, not "
+                             f"on {family}; use weight.unpack()")
+        return _packed_heuristic(m, n, k, a_format, target)
     if family == "sm90":
         if m <= SWAPAB_MAX_M:
             # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
@@ -137,7 +146,7 @@ def decode_split(tiles: int, k_tiles: int, sms: int) -> tuple[int, int, int]:
     return best[0], best[2], best[1]
 
 
-def _packed_decode(n: int, k: int) -> Schedule:
+def packed_decode_schedule(n: int, k: int) -> Schedule:
     """W4A16 at M <= 16 on the packed weight: 256 weight rows over four warpgroups or 128
     over two, and the split, by :func:`decode_split` with a tile's cost weighted by its
     rows (equal cost: fewer waves, then the taller tile, which has the more warps).
@@ -156,9 +165,41 @@ def _packed_decode(n: int, k: int) -> Schedule:
     return s.replace(split_k=split) if split > 1 else s
 
 
-def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16") -> Schedule:
+STREAM_MIN_UNITS = 4  # 64-element K units per split at least
+STREAM_CTAS_PER_SM = 8  # the grid a split-K is chosen to fill: this many CTAs per SM
+
+
+def stream_decode_schedule(target: str, m: int, n: int, k: int) -> Schedule:
+    """The weight-streaming decode kernel (``mainloop=stream``) for ``m <= 16`` rows: an
+    8- or 16-row activation tile, and split-K doubled while the grid has fewer than
+    :data:`STREAM_CTAS_PER_SM` CTAs per SM and each split keeps
+    :data:`STREAM_MIN_UNITS` K units (16 at most)."""
+    from cute_fp4.planning.common import MAX_SPLIT_K
+    from cute_fp4.planning.stream import stream_schedule
+    from cute_fp4.targets import get_target
+
+    tm = 8 if m <= 8 else 16
+    tiles = -(-n // 64) * -(-m // tm)
+    units = k // 64
+    sms = get_target(target).sm_count
+    split = 1
+    while (tiles * split < STREAM_CTAS_PER_SM * sms and split * 2 <= MAX_SPLIT_K
+           and units // (split * 2) >= STREAM_MIN_UNITS):
+        split *= 2
+    return stream_schedule(target, tm, split, name="stream_decode")
+
+
+def _family_target(family: str) -> str:
+    from cute_fp4.targets import TARGETS
+
+    return next(t.name for t in TARGETS.values() if t.family == family)
+
+
+def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16",
+                      target: str = "sm_90a") -> Schedule:
     """rs_packed tiles by M: 256 activation rows x 128 weight rows at large M; at M <= 16
-    with 16-bit activations :func:`_packed_decode` (W4A4 needs 64-row activation tiles);
+    with 16-bit activations :func:`stream_decode_schedule` (W4A4 needs 64-row activation
+    tiles);
     at small M a grid of ~one CTA per SM made up by split-K while each split keeps >= 16
     K tiles."""
     from cute_fp4 import catalogue
@@ -166,7 +207,7 @@ def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16") -> Schedul
     if m > 128:
         s = catalogue.get("sm90_rs_packed")
     elif m <= 16 and a_format != "nvfp4":
-        return _packed_decode(n, k)
+        return packed_decode_schedule(n, k)
     else:
         s = catalogue.get("sm90_rs_packed_m64")
         if m > 64:
@@ -189,14 +230,15 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
     from cute_fp4.targets import require_device
 
     if schedule == _AUTO_PACKED:
-        s = heuristic(require_device().target.family, m, n, k, packed=True, a_format=a_format)
+        t = require_device().target
+        s = heuristic(t.family, m, n, k, packed=True, a_format=a_format, target=t.name)
         want = OutDtype.of(out_dtype)
         return s if s.epilogue.out_dtype is want else s.replace(out_dtype=want)
     s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
-    if s.mainloop is not Mainloop.RS_PACKED:
+    if not s.mainloop.reads_packed:
         raise InputError(f"schedule {s.name or s.label()} reads the plain weight layout, but "
-                         "b is a PackedNVFP4Weight: use a mainloop=rs_packed schedule, "
-                         "'auto', or b.unpack()")
+                         "b is a PackedNVFP4Weight: use a mainloop=rs_packed or stream "
+                         "schedule, 'auto', or b.unpack()")
     return s
 
 

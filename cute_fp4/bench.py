@@ -428,7 +428,7 @@ def cute_fp4_provider(schedule, a_format: str) -> Provider:
             raise Unavailable(f"plan() refuses {s.name or s.label()}: {'; '.join(pl.reasons)}")
         kern = compile(s, Signature(a_format))
         a, b = ops.activation(a_format), ops.b
-        if s.mainloop.value == "rs_packed":  # packed once, as NVFP4Linear would hold it
+        if s.mainloop.reads_packed:  # packed once, as NVFP4Linear would hold it
             from cute_fp4.packed import repack
 
             b = repack(b)
@@ -590,7 +590,7 @@ def run_bench(schedules, shapes=None, formats=("nvfp4",), validate=True, reps=20
                 kern = compile(s, Signature(fmt))
                 out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
                 wb = b
-                if s.mainloop.value == "rs_packed":  # packed once, outside the timing
+                if s.mainloop.reads_packed:  # packed once, outside the timing
                     from cute_fp4.packed import repack
 
                     wb = repack(b)

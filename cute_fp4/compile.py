@@ -19,13 +19,18 @@ from pathlib import Path
 
 from cute_fp4.errors import CompileError, InputError
 from cute_fp4.plan import Plan, plan
-from cute_fp4.schedule import Problem, Schedule
+from cute_fp4.schedule import Mainloop, Problem, Schedule
 from cute_fp4.targets import Target, get_target
 
 
 def kernel_class(schedule: Schedule) -> type:
-    """The kernel class that implements ``schedule``'s target family."""
+    """The kernel class that implements ``schedule``: the ``stream`` mainloop's (one for
+    every family it plans for), else its target family's."""
     grouped = schedule.scheduler.grouped
+    if schedule.mainloop is Mainloop.STREAM:
+        from cute_fp4.kernels.stream import StreamGemm
+
+        return StreamGemm
     if schedule.arch.family == "sm120":
         from cute_fp4.kernels.sm120 import Sm120Gemm, Sm120GroupedGemm
 
@@ -35,15 +40,24 @@ def kernel_class(schedule: Schedule) -> type:
     return Sm90GroupedGemm if grouped else Sm90Gemm
 
 
+def mma_opcode(schedule: Schedule) -> str:
+    """The tensor-core SASS opcode prefix ``schedule``'s kernel must contain: the target's
+    (``OMMA.SF``, ``HGMMA``), or ``HMMA`` for the ``stream`` mainloop's warp-level
+    16-bit ``mma.sync``."""
+    return "HMMA" if schedule.mainloop is Mainloop.STREAM else schedule.arch.sass_mma_prefix
+
+
 def retarget(schedule: Schedule, target: str | Target | None) -> Schedule:
-    """``schedule`` for another target of the same family (sm_120a <-> sm_121a)."""
+    """``schedule`` for another target of the same family (sm_120a <-> sm_121a), or of any
+    family a ``stream`` schedule plans for (its kernel is one for all)."""
     if target is None:
         return schedule
     t = get_target(target)
-    if t.family != schedule.arch.family:
+    if t.family != schedule.arch.family and schedule.mainloop is not Mainloop.STREAM:
         raise InputError(f"schedule {schedule.name or schedule.label()} is for "
                          f"{schedule.target}; it cannot be compiled for {t.name}")
-    return schedule if schedule.target == t.name else schedule.replace(target=t.name)
+    return schedule if schedule.target == t.name else dataclasses.replace(schedule,
+                                                                          target=t.name)
 
 
 def _options(target: str, dump_dir: str | None) -> str:
@@ -119,7 +133,7 @@ def compile_report(schedule: Schedule | str, target: str | None = None,
             row.update(ok=False, reason=f"the DSL wrote no cubin to {d}")
             return row
         sass = cubin_sass(cubins[-1])
-        rep = inspect_cubin(cubins[-1], (s.arch.sass_mma_prefix,), sass)
+        rep = inspect_cubin(cubins[-1], (mma_opcode(s),), sass)
         if dump_dir is not None:
             row["dumped"] = _dump(Path(d), cubins[-1], sass, Path(dump_dir),
                                   f"{_file_stem(s)}.{s.target}")

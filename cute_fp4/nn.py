@@ -100,7 +100,8 @@ def _on_sm90(dev: torch.device) -> bool:
 
 def _reads_packed(schedule) -> bool:
     """Whether ``schedule`` ("auto", a catalogue name or a Schedule) can run on the
-    fragment-order layout: "auto" (the packed heuristic) or an rs_packed mainloop."""
+    fragment-order layout: "auto" (the packed heuristic) or a mainloop that reads it
+    (rs_packed, stream)."""
     from cute_fp4 import catalogue
     from cute_fp4.schedule import Mainloop
 
@@ -108,7 +109,8 @@ def _reads_packed(schedule) -> bool:
         if schedule == "auto":
             return True
         schedule = catalogue.get(schedule)  # an unknown name raises here, with suggestions
-    return getattr(schedule, "mainloop", None) is Mainloop.RS_PACKED
+    mainloop = getattr(schedule, "mainloop", None)
+    return isinstance(mainloop, Mainloop) and mainloop.reads_packed
 
 
 def _run(kern, a, w: NVFP4Tensor, alpha, dims, out=None) -> torch.Tensor:

@@ -28,6 +28,7 @@ import dataclasses
 from cute_fp4.errors import ScheduleError
 from cute_fp4.planning import sm90 as _sm90
 from cute_fp4.planning import sm120 as _sm120
+from cute_fp4.planning import stream as _stream
 from cute_fp4.planning.common import (
     ALIGN,
     COMMON_CHECKS,
@@ -118,8 +119,16 @@ def family_rules(target: Target) -> FamilyRules | None:
     return FAMILY_RULES.get(target.family)
 
 
+def schedule_rules(schedule: Schedule) -> FamilyRules | None:
+    """The rules ``schedule`` is planned by: its family's, or those of the ``stream``
+    mainloop, one kernel for several families (planning/stream.py checks which)."""
+    if _stream.streaming(schedule):
+        return _stream.RULES
+    return family_rules(schedule.arch)
+
+
 def _rules(schedule: Schedule) -> FamilyRules:
-    rules = family_rules(schedule.arch)
+    rules = schedule_rules(schedule)
     if rules is None:
         raise ScheduleError(_no_rules_reason(schedule.arch))
     return rules
@@ -208,10 +217,10 @@ def plan(schedule: Schedule | str, problem: Problem | tuple | None = None) -> Pl
 
 
 def _plan(s: Schedule, p: Problem) -> Plan:
-    rules = family_rules(s.arch)
+    rules = schedule_rules(s)
     if rules is None:
         return _unplanned(s, p)
-    fit = max_stages(s, p)
+    fit = rules.auto_stages(s, p) if rules.auto_stages else max_stages(s, p)
     stages = s.stages or fit
     # shared memory first: it is the refusal users of SM100-sized tiles need to see
     reasons = _smem_reasons(s, p, stages, fit)

@@ -22,7 +22,7 @@ from cute_fp4.errors import InputError
 from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import alpha_tensor, check_operands, out_dtype_of
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.schedule import Mainloop, Problem, Schedule
+from cute_fp4.schedule import Problem, Schedule
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
 # (device, counter capacity) -> zeroed counter blocks ready for captured launches, and the
@@ -175,13 +175,14 @@ def _new_workspace(counters: int, partials: int, device) -> tuple[torch.Tensor, 
 def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm).
 
-    A ``mainloop=rs_packed`` kernel reads a fragment-order PackedNVFP4Weight: a plain
-    NVFP4Tensor ``b`` is packed here on every call (so validation harnesses run those
+    A kernel whose mainloop reads the packed weight (rs_packed, stream) takes a
+    fragment-order PackedNVFP4Weight: a plain NVFP4Tensor ``b`` is packed here on every
+    call (so validation harnesses run those
     schedules unchanged; ``gemm`` users pack once, cute_fp4.packed.repack)."""
     check_b = b
     if isinstance(b, PackedNVFP4Weight):
         check_b = NVFP4Tensor._unchecked(b.data[:b.shape[0]], b.scale, b.global_scale, b.shape)
-    elif kernel.schedule.mainloop is Mainloop.RS_PACKED and isinstance(b, NVFP4Tensor):
+    elif kernel.schedule.mainloop.reads_packed and isinstance(b, NVFP4Tensor):
         b = PackedNVFP4Weight.from_tensor(b)
     dims = check_operands(a, check_b, out, alpha, kernel.out_dtype)
     return run_checked(kernel, a, b, out, alpha, dims)
@@ -194,11 +195,12 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
     if kernel.schedule.scheduler.grouped:
         raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} is a "
                          "grouped (MoE) schedule: call cute_fp4.grouped_gemm(a, b, offsets)")
-    if (kernel.schedule.mainloop is Mainloop.RS_PACKED) != isinstance(b, PackedNVFP4Weight):
+    if kernel.schedule.mainloop.reads_packed != isinstance(b, PackedNVFP4Weight):
         raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} reads "
                          f"{'a packed' if isinstance(b, NVFP4Tensor) else 'the plain'} weight "
                          f"layout but b is a {type(b).__name__}: rs_packed schedules take "
-                         "cute_fp4.packed.repack(w), the others the plain NVFP4Tensor")
+                         "cute_fp4.packed.repack(w) (so do stream schedules), the others "
+                         "the plain NVFP4Tensor")
     if a_format != kernel.signature.a_format:
         raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
                          f"got {a_format}")

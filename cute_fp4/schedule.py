@@ -53,10 +53,20 @@ class Mainloop(enum.Enum):
     A-fragment order (:mod:`cute_fp4.packed`); the weight is WGMMA's A operand, decoded in
     registers, the activations are its B, D^T is stored (kernels/sm90_rs_wide.py). Such a
     kernel reads only a packed weight, and a packed weight only such a kernel.
+    ``STREAM`` (sm_90a and sm_120a/sm_121a, 16-bit activations, decode sizes): the same
+    packed weight streamed from global memory straight into registers by every warp, decoded
+    there and multiplied with warp-level ``mma.sync`` (kernels/stream.py); no shared memory,
+    no producer warp, K split over CTAs and reduced in the kernel.
     """
 
     STANDARD = "standard"
     RS_PACKED = "rs_packed"
+    STREAM = "stream"
+
+    @property
+    def reads_packed(self) -> bool:
+        """Whether the mainloop reads the fragment-order packed weight (cute_fp4.packed)."""
+        return self is not Mainloop.STANDARD
 
 
 class OutDtype(enum.Enum):

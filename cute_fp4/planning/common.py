@@ -203,6 +203,9 @@ class FamilyRules(NamedTuple):
     threads: Callable[[Schedule], int]  # threads per CTA the kernel launches
     registers: Callable[[Schedule], RegisterSplit | None]  # setmaxnreg split, None: none
     checks: tuple[Check, ...]  # the family's checks, in the order reasons are reported
+    # the stage count of a kernel that stages nothing in shared memory (None: as many
+    # stages as fit, searched by the driver)
+    auto_stages: Callable[[Schedule, Problem], int] | None = None
 
 
 __all__ = ["ALIGN", "MAX_GROUPS", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",

@@ -1,0 +1,145 @@
+"""Planning rules of the ``stream`` mainloop (kernels/stream.py), for every family that has
+warp-level 16-bit ``mma.sync`` (sm_90a, sm_120a, sm_121a).
+
+Every warp streams its own rows of the packed weight and their scale words through a
+two-batch cp.async ring of its own in shared memory (``Q | S``, no barriers: a lane reads
+back only what it copied); activation pairs come from global memory (L1). The CTA is four
+warps over one 64-row block of the packed weight (16 rows each, ``tile.n`` = 64) and
+``tile.m`` (8 or 16) activation rows; ``tile.k`` is the packed unit (64). ``stages`` is the
+number of 64-element K units in one batch of a warp's ring (between one and two batches
+in flight: ``stages`` x 512 bytes of weight each); ``None`` takes :data:`AUTO_UNITS`. K is
+split over ``split_k`` CTAs per output tile and reduced in the kernel.
+
+Refused: 4-bit activations (W4A4 runs on the activation's exact BF16 block values, see
+``cute_fp4.quant``), other tiles and warp layouts, grouped and persistent schedulers, an
+epilogue tile (results are stored from registers), K not a multiple of 64.
+"""
+
+from __future__ import annotations
+
+from cute_fp4.planning.common import WARP, FamilyRules, Region, ceil_div
+from cute_fp4.schedule import (
+    Mainloop,
+    Problem,
+    Schedule,
+    Scheduler,
+    SFLoad,
+    Tile,
+    WarpRoles,
+    Warps,
+)
+
+FAMILIES = ("sm90", "sm120")  # families whose kernels take the stream mainloop
+TILE_M = (8, 16)  # activation rows: one or two m16n8k16 N blocks
+UNIT_K = 64  # K elements per packed unit (cute_fp4.packed.UNIT_K)
+ROWS = 64  # weight rows per CTA: four warps of 16 (one packed unit)
+WARPS = 4
+MAX_UNITS = 8  # K units in flight per warp at most (registers: 4 words per unit)
+AUTO_UNITS = 4  # ... when ``stages`` is None
+
+
+def streaming(s: Schedule) -> bool:
+    return s.mainloop is Mainloop.STREAM
+
+
+def units_in_flight(s: Schedule) -> int:
+    """K units each warp loads before decoding the first."""
+    return s.stages or AUTO_UNITS
+
+
+RING = 2  # batches per warp's ring
+LANE_Q = 16  # weight bytes per lane and unit
+LANE_S = 8  # scale bytes per lane and unit (rows g and g + 8)
+
+
+def stage_bytes(s: Schedule, p: Problem) -> dict[str, int]:
+    """Bytes of one batch of the CTA's rings: the weight and its scale words."""
+    units = units_in_flight(s)
+    return {"Q": WARPS * WARP * LANE_Q * units, "S": WARPS * WARP * LANE_S * units}
+
+
+def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
+    b = stage_bytes(s, p)
+    return (Region("Q", RING * b["Q"], f"{RING} x {WARPS} warps x {units_in_flight(s)} "
+                   "units x 512 B packed weight"),
+            Region("S", RING * b["S"], f"{RING} x {WARPS} warps x {units_in_flight(s)} "
+                   "units x 256 B scale words"))
+
+
+def threads(s: Schedule) -> int:
+    return WARPS * WARP
+
+
+def registers(s: Schedule) -> None:
+    return None  # no setmaxnreg: every warp does the same work
+
+
+def auto_stages(s: Schedule, p: Problem) -> int:
+    return units_in_flight(s)
+
+
+def check_family(s: Schedule, p: Problem) -> list[str]:
+    if s.arch.family not in FAMILIES:
+        return [f"mainloop=stream is implemented for {', '.join(FAMILIES)}, not {s.target}"]
+    return []
+
+
+def check_activation(s: Schedule, p: Problem) -> list[str]:
+    if not p.w4a16:
+        return ["mainloop=stream takes 16-bit activations (W4A16); W4A4 runs it on the "
+                "activation's exact BF16 block values (cute_fp4.quant.quantize_values)"]
+    return []
+
+
+def check_shape(s: Schedule, p: Problem) -> list[str]:
+    t, out = s.tile, []
+    if t.m not in TILE_M or t.n != ROWS or t.k != UNIT_K:
+        out.append(f"mainloop=stream takes tile (M, N, K) = ({' or '.join(map(str, TILE_M))}, "
+                   f"{ROWS}, {UNIT_K}), got {t}")
+    if s.warps != Warps(mma=(WARPS, 1)):
+        out.append(f"mainloop=stream runs {WARPS} warps of 16 weight rows, cooperative: "
+                   f"Warps(mma=({WARPS}, 1)), got {s.warps.roles.value} {s.warps.mma}")
+    if s.stages is not None and not 1 <= s.stages <= MAX_UNITS:
+        out.append(f"mainloop=stream: stages (K units in flight per warp) {s.stages} must be "
+                   f"1..{MAX_UNITS}")
+    if p.k and p.k % UNIT_K:
+        out.append(f"K = {p.k} is not a multiple of {UNIT_K}: the packed weight cuts K into "
+                   f"{UNIT_K}-element units")
+    return out
+
+
+def check_split(s: Schedule, p: Problem) -> list[str]:
+    if p.k and s.split_k > ceil_div(p.k, UNIT_K):
+        return [f"split_k {s.split_k} exceeds the {ceil_div(p.k, UNIT_K)} K units of K = {p.k}"]
+    return []
+
+
+def check_fixed_choices(s: Schedule, p: Problem) -> list[str]:
+    """Settings the kernel has no use for: refused rather than silently ignored."""
+    out = []
+    if s.scheduler.grouped:
+        out.append("mainloop=stream computes one dense GEMM (grouped: rs_packed)")
+    if s.scheduler != Scheduler(persistent=False):
+        out.append("mainloop=stream launches one CTA per (64 rows, activation tile, split): "
+                   "use Scheduler(persistent=False) with the default raster and group size")
+    if s.epilogue.tile is not None:
+        out.append("mainloop=stream stores results from registers: leave the epilogue tile "
+                   "unset")
+    if s.sf_load is not SFLoad.TMA or s.swap_ab:
+        out.append("mainloop=stream loads scales itself and computes D^T already: leave "
+                   "sf_load and swap_ab at their defaults")
+    return out
+
+
+CHECKS = (check_family, check_activation, check_shape, check_split, check_fixed_choices)
+
+RULES = FamilyRules(stage_bytes=stage_bytes, regions=regions, threads=threads,
+                    registers=registers, checks=CHECKS, auto_stages=auto_stages)
+
+def stream_schedule(target: str = "sm_90a", tile_m: int = 16, split_k: int = 1,
+                    stages: int | None = None, name: str = "", doc: str = "") -> Schedule:
+    """A ``stream`` schedule for ``target`` (any family of :data:`FAMILIES`)."""
+    return Schedule(target=target, tile=Tile(tile_m, ROWS, UNIT_K),
+                    warps=Warps(roles=WarpRoles.COOPERATIVE, mma=(WARPS, 1)),
+                    scheduler=Scheduler(persistent=False), mainloop=Mainloop.STREAM,
+                    split_k=split_k, stages=stages, name=name, doc=doc)
