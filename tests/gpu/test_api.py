@@ -9,6 +9,7 @@ import cute_fp4 as cf
 from cute_fp4 import reference
 from cute_fp4.api import make_operands
 from cute_fp4.errors import InputError
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 
@@ -49,8 +50,8 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 def test_linear(mode):
-    if mode == "w4a16" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("W4A16 kernels exist for SM90 only")
+    if mode == "w4a16":
+        selection.skip_unless_w4a16()
     lin = torch.nn.Linear(640, 256, bias=True).cuda()
     q = cf.NVFP4Linear.from_linear(lin, mode=mode)
     x = torch.randn(2, 5, 640, device="cuda", dtype=torch.bfloat16)
@@ -63,9 +64,6 @@ def test_linear(mode):
 
 
 def test_validate_report():
-    from cute_fp4 import catalogue
-
-    fam = "sm90" if torch.cuda.get_device_capability()[0] == 9 else "sm120"
-    s = catalogue.all_schedules(fam, grouped=False)[0]
+    s = selection.default_schedule()
     rep = cf.validate(s, shapes=[(1, 136, 320), (129, 264, 832)])
     assert rep.passed and rep.poison_detected and len(rep.results) == 2

@@ -18,6 +18,7 @@ from cute_fp4 import quant, reference
 from cute_fp4.errors import InputError
 from cute_fp4.operands import make_operands
 from cute_fp4.packed import repack
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 
@@ -55,8 +56,7 @@ def test_bad_out_is_refused_before_writing():
 
 
 def _sm90():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("fragment-order weights run on SM90 only")
+    selection.skip_unless_packed()
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 256, 4096), (16, 1024, 4096), (64, 512, 1024),

@@ -30,6 +30,7 @@ from cute_fp4.kernels.scheduler import group_rows
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Mainloop, Problem
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 
@@ -72,21 +73,17 @@ CASES = [
 
 # ----------------------------------------------------------------------------- helpers
 
-def _major() -> int:
-    return torch.cuda.get_device_capability()[0]
-
-
 def _emulated(s) -> bool:
-    return s.arch.family == "sm120" and _major() == 9
+    return s.arch.family == "sm120" and selection.family() == "sm90"
 
 
 def _require_runnable(s) -> None:
-    if s.arch.family == "sm90" and _major() != 9:
-        pytest.skip(f"{s.name} is an sm_90a schedule; this GPU is sm_{_major()}x")
+    if s.arch.family == "sm90" and selection.family() != "sm90":
+        pytest.skip(f"{s.name} is an sm_90a schedule; this GPU is {selection.target().name}")
 
 
 def _formats(s) -> list[str]:
-    return ["bf16", "fp16", "nvfp4"] if s.arch.family == "sm90" else ["nvfp4"]
+    return selection.grouped_formats(s)
 
 
 def _kernel(s, fmt: str, n_exp: int = 8):
@@ -248,10 +245,8 @@ def test_cuda_graph_replays_with_changed_offsets(s):
 # ----------------------------------------------------------------------------- the API
 
 def _native_auto():
-    """(schedule "auto" runs here, A format, whether b is packed) on this GPU."""
-    name = grouped.AUTO_SCHEDULES["sm90" if _major() == 9 else "sm120"]
-    s = catalogue.get(name)
-    return s, _formats(s)[0]
+    """(schedule "auto" names here, its first A format) on this GPU."""
+    return selection.grouped_auto()
 
 
 def test_auto_grouped_gemm_with_check():
@@ -261,7 +256,7 @@ def test_auto_grouped_gemm_with_check():
     out = torch.full((sum(counts), n), float("nan"), dtype=torch.bfloat16, device="cuda")
     y = cf.grouped_gemm(a, b, offs, out=out, check=True)
     assert y is out and reference.check_grouped(out, a, b, offs).passed
-    family = "sm90" if _major() == 9 else "sm120"
+    family = selection.family()
     picked = grouped.auto_schedule_name(family, grouped.check_grouped_operands(
         a, b, offs, out, None))  # auto depends on the rows per expert
     kern = compile(grouped.resolve_grouped(picked), Signature(fmt))
@@ -464,7 +459,7 @@ def test_check_true_validates_the_offsets_first(monkeypatch):
     offs = torch.tensor(BAD_OFFSETS["negative"][0], dtype=torch.int32, device="cuda")
     out = torch.full((BAD_M, n), 7.0, dtype=torch.bfloat16, device="cuda")
     dims = grouped.check_grouped_operands(a, b, offs, out, None)
-    kern = compile(grouped.resolve_grouped(grouped.auto_schedule_name(str(s.arch.family), dims)),
+    kern = compile(grouped.resolve_grouped(grouped.auto_schedule_name(selection.family(), dims)),
                    Signature(fmt))
     monkeypatch.setattr(kern, "validated", False)  # the call check=True validates
     with pytest.raises(OffsetsError, match=r"offsets\[2\] = -50 is negative"):

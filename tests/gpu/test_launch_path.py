@@ -16,6 +16,7 @@ import cute_fp4 as cf
 from cute_fp4 import api, catalogue, reference
 from cute_fp4.api import make_operands
 from cute_fp4.bench import capture_graph
+from gpu import selection
 
 host = importlib.import_module("cute_fp4.compile")
 pytestmark = pytest.mark.gpu("sm90", "sm120")
@@ -27,8 +28,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_schedule():
-    return "sm90_decode_swapab" if torch.cuda.get_device_capability()[0] == 9 else \
-        "sm120_decode_splitk4"
+    return selection.decode_schedule()
+
+
+def one_format() -> str:
+    """The A format of tests that need some GEMM: BF16 where W4A16 runs, else NVFP4."""
+    return selection.gemm_formats()[-1]
 
 
 @pytest.fixture
@@ -41,15 +46,16 @@ def fresh_kernels():
 
 @pytest.mark.skipif(not HAVE_TVM_FFI, reason="apache-tvm-ffi is not installed")
 def test_tvm_ffi_path_is_used_and_matches_the_dsl_path(monkeypatch, fresh_kernels):
-    a, b = make_operands(16, 1024, 4096, "bf16")
+    fmt = one_format()
+    a, b = make_operands(16, 1024, 4096, fmt)
     y = cf.gemm(a, b)
-    kern = host.kernel_for("auto", (16, 1024, 4096, "bf16"), torch.bfloat16,
+    kern = host.kernel_for("auto", (16, 1024, 4096, fmt), torch.bfloat16,
                            b.data.get_device(), api.resolve_schedule)
     assert kern.call_path == "tvm-ffi"
     monkeypatch.setenv(host.TVM_FFI_ENV, "0")
     host.clear_cache()
     y_dsl = cf.gemm(a, b)
-    kern_dsl = host.kernel_for("auto", (16, 1024, 4096, "bf16"), torch.bfloat16,
+    kern_dsl = host.kernel_for("auto", (16, 1024, 4096, fmt), torch.bfloat16,
                                b.data.get_device(), api.resolve_schedule)
     assert kern_dsl.call_path == "dsl" and kern_dsl is not kern
     torch.cuda.synchronize()
@@ -75,7 +81,7 @@ def test_a_disk_cache_load_launches(monkeypatch, tmp_path, fresh_kernels):
 
 
 def test_gemm_runs_on_the_current_stream():
-    a, b = make_operands(16, 2048, 4096, "bf16")
+    a, b = make_operands(16, 2048, 4096, one_format())
     ref = cf.gemm(a, b)
     out = torch.empty_like(ref)
     torch.cuda.synchronize()
@@ -90,12 +96,14 @@ def test_gemm_runs_on_the_current_stream():
 
 
 CASES = [("bf16", None, None), ("nvfp4", None, None), ("bf16", 0.375, None),
-         ("nvfp4", None, "split")]
+         ("nvfp4", 0.375, None), ("nvfp4", None, "split")]
 
 
 @pytest.mark.parametrize("fmt, alpha, split", CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("given_out", [True, False], ids=["out", "alloc"])
 def test_cuda_graph_replays_equal_eager(fmt, alpha, split, given_out):
+    if fmt not in selection.gemm_formats():
+        selection.skip_unless_w4a16()
     a, b = make_operands(16, 1024, 8192, fmt)
     sched = decode_schedule()
     if split:
@@ -118,17 +126,17 @@ def test_cuda_graph_replays_equal_eager(fmt, alpha, split, given_out):
 
 
 def test_no_call_syncs_with_the_gpu():
-    a16, b = make_operands(16, 1024, 4096, "bf16")
-    a4, _ = make_operands(16, 1024, 4096, "nvfp4")
+    _, b = make_operands(16, 1024, 4096, "nvfp4")
+    acts = [make_operands(16, 1024, 4096, fmt)[0] for fmt in selection.gemm_formats()]
     out = torch.empty(16, 1024, dtype=torch.bfloat16, device="cuda")
-    for a in (a16, a4):  # warm: compile, memos
+    for a in acts:  # warm: compile, memos
         cf.gemm(a, b, out=out, alpha=0.5)
         cf.gemm(a, b)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            for a in (a16, a4):
+            for a in acts:
                 cf.gemm(a, b)
                 cf.gemm(a, b, out=out)
                 cf.gemm(a, b, out=out, alpha=0.5)
@@ -144,6 +152,7 @@ def test_bound_gemm_calls_follow_new_inputs_and_weights():
     replaced all give the reference's result; outputs are poisoned first."""
     from cute_fp4 import run
 
+    selection.skip_unless_w4a16()
     run.clear_gemm_bindings()
     _, b = make_operands(16, 1024, 4096, "bf16")
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -12,6 +12,7 @@ import torch
 
 from cute_fp4 import moe
 from cute_fp4.bench import capture_graph
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 
@@ -36,8 +37,7 @@ def _inputs(tokens: int, seed: int = 1, skew: bool = False):
 
 
 def _modes():
-    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
-    return ["w4a16", "w4a4"] if major == 9 else ["w4a4"]  # SM120 kernels take NVFP4 A
+    return selection.modes()  # SM120 kernels take NVFP4 A
 
 
 @pytest.mark.parametrize("mode", _modes())

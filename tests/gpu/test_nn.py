@@ -17,6 +17,7 @@ import cute_fp4 as cf
 from cute_fp4 import nn as cnn
 from cute_fp4 import reference
 from cute_fp4.api import make_operands
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 
@@ -26,8 +27,8 @@ IDS = ["w4a16", "w4a4-static", "w4a4-dynamic"]
 
 
 def _skip_unsupported(mode: str) -> None:
-    if mode == "w4a16" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("W4A16 kernels exist for SM90 only")
+    if mode not in selection.modes():
+        selection.skip_unless_w4a16()
 
 
 def _layer(mode: str, static: bool, k: int = 640, n: int = 256, bias: bool = True,

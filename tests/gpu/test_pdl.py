@@ -17,14 +17,14 @@ from cute_fp4 import quant, reference
 from cute_fp4.kernels import roles
 from cute_fp4.operands import make_operands
 from cute_fp4.packed import repack
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 ROUNDS = 4
 
 
 def _sm90():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the fragment-order weight and the W4A4 route are SM90's")
+    selection.skip_unless_packed()  # the fragment-order weight and its W4A4 route
 
 
 def test_pdl_is_on():
@@ -33,20 +33,47 @@ def test_pdl_is_on():
 
 @pytest.mark.parametrize("m, n, k", [(1, 8192, 8192), (16, 1024, 4096), (4096, 1024, 4096)])
 @pytest.mark.parametrize("layout", ["plain", "packed"])
-def test_gemm_reads_the_activation_written_just_before(m, n, k, layout):
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_gemm_reads_the_activation_written_just_before(m, n, k, layout, fmt):
     if layout == "packed":
         _sm90()
-    a, b = make_operands(m, n, k, "bf16", seed=m + n)
+    if fmt not in selection.gemm_formats():
+        selection.skip_unless_w4a16()
+    a, b = make_operands(m, n, k, fmt, seed=m + n)
     w = repack(b) if layout == "packed" else b
-    x = torch.empty_like(a)
+    x = _writable_copy(a)
     out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(m + k)
     for r in range(ROUNDS):
-        src = a * (r + 1) if r % 2 else -a / (r + 1)  # a different activation every round
+        src = _new_activation(a, r, g)  # a different activation every round
         out.fill_(float("nan"))
-        x.copy_(src)  # the kernel right before the GEMM writes its input
+        _overwrite(x, src)  # the kernels right before the GEMM write its input
         cf.gemm(x, w, out=out)
         res = reference.check(out, src, b)
         assert res.passed, (r, str(res))
+
+
+def _writable_copy(a):
+    if isinstance(a, cf.NVFP4Tensor):
+        return cf.NVFP4Tensor(a.data.clone(), a.scale.clone(), a.global_scale.clone())
+    return torch.empty_like(a)
+
+
+def _new_activation(a, r: int, g):
+    """Round ``r``'s activation: 16-bit, a rescaled ``a``; NVFP4, fresh values quantized
+    with ``a``'s global scale (so that only the codes and block scales change)."""
+    if not isinstance(a, cf.NVFP4Tensor):
+        return a * (r + 1) if r % 2 else -a / (r + 1)
+    x = torch.randn(a.shape, generator=g, device="cuda") * (r + 1)
+    return cf.quantize(x, a.global_scale)
+
+
+def _overwrite(x, src) -> None:
+    if isinstance(x, cf.NVFP4Tensor):
+        x.data.copy_(src.data)
+        x.scale.copy_(src.scale)
+    else:
+        x.copy_(src)
 
 
 @pytest.mark.parametrize("m, k", [(1, 4096), (16, 8192), (4096, 4096)])

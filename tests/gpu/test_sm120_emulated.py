@@ -20,6 +20,7 @@ from cute_fp4.compile import capped, compile, compile_emulated  # noqa: A004
 from cute_fp4.operands import out_dtype_of
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Problem
+from gpu import selection
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 
@@ -29,7 +30,7 @@ SCHEDULES = [s for s in catalogue.all_schedules("sm120", grouped=False) if plan(
 
 
 def _emulated() -> bool:
-    return torch.cuda.get_device_capability()[0] == 9
+    return selection.family() == "sm90"
 
 
 def _kernel(s):

@@ -20,6 +20,7 @@ from cute_fp4.kernels.epilogue import SPLIT_HEADER
 from cute_fp4.plan import plan
 from cute_fp4.run import split_workspace
 from cute_fp4.schedule import Problem
+from gpu import selection
 
 WATCHDOG_S = 240
 # small first and then larger, so that a later launch's counters lie where an earlier
@@ -27,18 +28,8 @@ WATCHDOG_S = 240
 SHAPES = [(1, 264, 320), (7, 136, 8256), (16, 1024, 4096), (129, 520, 2048), (1, 264, 320)]
 
 
-def _family():
-    if not torch.cuda.is_available():
-        return None
-    return {9: "sm90", 12: "sm120"}.get(torch.cuda.get_device_capability()[0])
-
-
 def _bases():
-    if _family() == "sm120":
-        return [("sm120_decode_splitk4", "nvfp4"), ("sm120_default", "nvfp4")]
-    return [("sm90_rs_packed_decode", "bf16"), ("sm90_rs_packed_m64", "bf16"),
-            ("sm90_rs_packed_m64", "nvfp4"), ("sm90_decode_swapab", "bf16"),
-            ("sm90_decode_swapab", "nvfp4"), ("sm90_decode", "nvfp4")]
+    return selection.split_k_bases()
 
 
 def _cases():
