@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Reliability checks on the lent H200 in one device call, in order of importance, each under
+# a timeout, everything under $OUT: the new GPU tests (bad grouped offsets with guard rows,
+# the one quantize rule over 11.5M blocks, the selection-driven tests), compute-sanitizer
+# memcheck of every grouped kernel on bad offset tables (and of the unclamped scheduler, a
+# control that must fail), the clamp's cost timed against the unclamped scheduler, then as
+# much of the whole tests/gpu as the remaining time allows. BUDGET_S (default 320): the
+# whole script's seconds.
+set -u
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+budget=${BUDGET_S:-320}
+left() { echo $(( budget - ($(date +%s) - start) )); }
+source .gpu/activate.sh > "$OUT/env.txt" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .gpu/wheels/*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH CUTE_FP4_CACHE_DIR=/tmp/cute_fp4_cache
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  git log -1 --format='%h %s' 2>/dev/null || true; } >> "$OUT/env.txt" 2>&1
+log="$OUT/log.txt"
+echo "## pytest: new and changed GPU tests (left $(left) s)" | tee -a "$log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_grouped.py \
+  -k "bad_offsets or validate_offsets or check_true or not test_grouped" \
+  tests/gpu/test_quantize_rule.py tests/gpu/test_api.py tests/gpu/test_pdl.py \
+  tests/gpu/test_launch_path.py "tests/gpu/test_kernels.py::test_other_output_dtypes" \
+  "tests/gpu/test_kernels.py::test_deterministic_including_split_k" >> "$log" 2>&1
+echo "rc=$?" >> "$log"; tail -3 "$log"
+san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+echo "## memcheck ($san, left $(left) s)" | tee -a "$log"
+memcheck() {  # seconds, log file, args: API-error reports off (the DSL's driver probes)
+  local secs=$1 file=$2; shift 2
+  timeout "$secs" "$san" --tool memcheck --report-api-errors no "$@" > "$file" 2>&1
+  local rc=$?
+  if grep -qi "unknown option\|unrecognized option" "$file"; then  # an older sanitizer
+    timeout "$secs" "$san" --tool memcheck "$@" > "$file" 2>&1; rc=$?
+  fi
+  echo "rc=$rc" >> "$file"
+}
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # every tensor its own allocation
+memcheck 75 "$OUT/memcheck.txt" python3 perf/grouped_offsets_check.py sanitize
+memcheck 40 "$OUT/memcheck-unclamped.txt" python3 perf/grouped_offsets_check.py sanitize \
+  --unclamped
+unset PYTORCH_NO_CUDA_MEMORY_CACHING
+grep -h "ERROR SUMMARY\|^done\|rc=" "$OUT"/memcheck*.txt | tee -a "$log"
+echo "## timing: clamped vs unclamped scheduler (left $(left) s)" | tee -a "$log"
+timeout 60 python3 perf/grouped_offsets_check.py time --out "$OUT/grouped-clamp-times.json" \
+  >> "$log" 2>&1
+echo "rc=$?" >> "$log"
+rest=$(( $(left) - 5 ))
+echo "## pytest tests/gpu (whole suite, ${rest} s left)" | tee -a "$log"
+if [ "$rest" -gt 20 ]; then
+  timeout "$rest" python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/pytest-all.txt" 2>&1
+  echo "rc=$?" >> "$OUT/pytest-all.txt"
+  tail -4 "$OUT/pytest-all.txt" | tee -a "$log"
+fi
