@@ -12,7 +12,7 @@ import transformers as tf
 from cute_fp4 import moe, reference
 from cute_fp4 import nn as cnn
 from cute_fp4.grouped import check_grouped_operands
-from cute_fp4.hf import experts as ex
+from cute_fp4.hf.quantize import fake_quantize
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedNVFP4Weight
 
@@ -55,26 +55,8 @@ def build(kind: str, seed: int = 0, device="cpu", **sizes) -> torch.nn.Module:
 
 def fake_quant(bf16: torch.nn.Module, nvfp4: torch.nn.Module) -> torch.nn.Module:
     """A copy of the BF16 model ``bf16`` whose quantized weights are the exact values of
-    the NVFP4 model ``nvfp4``'s layers (dequantized from their checkpoint tensors, each
-    expert projection with its own global scale), rounded to BF16."""
-    twin = copy.deepcopy(bf16)
-    with torch.no_grad():
-        for name, m in nvfp4.named_modules():
-            if isinstance(m, cnn.NVFP4Linear):
-                twin.get_submodule(name).weight.copy_(m.weight.dequantize(torch.bfloat16))
-            elif ex.holds_nvfp4(m):
-                target = twin.get_submodule(name)
-                parts = ex.checkpoint_tensors(m)
-                w13 = [_dequant(p) for p in parts["gate_up_proj"]]
-                target.gate_up_proj.copy_(torch.cat(w13, dim=1))
-                target.down_proj.copy_(_dequant(parts["down_proj"][0]))
-    return twin
-
-
-def _dequant(part: dict) -> torch.Tensor:
-    return torch.stack([NVFP4Tensor.from_modelopt(w, s, g).dequantize(torch.bfloat16)
-                        for w, s, g in zip(part["weight"], part["weight_scale"],
-                                           part["weight_scale_2"])])
+    the NVFP4 model ``nvfp4``'s layers, rounded to BF16 (``cute_fp4.hf.quantize``)."""
+    return fake_quantize(copy.deepcopy(bf16), nvfp4)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

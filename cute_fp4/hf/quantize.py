@@ -30,11 +30,11 @@ from cute_fp4.hf.quantizer import (
     register,
     resolve_mode,
 )
-from cute_fp4.moe import NVFP4MoE, route, silu_and_mul
+from cute_fp4.moe import NVFP4MoE, expert, route, silu_and_mul
 from cute_fp4.nn import NVFP4Linear
 from cute_fp4.nvfp4 import E2M1_MAX, E4M3_MAX, quantize
 
-__all__ = ["QuantizeReport", "quantize_model"]
+__all__ = ["QuantizeReport", "fake_quantize", "quantize_model"]
 
 _DECODE = E4M3_MAX * E2M1_MAX  # amax / 2688 = the decode-form global scale
 
@@ -215,3 +215,30 @@ def _mark_quantized(model, todo, skipped, method: str, mode: str) -> None:
     model.cute_fp4_mode = mode
     if any(kind == "experts" for kind in todo.values()):
         model.set_experts_implementation(ex.IMPLEMENTATION)
+
+
+# ----------------------------------------------------------------------------- reference
+
+def fake_quantize(bf16_model: torch.nn.Module, nvfp4_model: torch.nn.Module) -> torch.nn.Module:
+    """The fake-quantized reference, in place: every weight of ``bf16_model`` (the model
+    before :func:`quantize_model`, or one of the same architecture) whose module is NVFP4 in
+    ``nvfp4_model`` takes that layer's exact values (``e2m1 * block scale * global scale``,
+    each expert projection with its own global scale), rounded once to its dtype. Returns
+    ``bf16_model``."""
+    with torch.no_grad():
+        for name, m in nvfp4_model.named_modules():
+            if isinstance(m, NVFP4Linear):
+                w = bf16_model.get_submodule(name).weight
+                w.copy_(m.weight.dequantize(torch.float64).to(w.device, w.dtype))
+            elif ex.holds_nvfp4(m):
+                target = bf16_model.get_submodule(name)
+                gs13 = m._buffers["gate_up_proj_weight_scale_2"].double()
+                moe, i = m.nvfp4, m.nvfp4.intermediate
+                for e in range(moe.num_experts):
+                    v = expert(moe.w13, e).block_values(torch.float64)
+                    v[:i] *= gs13[e, 0]
+                    v[i:] *= gs13[e, 1]
+                    target.gate_up_proj[e].copy_(v.to(target.gate_up_proj.dtype))
+                    target.down_proj[e].copy_(expert(moe.w2, e).dequantize(
+                        torch.float64).to(target.down_proj.dtype))
+    return bf16_model
