@@ -1,6 +1,7 @@
 """Decode GEMMs (M = 1..16) against the weight bytes: torch BF16, QuACK W4A16 and cute_fp4.
 
     python perf/decode_bench.py --out DIR [--quick] [--variants] [--ms 1 4 16]
+    python perf/decode_bench.py --profile PROVIDER M N K    # launches for Nsight Compute
 
 One process, one NVFP4 weight per shape shared by every provider, every output checked
 against the exact reference (``cute_fp4.bench.check_output``) before its time counts.
@@ -16,6 +17,10 @@ together exceed the L2) and without (``warm``). Providers:
 * ``rs_packed_decode``: the register-sourced WGMMA decode schedule ``auto`` picked before
   the stream kernel (``cute_fp4.api.packed_decode_schedule``), for a same-run comparison;
 * with ``--variants``: ``stream`` schedules over tile M, split-K and units in flight.
+
+``--profile`` prepares one provider (``stream`` for the stream kernel "auto" picks,
+``rs_packed_decode``, ``torch_bf16``, ``quack_w4a16``) and launches it five times between
+``cudaProfilerStart``/``Stop``, for ``ncu --profile-from-start off``.
 
 Floors: the weight and scale bytes (``N K / 2 + N K / 16``) at the H200's 4.8 TB/s peak
 and at 4.0 TB/s (what torch BF16 reaches on large weights here). Writes
@@ -54,7 +59,7 @@ def _linear(w, mode: str, x):
 def providers(ops, variants: list) -> list:
     """(name, prepare) pairs; ``prepare()`` returns a graph-capturable call and info."""
     from cute_fp4 import bench
-    from cute_fp4.api import packed_decode_schedule
+    from cute_fp4.api import packed_decode_schedule, stream_decode_schedule
     from cute_fp4.compile import Signature, compile
     from cute_fp4.operands import alpha_tensor
     from cute_fp4.packed import repack
@@ -93,26 +98,26 @@ def providers(ops, variants: list) -> list:
            ("quack_w4a16", peer(bench.QUACK_W4A16), "bf16"),
            ("nvfp4linear_w4a16", layer("w4a16"), "bf16"),
            ("nvfp4linear_w4a4", layer("w4a4"), "nvfp4"),
-           ("rs_packed_decode", schedule_call(packed_decode_schedule(n, k)), "bf16")]
+           ("rs_packed_decode", schedule_call(packed_decode_schedule(n, k)), "bf16"),
+           ("stream_auto", schedule_call(stream_decode_schedule(_target(), m, n, k)), "bf16")]
     for s in variants:
         out.append((f"stream {s.label()}", schedule_call(s), "bf16"))
     return out
 
 
-def variant_schedules(m: int, n: int, k: int) -> list:
-    from cute_fp4.planning.stream import stream_schedule
+def _target() -> str:
     from cute_fp4.targets import require_device
 
-    target = require_device().target.name
+    return require_device().target.name
+
+
+def variant_schedules(m: int, n: int, k: int) -> list:
+    from cute_fp4.planning.stream import stream_schedule
+
     tm = 8 if m <= 8 else 16
     units = k // 64
-    out = []
-    for split in (1, 2, 4, 8, 16):
-        if split > units:
-            continue
-        for stages in (2, 4, 8):
-            out.append(stream_schedule(target, tm, split, stages))
-    return out
+    return [stream_schedule(_target(), tm, split, stages) for split in (1, 2, 4, 8, 16)
+            if split * 4 <= units for stages in (1, 2, 4)]
 
 
 def measure(name, prep, a_format, ops, timers) -> dict:
@@ -177,7 +182,8 @@ def ratios(res: dict) -> list[dict]:
             bf = p.get("torch_bf16", {}).get(f"{t}_us")
             qk = p.get("quack_w4a16", {}).get(f"{t}_us")
             streams = {name: r[f"{t}_us"] for name, r in p.items() if name.startswith("stream")}
-            for name in ("nvfp4linear_w4a16", "nvfp4linear_w4a4", "rs_packed_decode"):
+            for name in ("nvfp4linear_w4a16", "nvfp4linear_w4a4", "rs_packed_decode",
+                         "stream_auto"):
                 us = p.get(name, {}).get(f"{t}_us")
                 if us:
                     line[f"{t}_{name}_us"] = us
@@ -203,8 +209,8 @@ def render_md(res: dict) -> str:
     for t in ("cold", "warm"):
         lines += [f"## {t}", "",
                   "| N x K | M | torch BF16 us | QuACK us | W4A16 us | x BF16 | x QuACK | "
-                  "W4A4 us | W4A4/W4A16 | rs_packed us | floor 4.8 TB/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "W4A4 us | W4A4/W4A16 | rs_packed us | stream us | floor 4.8 TB/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ratios(res):
             a16 = r.get(f"{t}_nvfp4linear_w4a16_us")
             a4 = r.get(f"{t}_nvfp4linear_w4a4_us")
@@ -216,7 +222,8 @@ def render_md(res: dict) -> str:
                 f"{r.get(f'{t}_nvfp4linear_w4a16_x_bf16')} | "
                 f"{r.get(f'{t}_nvfp4linear_w4a16_x_quack')} | {a4} | "
                 f"{round(a4 / a16, 2) if a4 and a16 else None} | "
-                f"{r.get(f'{t}_rs_packed_decode_us')} | {floor} |")
+                f"{r.get(f'{t}_rs_packed_decode_us')} | {r.get(f'{t}_stream_auto_us')} | "
+                f"{floor} |")
         lines.append("")
     bad = [r for r in res["rows"] if r.get("status") == "ok" and r.get("check") != "ok"
            and r["provider"] != "nvfp4linear_w4a4"]
@@ -226,9 +233,27 @@ def render_md(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile(name: str, m: int, n: int, k: int) -> None:
+    from cute_fp4 import bench
+    ops = bench.bench_operands(m, n, k)
+    table = {p[0]: p[1] for p in providers(ops, [])}
+    table["stream"] = table["stream_auto"]
+    call, info = table[name]()
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"profiled {name} {m}x{n}x{k}: {info}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--profile", nargs=4, metavar=("PROVIDER", "M", "N", "K"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
@@ -236,6 +261,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("decode_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.profile:
+        profile(args.profile[0], *(int(x) for x in args.profile[1:]))
+        return 0
+    if not args.out:
+        ap.error("--out is required (or --profile)")
     res = run(QUICK if args.quick else SHAPES, args.ms, args.variants)
     res["ratios"] = ratios(res)
     out = Path(args.out)

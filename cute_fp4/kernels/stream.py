@@ -2,40 +2,43 @@
 
 ``D^T[N, M] = B[N, K] @ A[M, K]^T`` for small M (decode), with B the fragment-order packed
 NVFP4 weight (:mod:`cute_fp4.packed`) and A 16-bit activations. At decode a GEMM's time is
-the time to read the weight, so this kernel is built to keep the memory system full:
+the time to read the weight, so this kernel is built to keep the memory system full and
+to spend few instructions per weight element:
 
-* no producer warp and no barrier: every warp streams its own bytes. A CTA is four warps
-  over one 64-row block of the packed weight; warp ``w`` owns rows ``16 w .. 16 w + 15``,
-  whose 64-element K unit is 512 contiguous bytes (one 16-byte copy per lane, coalesced)
-  and, for each of its two rows per lane (``g``, ``g + 8``), one 32-bit word of four
-  UE4M3 scales (each read once per 16 elements);
-* the copies are ``cp.async`` into a ring of two batches of ``stages`` K units per warp in
-  shared memory: the warp issues batch ``b + 1``, waits for batch ``b`` (its own copies:
-  ``cp.async.wait_group 1``, no barrier, since a lane reads back only the bytes it copied)
-  and decodes it while ``b + 1`` is in flight. Between one and two batches (``stages`` x
-  512 bytes each) are in flight per warp at all times, whatever ptxas makes of the
-  registers (plain loads into registers were sunk next to their uses by ptxas: about one
-  unit in flight per warp);
+* a CTA is four warps over one 64-row block of the packed weight and one activation tile;
+  the warps take the block's K units (64 elements, 2,048 bytes) in turn (warp ``w`` units
+  ``w, w + 4, ...`` of the CTA's K range) and each warp computes all 64 rows of its units:
+  four 16-row groups (one ``mma.sync.m16n8k16`` A fragment each) share every activation
+  fragment it loads. The four partial sums are added through shared memory at the end, in
+  warp order;
+* no producer warp: each warp streams its own units through a ring of two batches of
+  ``stages`` units in shared memory with ``cp.async`` (per lane and unit four 16-byte
+  weight copies, coalesced 512-byte runs, and one 8-byte copy of scale words), issuing
+  batch ``b + 1`` before it waits for batch ``b`` (``cp.async.wait_group 1`` and a warp
+  barrier: no CTA barrier in the loop). One to two batches are always in flight per warp,
+  whatever ptxas does with registers (plain loads into registers were sunk next to their
+  uses by ptxas in a first version: about one unit in flight per warp);
 * the weight is decoded in registers by the register-sourced SM90 kernel's exact decode
   (``sm90_rs_wide.decode_fragment``: PRMT table lookups and one 16-bit multiply by the
-  scale per pair of elements) into the A fragment of warp-level ``mma.sync.m16n8k16``
-  (the WGMMA register fragment and the ``mma.sync`` one are the same per warp, which is why
-  the packed layout serves both); the activation pairs of the B fragment come from global
-  memory (L1-resident: every warp of the grid reads the same few kilobytes). Rows of an
-  activation tile past M read row M - 1; their columns of D are never stored;
+  scale per pair of elements) into the A fragments (the WGMMA register fragment and the
+  ``mma.sync`` one are the same per warp, which is why the packed layout serves both); each
+  scale is read once per 16 elements of its row. The activation pairs of the B fragment
+  come from global memory (L1-resident: every CTA reads the same few kilobytes); rows of an
+  activation tile past M read row M - 1 and their columns of D are never stored;
 * K is split over ``split_k`` CTAs per output tile (``kernels/scheduler.py``: balanced
   ranges of 64-element units), and the partials are reduced in the kernel, in split order,
   by the last CTA of a tile to arrive (``epilogue.store_split_k``: the same bits on every
   run, no second kernel).
 
 What differs per target is only the code ptxas makes of the same PTX: ``mma.sync`` BF16/FP16
-(HMMA), PRMT, LOP3 and the 16-bit multiply exist on sm_90a and sm_120a alike.
+(HMMA), ``cp.async``, PRMT, LOP3 and the 16-bit multiply exist on sm_90a and sm_120a alike.
 
 Constraints:
 * W4A16 only (16-bit A, BF16 or FP16; the MMA runs A's type); B the fragment-order packed
   weight, K a multiple of 64, rows padded to 64 (``cute_fp4.packed``); N a multiple of 8.
 * Tile: 64 weight rows x ``tile.m`` (8 or 16) activation rows x one 64-element K unit;
-  four warps; 1 <= ``stages`` (K units in flight per warp) <= 8.
+  four warps; 1 <= ``stages`` (K units per batch of a warp's ring) <= 8; shared memory
+  ``2 x 4 x stages x 2,304`` bytes (at least the 8 KiB per N block the final sum uses).
 * Scale factors: UE4M3 (sign bit ignored) in the 128x4 blocked layout.
 * One CTA per (64 rows, activation tile, split): not persistent, not grouped.
 """
@@ -58,23 +61,35 @@ from cute_fp4.plan import plan
 from cute_fp4.planning.stream import RING, WARPS
 from cute_fp4.schedule import Problem, Schedule
 
-LANE_WORDS = 4  # 32-bit weight words per lane and K unit (16 bytes: four K blocks of 16)
-WARP_WORDS = 32 * LANE_WORDS  # one warp's 16 rows of a unit
+LANE_WORDS = 4  # 32-bit weight words per lane, row group and K unit (four K blocks of 16)
+GROUPS = 4  # 16-row groups of a 64-row block (one mma.sync A fragment each)
+CHUNK_WORDS = 32 * LANE_WORDS  # one row group's 16 rows of a unit, 512 bytes
 UNIT_WORDS = UNIT_BYTES // 4
 SF_ATOM_WORDS = 128  # a 512-byte scale atom (128 rows x 4 K blocks) in 32-bit words
+PAIRS = 4  # scale-word pairs per quad of lanes and unit (row group parity x row half)
 
 
-def scale_word_index(row, ku, k_units):
-    """Index in 32-bit words, in the blocked scales, of the four UE4M3 scales of weight row
-    ``row`` for K unit ``ku`` (``k_units`` units per row). Plain integer arithmetic: the
-    kernel and the CPU tests run it."""
-    return ((row // 128) * k_units + ku) * SF_ATOM_WORDS + (row % 32) * 4 + (row % 128) // 32
+def unit_word_index(row_block, ku, k_units):
+    """Index in 32-bit words of the packed unit (``row_block``, ``ku``); row group ``j``'s
+    lane ``l`` words are ``4 l + 128 j .. + 3`` further (:mod:`cute_fp4.packed`)."""
+    return (row_block * k_units + ku) * UNIT_WORDS
 
 
-def weight_word_index(row_block, ku, k_units, warp, lane):
-    """Index in 32-bit words of lane ``lane``'s first word of warp ``warp``'s 16 rows of
-    the packed unit (``row_block``, ``ku``): four consecutive words, K blocks 0..3."""
-    return (row_block * k_units + ku) * UNIT_WORDS + warp * WARP_WORDS + lane * LANE_WORDS
+def scale_pair_index(row_block, ku, k_units, pair, quad):
+    """Index in 32-bit words, in the blocked scales, of scale-word pair ``pair`` of lane
+    quad ``quad`` (``g``) for K unit ``ku`` of a 64-row block: the four UE4M3 scales (one
+    word) of row ``16 j + 8 h + g`` of the block for row groups ``j = pair % 2`` (first
+    word) and ``j + 2`` (second word), ``h = pair // 2``. In the 128x4 layout those two
+    rows are adjacent words. Plain integer arithmetic: the kernel and the CPU tests run it.
+    """
+    r = 16 * (pair % 2) + 8 * (pair // 2) + quad  # the row's place in its 32-row slab
+    return (((row_block // 2) * k_units + ku) * SF_ATOM_WORDS + r * 4 + 2 * (row_block % 2))
+
+
+def scale_word_of(group, half):
+    """Which of a quad's eight scale words (``pair`` major, see :func:`scale_pair_index`)
+    holds row ``16 group + 8 half + g``'s scales."""
+    return 2 * (group % 2 + 2 * half) + group // 2
 
 
 class StreamParams(NamedTuple):
@@ -115,11 +130,13 @@ class StreamGemm(GemmLaunch):
         self.ptr_types = PointerTypes(self.mma_dtype, self.out_dtype)
 
     def _setup(self):
-        """The rings' shared storage: per warp, ``RING`` batches of ``batch`` units of 32
-        lanes x (4 weight words) and x (2 scale words)."""
-        ring = (LANE_WORDS, 32, self.batch, RING, WARPS)
-        self.sQ_layout = cute.make_layout(ring)
-        self.sS_layout = cute.make_layout((2, 32, self.batch, RING, WARPS))
+        """The rings' shared storage: per warp, ``RING`` batches of ``batch`` units of
+        (4 words, 32 lanes, 4 row groups) weight words and (2 words, 4 pairs, 8 quads)
+        scale words. After the K loop the weight region holds the warps' partial sums."""
+        self.sQ_layout = cute.make_layout((LANE_WORDS, 32, GROUPS, self.batch, RING, WARPS))
+        self.sS_layout = cute.make_layout((2, PAIRS, 8, self.batch, RING, WARPS))
+        self.red_layout = cute.make_layout((4 * self.n_blocks, 32, GROUPS, WARPS))
+        assert cute.cosize(self.red_layout) <= cute.cosize(self.sQ_layout)
 
         @cute.struct
         class SharedStorage:
@@ -170,97 +187,134 @@ class StreamGemm(GemmLaunch):
         warp = tidx // 32
         lane = tidx % 32
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(self.sQ_layout)[(None, lane, None, None, warp)]
-        sS = storage.sS.get_tensor(self.sS_layout)[(None, lane, None, None, warp)]
-        tiled_mma = self._tiled_mma()
-        thr_mma = tiled_mma.get_slice(tidx)
+        sQ_all = storage.sQ.get_tensor(self.sQ_layout)
+        sQ = sQ_all[(None, lane, None, None, None, warp)]  # (word, group, unit, slot)
+        sS = storage.sS.get_tensor(self.sS_layout)[(None, None, None, None, None, warp)]
+        mma1 = self._warp_mma()
+        thr1 = mma1.get_slice(lane)
         tm = self.tile_m
-        frA = tiled_mma.make_fragment_A(
-            thr_mma.partition_A(cute.make_identity_tensor((UNIT_ROWS, 16))).shape)
-        frB = tiled_mma.make_fragment_B(
-            thr_mma.partition_B(cute.make_identity_tensor((tm, 16))).shape)
-        gD_t = cute.local_tile(p.gD, (UNIT_ROWS, tm), (None, None, None))
-        acc = cute.make_rmem_tensor(
-            thr_mma.partition_C(gD_t[(None, None, 0, 0, 0)]).shape, cutlass.Float32)
-        acc.fill(0.0)
+        frA = mma1.make_fragment_A(thr1.partition_A(cute.make_identity_tensor((16, 16))).shape)
+        frB = mma1.make_fragment_B(thr1.partition_B(cute.make_identity_tensor((tm, 16))).shape)
+        acc_shape = thr1.partition_C(cute.make_identity_tensor((16, tm))).shape
+        accs = []
+        for _ in cutlass.range_constexpr(GROUPS):
+            a = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            a.fill(0.0)
+            accs.append(a)
         tables = decode_tables(self.mma_dtype is cutlass.BFloat16)
         w = p.units.coords(bid)
         k_units = p.units.k_tiles
-        row = w.m * UNIT_ROWS + warp * 16 + lane // 4  # this lane's rows: row, row + 8
-        a_rows = []  # the activation row of each N block (rows past M read row M - 1)
+        # this warp's units of the CTA's range: k_begin + warp + 4 t, t < mine
+        mine = (w.k_count - warp + WARPS - 1) // WARPS
+        x_rows = []  # each N block's activation row (rows past M read row M - 1)
         for nb in cutlass.range_constexpr(self.n_blocks):
-            a_rows.append(cutlass.min(w.n * tm + nb * 8 + lane // 4, p.m - 1))
-        ring = (p, sQ, sS, w, k_units, warp, lane, row)
+            x_rows.append(cutlass.min(w.n * tm + nb * 8 + lane // 4, p.m - 1))
+        ring = (p, sQ, sS, w, k_units, warp, lane, mine)
         roles.wait_for_inputs()
-        n_batches = (w.k_count + self.batch - 1) // self.batch
+        n_batches = (mine + self.batch - 1) // self.batch
         self._issue(ring, 0)
+        cute.arch.cp_async_commit_group()
         for b in cutlass.range(n_batches, unroll=1):
             if b + 1 < n_batches:
                 self._issue(ring, b + 1)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_warp()  # the quad's scale words, copied by its four lanes
             for i in cutlass.range_constexpr(self.batch):
-                if b * self.batch + i < w.k_count:
-                    self._unit(ring, b % RING, i, w.k_begin + b * self.batch + i, a_rows,
-                               tables, tiled_mma, frA, frB, acc)
-        self._store(p, thr_mma, acc, gD_t, w, bid, tidx)
+                t = b * self.batch + i
+                if t < mine:
+                    self._unit(ring, b % RING, i, w.k_begin + warp + WARPS * t, x_rows,
+                               tables, mma1, frA, frB, accs)
+        cute.arch.cp_async_wait_group(0)
+        acc = self._reduce(sQ_all, accs, warp, lane)
+        tiled_mma = self._tiled_mma()
+        self._store(p, tiled_mma.get_slice(tidx), acc, w, bid, tidx)
+
+    def _warp_mma(self):
+        op = cute.nvgpu.warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16))
+        return cute.make_tiled_mma(op)
 
     @cute.jit
     def _issue(self, ring, b):
-        """cp.async of batch ``b`` of this warp's units (the weight words and both rows'
-        scale words of each unit of the split that exists) into ring slot ``b % RING``."""
-        p, sQ, sS, w, k_units, warp, lane, row = ring
+        """cp.async of batch ``b`` of this warp's units (those that exist) into ring slot
+        ``b % RING``: per lane and unit its 16 bytes of each row group and its quad's scale
+        pair ``lane % 4``."""
+        p, sQ, sS, w, k_units, warp, lane, mine = ring
         q_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint32,
             num_bits_per_copy=128)
-        s_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint32, num_bits_per_copy=32)
+        s_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint32, num_bits_per_copy=64)
+        slot = b % RING
         for i in cutlass.range_constexpr(self.batch):
-            if b * self.batch + i < w.k_count:
-                ku = w.k_begin + b * self.batch + i
-                at = cute.assume(weight_word_index(w.m, ku, k_units, warp, lane),
-                                 divby=LANE_WORDS)
-                cute.copy(q_atom, cute.make_tensor(p.mQ.iterator + at,
-                                                   cute.make_layout(LANE_WORDS)),
-                          sQ[(None, i, b % RING)])
-                for h in cutlass.range_constexpr(2):
-                    src = cute.make_tensor(
-                        p.mS.iterator + scale_word_index(row + 8 * h, ku, k_units),
-                        cute.make_layout(1))
-                    dst = cute.make_tensor(sS[(None, i, b % RING)].iterator + h,
-                                           cute.make_layout(1))
-                    cute.copy(s_atom, src, dst)
-        if b == 0:
-            cute.arch.cp_async_commit_group()
+            t = b * self.batch + i
+            if t < mine:
+                ku = w.k_begin + warp + WARPS * t
+                base = unit_word_index(w.m, ku, k_units) + lane * LANE_WORDS
+                for j in cutlass.range_constexpr(GROUPS):
+                    at = cute.assume(base + j * CHUNK_WORDS, divby=LANE_WORDS)
+                    cute.copy(q_atom, cute.make_tensor(p.mQ.iterator + at,
+                                                       cute.make_layout(LANE_WORDS)),
+                              sQ[(None, j, i, slot)])
+                at = cute.assume(scale_pair_index(w.m, ku, k_units, lane % 4, lane // 4),
+                                 divby=2)
+                cute.copy(s_atom, cute.make_tensor(p.mS.iterator + at, cute.make_layout(2)),
+                          sS[(None, lane % 4, lane // 4, i, slot)])
 
     @cute.jit
-    def _unit(self, ring, slot, i, ku, a_rows, tables, tiled_mma, frA, frB, acc):
-        """One K unit (ring ``slot``, position ``i``): four K blocks of 16, each decoded into
-        the A fragment and multiplied with the activation pairs of every N block."""
-        p, sQ, sS, w, k_units, warp, lane, row = ring
+    def _unit(self, ring, slot, i, ku, x_rows, tables, mma1, frA, frB, accs):
+        """One K unit (ring ``slot``, position ``i``) of all four row groups: per K block of
+        16, the activation fragment once, then each group's A fragment decoded and
+        multiplied into its accumulator."""
+        p, sQ, sS, w, k_units, warp, lane, mine = ring
         bf16 = self.mma_dtype is cutlass.BFloat16
-        q = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
-        cute.autovec_copy(sQ[(None, i, slot)], q)
-        sw = cute.make_rmem_tensor((2,), cutlass.Uint32)
-        cute.autovec_copy(sS[(None, i, slot)], sw)
-        halves = [[scale_halves(sw[h], bool(odd), bf16) for odd in (0, 1)] for h in (0, 1)]
+        q = []
+        for j in cutlass.range_constexpr(GROUPS):
+            words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
+            cute.autovec_copy(sQ[(None, j, i, slot)], words)
+            q.append(words)
+        sw = cute.make_rmem_tensor((2 * PAIRS,), cutlass.Uint32)
+        cute.autovec_copy(sS[(None, None, lane // 4, i, slot)], sw)
         a32 = cute.recast_tensor(frA, cutlass.Uint32)
         b32 = cute.recast_tensor(frB, cutlass.Uint32)
-        c = lane % 4
+        col = ku * (UNIT_K // 2) + lane % 4  # the pair at K 2c of this unit, in words
         for kb in cutlass.range_constexpr(4):
-            col = ku * (UNIT_K // 2) + kb * 8 + c  # the pair at K 16 kb + 2c of this unit
             for nb in cutlass.range_constexpr(self.n_blocks):
-                b32[2 * nb] = p.mA32[a_rows[nb], col]
-                b32[2 * nb + 1] = p.mA32[a_rows[nb], col + 4]
-            o = decode_fragment(q[kb], halves[0][kb % 2], halves[1][kb % 2], kb, tables, bf16)
-            for j in cutlass.range_constexpr(4):
-                a32[j] = o[j]
-            cute.gemm(tiled_mma, acc, frA, frB, acc)
+                b32[2 * nb] = p.mA32[x_rows[nb], col + kb * 8]
+                b32[2 * nb + 1] = p.mA32[x_rows[nb], col + kb * 8 + 4]
+            for j in cutlass.range_constexpr(GROUPS):
+                s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
+                s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
+                o = decode_fragment(q[j][kb], s_lo, s_hi, kb, tables, bf16)
+                for r in cutlass.range_constexpr(4):
+                    a32[r] = o[r]
+                cute.gemm(mma1, accs[j], frA, frB, accs[j])
 
     @cute.jit
-    def _store(self, p: StreamParams, thr_mma, acc, gD_t, w, unit, tidx):
+    def _reduce(self, sQ_all, accs, warp, lane):
+        """The four warps' partial sums of the block -> warp ``w`` holds row group ``w``'s
+        sum (added in warp order: the same bits on every run), in the accumulator layout
+        of the four-warp MMA the epilogue stores."""
+        red = cute.make_tensor(cute.recast_ptr(sQ_all.iterator, dtype=cutlass.Float32),
+                               self.red_layout)
+        cute.arch.barrier()  # every warp is done with the rings
+        for j in cutlass.range_constexpr(GROUPS):
+            cute.autovec_copy(accs[j], red[(None, lane, j, warp)])
+        cute.arch.barrier()
+        acc = cute.make_rmem_tensor(accs[0].shape, cutlass.Float32)
+        part = cute.make_rmem_tensor(accs[0].shape, cutlass.Float32)
+        acc.fill(0.0)
+        for src in cutlass.range_constexpr(WARPS):
+            cute.autovec_copy(red[(None, lane, warp, src)], part)
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                acc[v] = acc[v] + part[v]
+        return acc
+
+    @cute.jit
+    def _store(self, p: StreamParams, thr_mma, acc, w, unit, tidx):
         """D^T tile (row block, activation tile) from registers, times alpha; split-K: this
         thread's partial, the tile's last split storing the sum."""
         tile = (UNIT_ROWS, self.tile_m)
+        gD_t = cute.local_tile(p.gD, tile, (None, None, None))
         rows = p.n - w.m * UNIT_ROWS
         cols = p.m - w.n * self.tile_m
         dst = gD_t[(None, None, w.m, w.n, 0)]
@@ -274,4 +328,5 @@ class StreamGemm(GemmLaunch):
             store_direct(thr_mma, acc, alpha, dst, tile, rows, cols, self.out_dtype)
 
 
-__all__ = ["StreamGemm", "StreamParams", "scale_word_index", "weight_word_index"]
+__all__ = ["StreamGemm", "StreamParams", "scale_pair_index", "scale_word_of",
+           "unit_word_index"]

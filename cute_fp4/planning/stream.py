@@ -1,14 +1,15 @@
 """Planning rules of the ``stream`` mainloop (kernels/stream.py), for every family that has
 warp-level 16-bit ``mma.sync`` (sm_90a, sm_120a, sm_121a).
 
-Every warp streams its own rows of the packed weight and their scale words through a
-two-batch cp.async ring of its own in shared memory (``Q | S``, no barriers: a lane reads
-back only what it copied); activation pairs come from global memory (L1). The CTA is four
-warps over one 64-row block of the packed weight (16 rows each, ``tile.n`` = 64) and
-``tile.m`` (8 or 16) activation rows; ``tile.k`` is the packed unit (64). ``stages`` is the
-number of 64-element K units in one batch of a warp's ring (between one and two batches
-in flight: ``stages`` x 512 bytes of weight each); ``None`` takes :data:`AUTO_UNITS`. K is
-split over ``split_k`` CTAs per output tile and reduced in the kernel.
+The CTA is four warps over one 64-row block of the packed weight (``tile.n`` = 64) and
+``tile.m`` (8 or 16) activation rows; ``tile.k`` is the packed unit (64). The warps take
+the block's K units in turn, each streaming its units (2,048 bytes of weight and 256 of
+scale words) through a two-batch cp.async ring of its own in shared memory (``Q | S``);
+activation pairs come from global memory (L1). ``stages`` is the number of K units in one
+batch of a warp's ring (between one and two batches in flight per warp); ``None`` takes
+:data:`AUTO_UNITS`. After the K loop the ``Q`` region holds the warps' partial sums (8 KiB
+per 8 activation rows). K is split over ``split_k`` CTAs per output tile and reduced in
+the kernel.
 
 Refused: 4-bit activations (W4A4 runs on the activation's exact BF16 block values, see
 ``cute_fp4.quant``), other tiles and warp layouts, grouped and persistent schedulers, an
@@ -35,7 +36,7 @@ UNIT_K = 64  # K elements per packed unit (cute_fp4.packed.UNIT_K)
 ROWS = 64  # weight rows per CTA: four warps of 16 (one packed unit)
 WARPS = 4
 MAX_UNITS = 8  # K units in flight per warp at most (registers: 4 words per unit)
-AUTO_UNITS = 4  # ... when ``stages`` is None
+AUTO_UNITS = 2  # ... when ``stages`` is None
 
 
 def streaming(s: Schedule) -> bool:
@@ -48,20 +49,20 @@ def units_in_flight(s: Schedule) -> int:
 
 
 RING = 2  # batches per warp's ring
-LANE_Q = 16  # weight bytes per lane and unit
-LANE_S = 8  # scale bytes per lane and unit (rows g and g + 8)
+UNIT_Q = 2048  # weight bytes per unit (64 rows x 64 K)
+UNIT_S = 256  # scale bytes per unit in a warp's ring (8 lanes quads x 4 pairs x 8 bytes)
 
 
 def stage_bytes(s: Schedule, p: Problem) -> dict[str, int]:
     """Bytes of one batch of the CTA's rings: the weight and its scale words."""
     units = units_in_flight(s)
-    return {"Q": WARPS * WARP * LANE_Q * units, "S": WARPS * WARP * LANE_S * units}
+    return {"Q": WARPS * UNIT_Q * units, "S": WARPS * UNIT_S * units}
 
 
 def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
     b = stage_bytes(s, p)
     return (Region("Q", RING * b["Q"], f"{RING} x {WARPS} warps x {units_in_flight(s)} "
-                   "units x 512 B packed weight"),
+                   "units x 2,048 B packed weight; then the partial sums"),
             Region("S", RING * b["S"], f"{RING} x {WARPS} warps x {units_in_flight(s)} "
                    "units x 256 B scale words"))
 

@@ -1,0 +1,106 @@
+"""The weight-streaming decode kernel (``mainloop=stream``) on the CPU: what plan() accepts
+and refuses, the index arithmetic the kernel runs (against the packed layout and the 128x4
+scale layout themselves), the "auto" picks, and the compile of both families' builds
+(HMMA in SASS, no spills, shared memory == plan, the K loop's instruction budget).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_fp4 import packed
+from cute_fp4.api import heuristic, stream_decode_schedule
+from cute_fp4.kernels.stream import scale_pair_index, scale_word_of, unit_word_index
+from cute_fp4.nvfp4 import sf_offset
+from cute_fp4.plan import plan
+from cute_fp4.planning.stream import stream_schedule
+from cute_fp4.schedule import Problem
+
+TARGETS = ("sm_90a", "sm_120a", "sm_121a")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_plan_accepts_stream_on_every_family(target, fmt):
+    for tm in (8, 16):
+        for stages in (None, 1, 2, 4):
+            s = stream_schedule(target, tm, 4, stages)
+            pl = plan(s, Problem(1, 4096, 8192, fmt))
+            assert pl.ok, pl.reasons
+            assert pl.threads == 128 and pl.registers is None
+            assert pl.stages == (stages or 2)
+            assert pl.smem_bytes == 2 * 4 * pl.stages * (2048 + 256)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(tile=(32, 64, 64)), "tile (M, N, K)"),
+    (dict(tile=(16, 128, 64)), "tile (M, N, K)"),
+    (dict(mma=(2, 2)), "Warps(mma=(4, 1))"),
+    (dict(roles="pingpong"), "Warps(mma=(4, 1))"),
+    (dict(stages=9), "1..8"),
+    (dict(persistent=True), "persistent=False"),
+    (dict(epi_tile=(64, 32)), "epilogue tile"),
+    (dict(sf_load="cp_async"), "sf_load"),
+])
+def test_plan_refuses_what_the_kernel_does_not_do(change, words):
+    s = stream_schedule("sm_90a").replace(**change)
+    pl = plan(s, Problem(1, 4096, 4096, "bf16"))
+    assert not pl.ok and any(words in r for r in pl.reasons), pl.reasons
+
+
+def test_plan_refuses_bad_problems_with_numbers():
+    s = stream_schedule("sm_120a", split_k=8)
+    (r,) = plan(s, Problem(1, 4096, 4096, "nvfp4")).reasons
+    assert "16-bit activations" in r
+    assert any("K = 4128 is not a multiple of 64" in r
+               for r in plan(s, Problem(1, 4096, 4128, "bf16")).reasons)
+    assert any("split_k 8 exceeds the 4 K units of K = 256" in r
+               for r in plan(s, Problem(1, 4096, 256, "bf16")).reasons)
+    grouped = stream_schedule("sm_90a").replace(grouped=True)
+    assert any("one dense GEMM" in r for r in plan(grouped, Problem(a_format="bf16")).reasons)
+
+
+@pytest.mark.parametrize("row_block", [0, 1, 2, 5])
+def test_scale_pairs_are_the_blocked_layout(row_block):
+    """Pair p of quad g: the words of rows 16 (p % 2) + 8 (p // 2) + g of row groups j and
+    j + 2, adjacent in the 128x4 layout: both words' bytes are those sf_offset gives."""
+    k_units = 7
+    for ku in range(k_units):
+        for pair in range(4):
+            for quad in range(8):
+                w = scale_pair_index(row_block, ku, k_units, pair, quad)
+                for second in (0, 1):
+                    j = pair % 2 + 2 * second
+                    h = pair // 2
+                    row = 64 * row_block + 16 * j + 8 * h + quad
+                    assert 4 * (w + second) == sf_offset(row, 4 * ku, k_units)
+                    assert scale_word_of(j, h) == 2 * pair + second
+
+
+def test_unit_words_are_the_packed_layout():
+    """Lane l's words of row group j in unit (rb, ku) hold the fragment bytes of rows
+    16 j + g (+8) of that unit: unpacking the words the kernel reads gives those rows."""
+    n, k = 192, 256
+    data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    words = packed.pack(data).view(torch.int32).flatten()
+    k_units = k // 64
+    for rb in range(n // 64):
+        for ku in range(k_units):
+            got = torch.stack([words[unit_word_index(rb, ku, k_units) + 128 * j + 4 * lane:][:4]
+                               for j in range(4) for lane in range(32)])
+            # the same 2,048 bytes as the packed tensor's unit, in the same order
+            unit = packed.pack(data)[64 * rb:64 * rb + 64]  # row-block major units
+            flat = unit.view(torch.int32).reshape(-1)
+            assert torch.equal(got.flatten(), flat[ku * 512:(ku + 1) * 512])
+
+
+@pytest.mark.parametrize("m, n, k, tm, split", [
+    (1, 8192, 8192, 8, 8), (4, 28672, 4096, 8, 4), (16, 4096, 14336, 16, 16),
+    (1, 1024, 4096, 8, 16), (9, 4096, 4096, 16, 8)])
+def test_auto_picks_the_stream_kernel_at_decode(m, n, k, tm, split):
+    s = stream_decode_schedule("sm_90a", m, n, k)
+    assert (s.tile.m, s.split_k) == (tm, split)
+    assert plan(s, Problem(m, n, k, "bf16")).ok
+    picked = heuristic("sm120", m, n, k, packed=True, a_format="bf16", target="sm_120a")
+    assert picked.mainloop.value == "stream" and picked.target == "sm_120a"
