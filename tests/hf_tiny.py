@@ -12,6 +12,7 @@ import transformers as tf
 from cute_fp4 import moe, reference
 from cute_fp4 import nn as cnn
 from cute_fp4.grouped import check_grouped_operands
+from cute_fp4.hf import experts as ex
 from cute_fp4.hf.quantize import fake_quantize
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedNVFP4Weight
@@ -55,8 +56,65 @@ def build(kind: str, seed: int = 0, device="cpu", **sizes) -> torch.nn.Module:
 
 def fake_quant(bf16: torch.nn.Module, nvfp4: torch.nn.Module) -> torch.nn.Module:
     """A copy of the BF16 model ``bf16`` whose quantized weights are the exact values of
-    the NVFP4 model ``nvfp4``'s layers, rounded to BF16 (``cute_fp4.hf.quantize``)."""
-    return fake_quantize(copy.deepcopy(bf16), nvfp4)
+    the NVFP4 model ``nvfp4``'s layers, rounded to BF16 (``cute_fp4.hf.fake_quantize``);
+    where a layer runs W4A4, the copy's layer quantizes its input the same way first
+    (static scale, or the call's amax; experts: the gate_up input and the activation)."""
+    twin = fake_quantize(copy.deepcopy(bf16), nvfp4)
+    for name, m in nvfp4.named_modules():
+        if isinstance(m, cnn.NVFP4Linear) and m.mode == "w4a4":
+            twin.get_submodule(name).register_forward_pre_hook(
+                lambda mod, args, s=m.input_scale: (_qdq(args[0], s),))
+        elif ex.holds_nvfp4(m) and m.nvfp4.mode == "w4a4":
+            scales = (m.nvfp4.w13_input_scale, m.nvfp4.w2_input_scale)
+            twin.get_submodule(name).register_forward_hook(
+                lambda mod, args, out, s=scales: _experts_w4a4(mod, *args, *s))
+    return twin
+
+
+def _qdq(x: torch.Tensor, scale) -> torch.Tensor:
+    """``x`` through NVFP4 and back (what a W4A4 kernel multiplies), in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    return quantize(flat, scale).dequantize(x.dtype).view(x.shape)
+
+
+def _experts_w4a4(mod, x, ids, weights, s13, s2) -> torch.Tensor:
+    r = moe.route(ids, mod.num_experts)
+    gate_up = moe._bf16_grouped(_qdq(x, s13).index_select(0, r.token), mod.gate_up_proj,
+                                r.offsets)
+    act = _qdq(moe.silu_and_mul(gate_up), s2)
+    return moe.combine(moe._bf16_grouped(act, mod.down_proj, r.offsets), r, weights)
+
+
+def module_errors(model: torch.nn.Module, twin: torch.nn.Module, *args, **kwargs
+                  ) -> dict[str, float]:
+    """Run ``model(*args, **kwargs)``; then each NVFP4 module of ``model`` (linear or
+    experts) against the same module of ``twin`` on the very inputs it saw: name ->
+    relative error of the outputs. Module by module, so W4A4's activation rounding sees
+    the same values on both sides (end to end, a last-bit difference upstream moves an
+    activation to the next E2M1 code, and those steps add up layer by layer)."""
+    seen, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, cnn.NVFP4Linear) or ex.holds_nvfp4(m):
+            hooks.append(m.register_forward_hook(
+                lambda mod, a, out, name=name: seen.__setitem__(name, (a, out))))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+            return {n: rel_err(o, twin.get_submodule(n)(*a)) for n, (a, o) in seen.items()}
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def token_errors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(median, 90th percentile) over positions of the relative error of logits ``a``
+    against ``b`` (last dimension the vocabulary). In a MoE model a token whose router
+    sees two experts nearly tied may pick the other one on one side: that token's logits
+    move by a lot while the rest stay close, so the tests bound these rather than the
+    error of the whole tensor."""
+    a, b = a.double().flatten(0, -2), b.double().flatten(0, -2)
+    e = (a - b).norm(dim=-1) / b.norm(dim=-1)
+    return float(e.median()), float(e.quantile(0.9))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,7 +6,8 @@
 * :func:`quantize_model`: a BF16 transformers model quantized in place, layer by layer
   (optionally calibrating input scales);
 * :func:`save_pretrained`: such a model written as a ModelOpt NVFP4 checkpoint (bit-exact
-  round trip with ``from_pretrained``).
+  round trip with ``from_pretrained``);
+* :func:`fake_quantize`: the fake-quantized BF16 reference of an NVFP4 model.
 
 Importing this package imports neither transformers nor anything that registers with it:
 the functions do, on their first call (``cute_fp4.hf.quantizer.register``).
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["CheckpointError", "QuantizeReport", "from_pretrained", "quantize_model",
-           "save_pretrained"]
+__all__ = ["CheckpointError", "QuantizeReport", "fake_quantize", "from_pretrained",
+           "quantize_model", "save_pretrained"]
 
 _EXPORTS = {"from_pretrained": "loader", "save_pretrained": "save",
             "quantize_model": "quantize", "QuantizeReport": "quantize",
+            "fake_quantize": "quantize",
             "CheckpointError": "checkpoint"}
 
 

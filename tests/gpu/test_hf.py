@@ -1,0 +1,125 @@
+"""cute_fp4.hf on the GPU: tiny random transformers models (Llama, Qwen3-MoE, Qwen2-MoE with
+a shared expert) quantized, saved, loaded back onto the GPU, and run by transformers:
+prefill logits against the fake-quantized BF16 model, and greedy and sampled ``generate``
+at batch 1 and 16 whose per-step logits (the decode path: KV cache, M = batch GEMMs)
+match the fake-quantized model's logits on the generated sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import hf_tiny  # noqa: E402
+
+import cute_fp4.hf as hf  # noqa: E402
+from cute_fp4 import nn as cnn  # noqa: E402
+from cute_fp4.hf import experts as ex  # noqa: E402
+
+WATCHDOG_S = 240
+# GPU-sized tiny models: K multiples of 64 (SM90's packed layout), 8 experts
+SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=512)
+MOE_SIZES = {"qwen3_moe": dict(moe_intermediate_size=128, num_experts=8),
+             "qwen2_moe": dict(moe_intermediate_size=128, num_experts=8,
+                               shared_expert_intermediate_size=256)}
+KINDS = ("llama", "qwen3_moe", "qwen2_moe")
+# end-to-end logits against the fake-quantized model: W4A16 3e-2; W4A4 (SM12x) only
+# loosely, its 4-bit activations amplify last-bit differences layer by layer, so there
+# the modules are held to the tight bound one by one (test_modules_match)
+TOL = {"w4a16": 3e-2, "w4a4": 0.5}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    """(kind, fake-quantized BF16 model, NVFP4 model loaded from its saved checkpoint)."""
+    kind = request.param
+    sizes = {**SIZES, **MOE_SIZES.get(kind, {})}
+    model = hf_tiny.build(kind, device="cuda", **sizes)
+    bf16 = hf_tiny.build(kind, device="cuda", **sizes)
+    prompts = torch.randint(0, 512, (4, 16), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1))
+    hf.quantize_model(model, calibration=[prompts])
+    path = tmp_path_factory.mktemp(kind)
+    hf.save_pretrained(model, path)
+    del model
+    loaded = hf.from_pretrained(path, device="cuda")
+    return kind, hf_tiny.fake_quant(bf16, loaded), loaded
+
+
+def _tol(model) -> float:
+    return TOL[model.model.layers[0].self_attn.q_proj.mode]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Per position (``hf_tiny.token_errors``: a MoE token may route differently): the
+    median within ``tol``, nine in ten within twice that."""
+    median, p90 = hf_tiny.token_errors(got, want)
+    assert median < tol and p90 < 2 * tol, (median, p90)
+
+
+def _prompts(batch: int, seed: int = 2) -> torch.Tensor:
+    g = torch.Generator("cuda").manual_seed(seed)
+    return torch.randint(0, 512, (batch, 16), device="cuda", generator=g)
+
+
+@pytest.mark.gpu("sm90", "sm120")
+def test_layers_are_cute_fp4s(pair):
+    kind, _, model = pair
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, cnn.NVFP4Linear)
+    sm90 = torch.cuda.get_device_capability()[0] == 9
+    assert q.layout == ("packed" if sm90 else "plain")
+    assert q.mode == ("w4a16" if sm90 else "w4a4")  # auto: W4A4 where FP4 MMA exists
+    if kind != "llama":
+        moe = model.model.layers[1].mlp.experts.nvfp4
+        assert ex.holds_nvfp4(model.model.layers[1].mlp.experts)
+        assert moe.layout == q.layout and moe.mode == q.mode
+
+
+@pytest.mark.gpu("sm90", "sm120")
+def test_modules_match(pair):
+    """Every NVFP4 module on the inputs it saw against the fake-quantized module."""
+    _, bf16, model = pair
+    errors = hf_tiny.module_errors(model, bf16, _prompts(16))
+    assert errors
+    for name, err in errors.items():
+        w4a4_experts = name.endswith("experts") and model.get_submodule(name).nvfp4.mode \
+            == "w4a4"  # its activation is rounded to 4 bits inside the module
+        assert err < (0.1 if w4a4_experts else 1e-2), (name, err)
+
+
+@pytest.mark.gpu("sm90", "sm120")
+def test_prefill_logits_match_the_fake_quantized_model(pair):
+    _, bf16, model = pair
+    x = _prompts(16)
+    with torch.no_grad():
+        got, want = model(x).logits, bf16(x).logits
+    assert torch.isfinite(got).all()
+    _close(got, want, _tol(model))
+
+
+@pytest.mark.gpu("sm90", "sm120")
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_generate_decode_logits(pair, batch, sample):
+    """generate's per-step logits (its decode path) against the fake-quantized model's
+    logits on the same tokens (teacher forced): within the tolerance; greedy picks their
+    argmax; the sequences are the prompt plus new tokens from the vocabulary."""
+    _, bf16, model = pair
+    x = _prompts(batch, seed=3 + batch)
+    torch.manual_seed(0)
+    kw = dict(do_sample=True, top_k=20, temperature=1.0) if sample else dict(do_sample=False)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
+                         min_new_tokens=8, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0, **kw)
+    seq = out.sequences
+    assert seq.shape == (batch, 24) and torch.equal(seq[:, :16], x)
+    assert ((seq >= 0) & (seq < 512)).all()
+    steps = torch.stack(out.logits, dim=1).float()  # [batch, 8, vocab]
+    if not sample:
+        assert torch.equal(steps.argmax(-1), seq[:, 16:])
+    with torch.no_grad():
+        want = bf16(seq).logits[:, 15:23].float()
+    _close(steps, want, _tol(model))
