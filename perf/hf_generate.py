@@ -1,0 +1,341 @@
+"""NVFP4 checkpoints in transformers, end to end on one GPU: an 8-layer Llama-3-8B-like and an
+8-layer Qwen3-30B-A3B-like model (random weights) quantized by ``cute_fp4.hf.quantize_model``,
+written by ``save_pretrained``, loaded by ``from_pretrained``, run by transformers.
+
+Per model, in one run:
+
+* **load**: device memory allocated by ``from_pretrained`` at its peak against the bound
+  (the checkpoint's tensor bytes: NVFP4 bytes plus the BF16 of the excluded modules, plus
+  10%), seconds;
+* **logits**: a prefill of 4 x 128 random tokens against the fake-quantized BF16 model
+  (``cute_fp4.hf.fake_quantize``: the same weights' exact NVFP4 values): relative error
+  ``||l - l_ref|| / ||l_ref||`` of the whole tensor, per position (median, 90th percentile:
+  a MoE token may route to another expert), top-1 agreement;
+* **decode**: batch-1 tokens/s on the fastest path transformers offers for the BF16 model,
+  the same for both: ``generate(cache_implementation="static")``, which compiles the
+  decode step with ``torch.compile(mode="reduce-overhead")`` (Inductor, CUDA graphs).
+  Per token: ``(t(LONG) - t(SHORT)) / (LONG - SHORT)`` new tokens, same static cache,
+  median of 3 (the prefill cancels);
+* **where the time goes**: the GPU kernels of one ``generate(SHORT)`` under torch.profiler,
+  summed per category per decode step, and the weight bytes a batch-1 decode step reads
+  (MoE: the top-k experts) over the GPU's bandwidth: the floor.
+
+    python perf/hf_generate.py --out DIR [--models dense,moe] [--layers 8] [--deadline S]
+
+writes ``DIR/hf_generate.json`` (after each model) and ``DIR/hf_generate.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import cute_fp4.hf as hf
+from cute_fp4 import nn as cnn
+from cute_fp4.hf import experts as ex
+from cute_fp4.hf.checkpoint import read_tensor_index
+
+HBM_BYTES_S = 4.8e12  # H200 datasheet
+SHORT, LONG, PROMPT = 32, 160, 32
+
+
+def configs(layers: int) -> dict:
+    import transformers as tf
+
+    common = dict(num_hidden_layers=layers, max_position_embeddings=4096,
+                  tie_word_embeddings=False)
+    return {
+        "dense": tf.LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                vocab_size=128256, rope_theta=500000.0, **common),
+        "moe": tf.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144,
+                                 moe_intermediate_size=768, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                 rope_theta=1000000.0, **common),
+    }
+
+
+def _sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- measures
+
+def load_measure(path: str) -> tuple:
+    _free()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    model = hf.from_pretrained(path, device="cuda")
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t
+    ckpt = sum(i.dtype.itemsize * _numel(i.shape) for i in read_tensor_index(path).values())
+    peak = torch.cuda.max_memory_allocated() - base
+    resident = torch.cuda.memory_allocated() - base
+    return model, {"seconds": round(secs, 2), "checkpoint_bytes": ckpt,
+                   "peak_bytes": peak, "resident_bytes": resident,
+                   "bound_bytes": int(ckpt * 1.10), "peak_over_bound": peak / (ckpt * 1.10)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def logits_measure(nv, ref, vocab: int) -> dict:
+    g = torch.Generator("cuda").manual_seed(5)
+    x = torch.randint(0, vocab, (4, 128), device="cuda", generator=g)
+    with torch.no_grad():
+        a, b = nv(x).logits.double(), ref(x).logits.double()
+    tok = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+    return {"rel_err": float((a - b).norm() / b.norm()), "token_median": float(tok.median()),
+            "token_p90": float(tok.quantile(0.9)), "token_max": float(tok.max()),
+            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+
+
+def _generate(model, prompt, n: int):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, cache_implementation="static",
+                          pad_token_id=0)
+
+
+def decode_measure(model, vocab: int) -> dict:
+    g = torch.Generator("cuda").manual_seed(9)
+    prompt = torch.randint(0, vocab, (1, PROMPT), device="cuda", generator=g)
+    first = _sync_time(lambda: _generate(model, prompt, LONG))  # compiles, records graphs
+    warm = _sync_time(lambda: _generate(model, prompt, LONG))
+    per_token = []
+    for _ in range(3):
+        ts = _sync_time(lambda: _generate(model, prompt, SHORT))
+        tl = _sync_time(lambda: _generate(model, prompt, LONG))
+        per_token.append((tl - ts) / (LONG - SHORT))
+    ms = statistics.median(per_token) * 1e3
+    return {"first_generate_s": round(first, 2), "second_generate_s": round(warm, 3),
+            "compiled": hasattr(model, "_compiled_call"), "ms_per_token": ms,
+            "tokens_s": 1e3 / ms, "ms_per_token_all": [t * 1e3 for t in per_token]}
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if "cutlass" in n or "cute" in n or "kernel_cutlass" in n or "gemmkernel" in n:
+        return "nvfp4 gemm (cute_fp4)"
+    if "quantiz" in n or "dequant" in n:
+        return "nvfp4 activation"
+    if "flash" in n or "attention" in n or "fmha" in n or "sdpa" in n:
+        return "attention"
+    if ("gemm" in n or "nvjet" in n or "xmma" in n or "gemv" in n or "sm90_" in n
+            or "cublas" in n or "splitk" in n or "grouped_mm" in n):
+        return "torch gemm (bf16)"
+    if "triton" in n:
+        return "inductor fused"
+    if "sort" in n or "scatter" in n or "index" in n or "gather" in n or "radix" in n:
+        return "routing / index"
+    return "other"
+
+
+def profile_measure(model, vocab: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator("cuda").manual_seed(9)
+    prompt = torch.randint(0, vocab, (1, PROMPT), device="cuda", generator=g)
+    _generate(model, prompt, SHORT)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _generate(model, prompt, SHORT)
+        torch.cuda.synchronize()
+    cats: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if ev.device_type == torch.autograd.DeviceType.CUDA and us:
+            c = _category(ev.key)
+            cats[c] = cats.get(c, 0.0) + us
+    steps = SHORT  # the prefill is in there too: it is one step's worth of launches
+    top = sorted(((ev.key[:60], (getattr(ev, "device_time_total", 0.0) or 0.0) / steps)
+                  for ev in prof.key_averages()
+                  if ev.device_type == torch.autograd.DeviceType.CUDA), key=lambda kv: -kv[1])
+    return {"us_per_step": {k: round(v / steps, 1) for k, v in sorted(cats.items())},
+            "kernel_us_per_step": round(sum(cats.values()) / steps, 1),
+            "top_kernels_us_per_step": [(k, round(v, 1)) for k, v in top[:12]]}
+
+
+def bytes_per_token(model) -> int:
+    """Weight bytes a batch-1 decode step reads: every linear, the lm_head, one embedding
+    row; MoE experts: top-k of E."""
+    cfg = model.config
+    total = model.get_input_embeddings().weight[0].numel() * 2
+    for _, m in model.named_modules():
+        if isinstance(m, cnn.NVFP4Linear):
+            total += m.weight_packed.numel() + m.weight_scale.numel() + 4
+        elif type(m) is torch.nn.Linear:
+            total += m.weight.numel() * m.weight.element_size()
+        elif ex.holds_nvfp4(m):
+            moe = m.nvfp4
+            per = sum(b.numel() * b.element_size() for b in (
+                moe.w13_weight, moe.w13_weight_scale, moe.w2_weight, moe.w2_weight_scale))
+            total += per * cfg.num_experts_per_tok // moe.num_experts
+        elif ex.is_experts(m):
+            per = (m.gate_up_proj.numel() + m.down_proj.numel()) * 2
+            total += per * cfg.num_experts_per_tok // m.num_experts
+        elif hasattr(m, "weight") and m.weight is not None and "Router" in type(m).__name__:
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- a model
+
+def run_model(kind: str, config, workdir: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    out: dict = {"model": kind, "layers": config.num_hidden_layers}
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        bf16 = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    nv = copy.deepcopy(bf16)
+    out["build_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    rep = hf.quantize_model(nv)
+    out["quantize"] = {"seconds": round(time.perf_counter() - t, 1), "mode": rep.mode,
+                       "quantized": len(rep.quantized), "kept": [n for n, _ in rep.skipped]}
+    path = os.path.join(workdir, kind)
+    t = time.perf_counter()
+    hf.save_pretrained(nv, path)
+    out["save_s"] = round(time.perf_counter() - t, 1)
+    del nv
+    model, out["load"] = load_measure(path)
+    print(f"[{kind}] load {out['load']}", flush=True)
+    hf.fake_quantize(bf16, model)
+    out["logits"] = logits_measure(model, bf16, config.vocab_size)
+    print(f"[{kind}] logits {out['logits']}", flush=True)
+    out["bytes_per_token"] = {"nvfp4": bytes_per_token(model), "bf16": bytes_per_token(bf16)}
+    out["decode"] = {}
+    for name, m in (("bf16", bf16), ("nvfp4", model)):
+        out["decode"][name] = decode_measure(m, config.vocab_size)
+        print(f"[{kind}] decode {name} {out['decode'][name]}", flush=True)
+    d = out["decode"]
+    out["speedup"] = d["bf16"]["ms_per_token"] / d["nvfp4"]["ms_per_token"]
+    out["floor"] = {k: {"ms_per_token": b / HBM_BYTES_S * 1e3,
+                        "measured_over_floor": d[k]["ms_per_token"] / (b / HBM_BYTES_S * 1e3)}
+                    for k, b in out["bytes_per_token"].items()}
+    out["ideal_speedup"] = out["bytes_per_token"]["bf16"] / out["bytes_per_token"]["nvfp4"]
+    out["profile"] = {}
+    for name, m in (("bf16", bf16), ("nvfp4", model)):
+        try:
+            out["profile"][name] = profile_measure(m, config.vocab_size)
+        except Exception as e:  # the profile explains; it must not lose the run
+            out["profile"][name] = {"error": f"{type(e).__name__}: {e}"}
+    del model, bf16
+    _free()
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+def environment() -> dict:
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name()}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+        import cutlass
+
+        env["cutlass_dsl"] = getattr(cutlass, "__version__", "?")
+    except ImportError:
+        pass
+    try:
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["driver"] = "?"
+    return env
+
+
+def markdown(res: dict) -> str:
+    env = res["env"]
+    lines = [f"# NVFP4 checkpoints in transformers, {env['gpu']}", "",
+             f"{env['date']}; driver {env.get('driver')}, torch {env['torch']} (CUDA "
+             f"{env['cuda']}), transformers {env.get('transformers')}, CuTe DSL "
+             f"{env.get('cutlass_dsl')}; batch-1 decode through generate(cache_implementation="
+             f"'static') (torch.compile reduce-overhead), {LONG - SHORT} tokens, median of 3.",
+             "", "| model | load peak / bound | logits rel. err (whole / token median / p90) "
+             "| top-1 | BF16 tok/s | NVFP4 tok/s | speedup | ideal (bytes) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res["models"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error'][:80]} | | | | | | |")
+            continue
+        ld, lg, d = r["load"], r["logits"], r["decode"]
+        lines.append(
+            f"| {r['model']} ({r['layers']} layers) | {ld['peak_bytes'] / 2**30:.2f} / "
+            f"{ld['bound_bytes'] / 2**30:.2f} GiB ({ld['peak_over_bound']:.2f}) | "
+            f"{lg['rel_err']:.3g} / {lg['token_median']:.3g} / {lg['token_p90']:.3g} | "
+            f"{lg['top1_agreement']:.3f} | {d['bf16']['tokens_s']:.0f} | "
+            f"{d['nvfp4']['tokens_s']:.0f} | **{r['speedup']:.2f}x** | "
+            f"{r['ideal_speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", default="dense,moe")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds from start after which no new model is started")
+    p.add_argument("--min-model-s", type=float, default=120.0)
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"env": environment(), "models": []}
+    cfgs = configs(args.layers)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("HF_GEN_DIR")) as work:
+        for kind in args.models.split(","):
+            left = args.deadline - (time.perf_counter() - start)
+            if args.deadline and left < args.min_model_s:
+                res["models"].append({"model": kind, "error": f"skipped: {left:.0f} s left"})
+                continue
+            try:
+                res["models"].append(run_model(kind, cfgs[kind], work))
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                res["models"].append({"model": kind, "error": f"{type(e).__name__}: {e}"})
+            _free()
+            (out / "hf_generate.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "hf_generate.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
