@@ -149,7 +149,7 @@ def sanitize(unclamped: bool) -> int:
 # (name, schedule, A format, tokens per expert, N, K)
 TIMED = [
     ("prefill E=8 8192 tokens", "sm90_grouped", "bf16", [1024] * 8, 4096, 4096),
-    ("ragged E=64 4096 tokens", "sm90_grouped", "bf16",
+    ("ragged E=64 4752 tokens", "sm90_grouped", "bf16",
      [0, 3, 200, 17, 64, 1, 300, 9] * 8, 2048, 2048),
     ("large E=8 16384 tokens", "sm90_grouped_large", "nvfp4", [2048] * 8, 4096, 4096),
     ("decode E=128 16 tokens top-8", "sm90_grouped_decode", "bf16",
