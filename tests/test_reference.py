@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import cute_fp4 as cf
 from cute_fp4 import reference
 from cute_fp4.errors import InputError, ValidationError
+from cute_fp4.nvfp4 import NVFP4Tensor, e2m1_table, e4m3_decode
 
 
 def _pair(m, n, k, rng, scale=1.0):
@@ -110,3 +113,78 @@ def test_overflow_to_inf_is_accepted_only_where_the_exact_result_overflows(rng):
     assert reference.check(small, a, b, alpha=one).passed
     small[1, 1] = float("inf")  # an infinity where the result fits fails
     assert not reference.check(small, a, b, alpha=one).passed
+
+
+# ----------------------------------------------------------------------------- spec vectors
+# Hand-written from the format's definition (shared/notes/nvfp4-format.md), independent of
+# the package's decoders: a bug in e2m1_decode, the UE4M3 decode, the scale layout or
+# block_values fails these, where comparing the reference with dequantize cannot.
+
+E2M1_SPEC = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,  # codes 0..7: sign 0, 2 exponent bits,
+             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # 1 mantissa bit; 8..15 negated
+# UE4M3 code -> value: bias 7, exponent 0 subnormal (m/8 * 2^-6), 0x7E the largest (448)
+UE4M3_SPEC = {0x00: 0.0, 0x01: 2.0**-9, 0x02: 2.0**-8, 0x03: 3 * 2.0**-9, 0x07: 7 * 2.0**-9,
+              0x08: 2.0**-6, 0x09: 1.125 * 2.0**-6, 0x30: 0.5, 0x38: 1.0, 0x39: 1.125,
+              0x3F: 1.875, 0x40: 2.0, 0x77: 240.0, 0x7E: 448.0}
+
+
+def _packed(codes_per_row: list[list[int]]) -> torch.Tensor:
+    """uint8 [R, K/2] from E2M1 codes, the even K index in the low nibble."""
+    return torch.tensor([[row[2 * j] | (row[2 * j + 1] << 4) for j in range(len(row) // 2)]
+                         for row in codes_per_row], dtype=torch.uint8)
+
+
+def _scales(rows: int, codes: dict[tuple[int, int], int]) -> torch.Tensor:
+    """One 128x4 scale atom (rows <= 128, K <= 64): row r, block c at byte
+    16 (r % 32) + 4 (r // 32) + c (the cuBLAS / CUTLASS 128x4 layout), padding zero."""
+    flat = torch.zeros(512, dtype=torch.uint8)
+    for (r, c), code in codes.items():
+        flat[16 * (r % 32) + 4 * (r // 32) + c] = code
+    return flat.view(torch.float8_e4m3fn).view(128, 4)
+
+
+def test_spec_every_e2m1_code():
+    codes = list(range(16)) + list(range(15, -1, -1))  # block 0: 0..15, block 1: 15..0
+    t = NVFP4Tensor(_packed([codes]), _scales(1, {(0, 0): 0x38, (0, 1): 0x40}), 0.5)
+    want = E2M1_SPEC + [2.0 * v for v in reversed(E2M1_SPEC)]  # block 1's scale is 2
+    got = t.block_values(torch.float64)[0].tolist()
+    assert got == want
+    assert [math.copysign(1.0, v) for v in got] == [math.copysign(1.0, v) for v in want]
+    assert t.dequantize(torch.float64)[0].tolist() == [0.5 * v for v in want]
+    assert e2m1_table(torch.float64).tolist() == E2M1_SPEC
+
+
+def test_spec_ue4m3_codes_subnormals_and_max():
+    items = sorted(UE4M3_SPEC.items())
+    rows = len(items)
+    data = _packed([[2] * 16] * rows)  # every element 1.0: a block's value is its scale
+    t = NVFP4Tensor(data, _scales(rows, {(r, 0): c for r, (c, _) in enumerate(items)}), 1.0)
+    got = t.block_values(torch.float64)
+    for r, (code, value) in enumerate(items):
+        assert got[r].tolist() == [value] * 16, hex(code)
+        assert e4m3_decode(code) == value, hex(code)
+    assert math.isnan(e4m3_decode(0x7F))
+
+
+def test_spec_gemm_2x32x2_by_hand():
+    """D = alpha A B^T for A [2, 32], B [2, 32], each row two 16-element blocks of one code
+    and one scale; every product worked out below."""
+    # A row 0: 1.0 (code 2, scale 1.0) then 3.0 (code 5, scale 1.0)
+    # A row 1: -0.5 (code 9, scale 1.0) then 2.0 (code 4, scale 1.0)
+    a = NVFP4Tensor(_packed([[2] * 16 + [5] * 16, [9] * 16 + [4] * 16]),
+                    _scales(2, {(0, 0): 0x38, (0, 1): 0x38, (1, 0): 0x38, (1, 1): 0x38}), 0.5)
+    # B row 0: 0.5 (code 1, scale 1.0) then -1.0 (code 10, scale 1.0)
+    # B row 1: 6 * 2^-9 (code 7, the smallest subnormal scale 0x01) then 1.5 * 448 = 672
+    #          (code 3, the largest scale 0x7E)
+    b = NVFP4Tensor(_packed([[1] * 16 + [10] * 16, [7] * 16 + [3] * 16]),
+                    _scales(2, {(0, 0): 0x38, (0, 1): 0x38, (1, 0): 0x01, (1, 1): 0x7E}), 0.25)
+    alpha = 0.5 * 0.25  # the global scales' product
+    d00 = 16 * (1.0 * 0.5) + 16 * (3.0 * -1.0)  # 8 - 48 = -40
+    d01 = 16 * (1.0 * 6 * 2.0**-9) + 16 * (3.0 * 672)  # 0.1875 + 32256
+    d10 = 16 * (-0.5 * 0.5) + 16 * (2.0 * -1.0)  # -4 - 32 = -36
+    d11 = 16 * (-0.5 * 6 * 2.0**-9) + 16 * (2.0 * 672)  # -0.09375 + 21504
+    want = [[alpha * d00, alpha * d01], [alpha * d10, alpha * d11]]
+    assert want == [[-5.0, 4032.0234375], [-4.5, 2687.98828125]]  # the arithmetic above
+    assert reference.gemm(a, b, out_dtype=torch.float64).tolist() == want
+    assert reference.gemm(a, b, alpha=1.0, out_dtype=torch.float64).tolist() == \
+        [[d00, d01], [d10, d11]]
