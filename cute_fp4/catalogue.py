@@ -3,7 +3,9 @@
 Each file defines ``SCHEDULE = Schedule(...)`` and opens with a docstring saying what it
 changes and why; the file name is the schedule's name. Extra directories can be added with
 the ``CUTE_FP4_SCHEDULES`` environment variable (``os.pathsep``-separated); a schedule of
-an extra directory replaces a built-in one of the same name.
+an extra directory replaces a built-in one of the same name, and says so once (a
+:class:`CatalogueWarning` naming both files). An entry that is not a directory (missing,
+or a file) is warned about once and ignored.
 
 Where the built-in files live: in a source checkout (editable install or ``PYTHONPATH``)
 they are the top-level ``schedules/`` folder next to the package; a wheel or a non-editable
@@ -24,14 +26,15 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.errors import CuteFp4Warning, InputError, InputTypeError
 from cute_fp4.schedule import Problem, Schedule
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-class CatalogueWarning(UserWarning):
-    """A schedule file could not be loaded (the message names the file and the error)."""
+class CatalogueWarning(CuteFp4Warning):
+    """A schedule file could not be loaded, a ``CUTE_FP4_SCHEDULES`` entry is not a
+    directory, or a user's schedule replaces a built-in one (the message names the files)."""
 
 
 class LoadError(NamedTuple):
@@ -52,9 +55,23 @@ def builtin_dir(package_dir: Path = PACKAGE_DIR) -> Path | None:
 
 
 def directories() -> list[Path]:
-    """The catalogue folders in load order (built-in first, then ``CUTE_FP4_SCHEDULES``)."""
+    """The catalogue folders in load order (built-in first, then ``CUTE_FP4_SCHEDULES``;
+    an entry that is not a directory is warned about once and left out)."""
     extra = [Path(p) for p in os.environ.get("CUTE_FP4_SCHEDULES", "").split(os.pathsep) if p]
+    for d in extra:
+        if not d.is_dir():
+            _warn_not_a_directory(str(d))
     return [d for d in [builtin_dir(), *extra] if d is not None and d.is_dir()]
+
+
+@functools.cache
+def _warn_not_a_directory(entry: str) -> None:
+    p = Path(entry)
+    what = ("is a file" + ("; name the folder that holds it" if p.suffix == ".py" else "")
+            if p.is_file() else "does not exist")
+    warnings.warn(f"CUTE_FP4_SCHEDULES entry {entry!r} {what}: ignored (it takes folders of "
+                  f"schedule files, separated by {os.pathsep!r})", CatalogueWarning,
+                  stacklevel=4)
 
 
 def _load_file(path: Path) -> Schedule:
@@ -76,6 +93,7 @@ class _Loaded(NamedTuple):
 @functools.cache
 def _load_all(dirs: tuple[Path, ...]) -> _Loaded:
     table: dict[str, Schedule] = {}
+    origin: dict[str, Path] = {}
     errors: list[LoadError] = []
     for d in dirs:
         for path in sorted(d.glob("*.py")):
@@ -89,7 +107,12 @@ def _load_all(dirs: tuple[Path, ...]) -> _Loaded:
                 warnings.warn(f"schedule file {path} was skipped: {err.error}",
                               CatalogueWarning, stacklevel=4)
                 continue
-            table[s.name] = s
+            if s.name in origin and origin[s.name] != path:
+                warnings.warn(f"schedule {s.name!r} from {path} replaces the one from "
+                              f"{origin[s.name]} (a CUTE_FP4_SCHEDULES folder overrides "
+                              "the catalogue; rename the file to keep both)",
+                              CatalogueWarning, stacklevel=4)
+            table[s.name], origin[s.name] = s, path
     return _Loaded(table, tuple(errors))
 
 

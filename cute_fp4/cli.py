@@ -10,7 +10,8 @@ Exit codes, the same for every command:
   1    refused or failed: a schedule named on the command line that plan() refuses, a
        compile failure, a validation failure
   2    usage: bad arguments or input, no schedule named (``compile``/``validate`` need names
-       or ``--all``), an empty catalogue, no suitable GPU; one line on stderr, no traceback
+       or ``--all``), an empty catalogue, no suitable GPU, a package the command needs not
+       installed (torch, the CuTe DSL); one line on stderr, no traceback
   130  interrupted (Ctrl-C); 141: stdout was closed early (``... | head``), no traceback
 """
 
@@ -83,7 +84,7 @@ def cmd_plan(args) -> int:
     from cute_fp4.schedule import Problem
 
     s = retarget(catalogue.get(args.name), args.target)
-    problem = Problem(*args.shape, a_format=args.a_format) if args.shape else \
+    problem = Problem.of((*args.shape, args.a_format)) if args.shape else \
         Problem(a_format=args.a_format)
     p = plan(s, problem)
     print(p.summary())
@@ -96,6 +97,8 @@ def cmd_compile(args) -> int:
 
     family = get_target(args.target).family if args.target else None
     scheds = _resolve(args.names, args.all, family, cmd="compile")
+    if args.dump_dir:
+        _check_dump_dir(args.dump_dir)
     rows = []
     for i, s in enumerate(scheds, 1):
         tables.progress(i, len(scheds), f"compile {s.name} for {args.target or s.target}")
@@ -109,6 +112,20 @@ def cmd_compile(args) -> int:
     # --all expects the catalogue's deliberate refusals; a compile failure never passes
     ok = all(_refused_ok(r["ok"], bool(r.get("refused_by_plan")), args.all) for r in rows)
     return EXIT_OK if ok else EXIT_REFUSED
+
+
+def _check_dump_dir(path: str) -> None:
+    """``--dump-dir`` made (with its parents) and writable before anything is compiled."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise InputError(f"--dump-dir {path}: cannot write there ({e.strerror or e}); "
+                         "give a folder you can create or write to") from None
 
 
 def _kloop_cell(k: dict | None) -> str:
@@ -216,6 +233,18 @@ def _emit(rows: list[dict], args) -> int:
 
 
 _NAMES_HELP = "catalogue schedule names (cute-fp4 schedules lists them)"
+# a top-level module a command may miss -> what to install
+_PACKAGES = {"torch": "torch (https://pytorch.org: the build for your CUDA)",
+             "cutlass": "nvidia-cutlass-dsl==4.8.1 (the CuTe DSL)",
+             "cuda": "cuda-python (installed with nvidia-cutlass-dsl)",
+             "numpy": "numpy", "tvm_ffi": "apache-tvm-ffi"}
+
+
+def _missing_package(e: ModuleNotFoundError) -> str:
+    top = (e.name or "").split(".")[0]
+    what = _PACKAGES.get(top, top or str(e))
+    return f"needs the Python package {what}, which is not installed: pip install " \
+        f"{what.split(' ')[0]}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     except CuteFp4Error as e:
         print(f"cute-fp4 {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_REFUSED if type(e).__name__ == "ScheduleError" else EXIT_ERROR
+    except ModuleNotFoundError as e:  # a wheel installed without torch or the CuTe DSL
+        if (e.name or "").split(".")[0] == "cute_fp4":
+            raise  # a module of this package missing is a bug, not an install problem
+        print(f"cute-fp4 {args.cmd}: {_missing_package(e)}", file=sys.stderr)
+        return EXIT_ERROR
     except BrokenPipeError:
         # the reader left (e.g. `| head`): stop quietly; send the rest of stdout nowhere so
         # the interpreter's final flush does not raise again

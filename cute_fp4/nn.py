@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -47,7 +48,7 @@ import torch
 from cute_fp4 import quant
 from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_schedule
 from cute_fp4.compile import kernel_for, resolution_deadline
-from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.errors import CuteFp4Warning, FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.operands import alpha_tensor
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
@@ -113,6 +114,20 @@ def _reads_packed(schedule) -> bool:
     return isinstance(mainloop, Mainloop) and mainloop.reads_packed
 
 
+def _check_schedule(schedule) -> None:
+    """"auto", a catalogue name (looked up now: an unknown one is an InputError naming the
+    closest names) or a Schedule; anything else is a typed error."""
+    from cute_fp4 import catalogue
+    from cute_fp4.schedule import Schedule
+
+    if isinstance(schedule, str):
+        if schedule != "auto":
+            catalogue.get(schedule)
+    elif not isinstance(schedule, Schedule):
+        raise InputTypeError(f"schedule must be 'auto', a catalogue name or a Schedule, got "
+                             f"{type(schedule).__name__}")
+
+
 def _run(kern, a, w: NVFP4Tensor, alpha, dims, out=None) -> torch.Tensor:
     from cute_fp4.run import run_checked
 
@@ -172,12 +187,20 @@ class NVFP4Linear(torch.nn.Module):
             raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
         if not isinstance(weight, NVFP4Tensor):
             raise InputTypeError(f"weight must be an NVFP4Tensor, got {type(weight).__name__}")
+        if weight.experts is not None:
+            raise InputError(f"weight must be one [out_features, in_features] matrix, got an "
+                             f"expert stack {list(weight.shape)}: one NVFP4Linear per expert "
+                             "(weight.expert(e)), or cute_fp4.grouped_gemm for the stack")
+        _check_schedule(schedule)
         self.out_features, self.in_features = weight.shape
         dev = weight.device
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.out_features,):
                 shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)
                 raise InputError(f"bias must have shape ({self.out_features},), got {shape}")
+            if not bias.is_floating_point():
+                raise InputError(f"bias must be a floating-point tensor (it is added to the "
+                                 f"bf16/fp16 output), got {bias.dtype}")
             bias = torch.nn.Parameter(bias.detach().clone().to(dev), requires_grad=False)
         self.mode, self.schedule = mode, schedule
         self.layout = _resolve_layout(layout, mode, weight, schedule)
@@ -313,6 +336,10 @@ class NVFP4Linear(torch.nn.Module):
                                       missing_keys, unexpected_keys, error_msgs)  # bias
         keys = {name: prefix + name for name in _CHECKPOINT_KEYS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in keys.values()]
+        mismatched = self._size_mismatches(state_dict, keys)
+        if mismatched:  # raised by load_state_dict even with strict=False, as torch does
+            error_msgs.extend(mismatched)
+            return
         need = ["weight", "weight_scale", "weight_scale_2"]
         if self.mode == "w4a4" and self.input_scale is not None:
             need.append("input_scale")
@@ -322,6 +349,26 @@ class NVFP4Linear(torch.nn.Module):
             return
         self.load_modelopt(*(state_dict[keys[n]] for n in need[:3]),
                            input_scale=state_dict.get(keys["input_scale"]))
+
+    def _size_mismatches(self, state_dict, keys: dict[str, str]) -> list[str]:
+        """torch's "size mismatch" messages for the checkpoint tensors present with the
+        wrong shape (packed E2M1 bytes [N, K/2], UE4M3 scales [N, K/16], scalar scales)."""
+        n, k = self.out_features, self.in_features
+        want = {"weight": (n, k // 2), "weight_scale": (n, k // 16),
+                "weight_scale_2": None, "input_scale": None}
+        out = []
+        for name, shape in want.items():
+            t = state_dict.get(keys[name])
+            if not isinstance(t, torch.Tensor):
+                continue
+            if shape is None and t.numel() != 1:
+                out.append(f"size mismatch for {keys[name]}: copying a param with shape "
+                           f"{t.shape} from checkpoint, {name} is one FP32 value")
+            elif shape is not None and tuple(t.shape) != shape:
+                out.append(f"size mismatch for {keys[name]}: copying a param with shape "
+                           f"{t.shape} from checkpoint, the shape in current model is "
+                           f"{torch.Size(shape)} (NVFP4 {n} x {k})")
+        return out
 
     def extra_repr(self) -> str:
         scale = "" if self.mode != "w4a4" else (
@@ -579,6 +626,7 @@ def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule=
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_schedule(schedule)
     rules = _skip_rules(skip)
     done: dict[int, NVFP4Linear | None] = {}
     converted, skipped = [], []
@@ -594,11 +642,31 @@ def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule=
 
     if isinstance(model, torch.nn.Linear):
         new = visit("", model)
+        _warn_unmatched(rules, [""], state_dict)
         return ConvertReport(new or model, mode, tuple(converted), tuple(skipped))
+    names = []
     for name, child in list(model.named_modules(remove_duplicate=False)):  # model order
         if name and isinstance(child, torch.nn.Linear):
             parent_name, _, attr = name.rpartition(".")
+            names.append(name)
             new = visit(name, child)
             if new is not None:
                 setattr(model.get_submodule(parent_name), attr, new)
+    _warn_unmatched(rules, names, state_dict)
     return ConvertReport(model, mode, tuple(converted), tuple(skipped))
+
+
+def _warn_unmatched(rules, names: list[str], state_dict) -> None:
+    """One warning per skip pattern that named no nn.Linear layer, and one when a
+    ``state_dict`` was given but no layer found its NVFP4 tensors in it (every layer was
+    then quantized from its own weight)."""
+    for r in rules:
+        if isinstance(r, str) and not any(fnmatch.fnmatchcase(n, r) for n in names):
+            warnings.warn(f"convert(): skip pattern {r!r} matched no nn.Linear layer (the "
+                          f"model's are named like {names[:3]})", CuteFp4Warning, stacklevel=3)
+    if state_dict is not None and not any(f"{n}.weight_scale" in state_dict for n in names):
+        first = next(iter(state_dict), None)
+        warnings.warn(f"convert(): the state_dict's {len(state_dict)} keys (e.g. {first!r}) "
+                      "hold no '<layer>.weight_scale' of the model's nn.Linear layers (named "
+                      f"like {names[:3]}): every layer was quantized from its own weight",
+                      CuteFp4Warning, stacklevel=3)

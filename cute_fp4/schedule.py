@@ -259,7 +259,9 @@ class Schedule:
 
         The result is named after what changed, so a derived schedule never passes for its
         catalogue original: ``sm120_default+epi_tile=64x32``. A change of ``target`` (to
-        another member of the family) keeps the name; ``name=`` sets one explicitly.
+        another member of the family) keeps the name; ``name=`` sets one explicitly. A named
+        schedule's ``target`` stays in its family (an InputError says why); an unnamed
+        ``Schedule(...)`` may take any target, as its constructor does.
         """
         unknown = sorted(set(changes) - set(_NESTED) - {f.name for f in
                                                         dataclasses.fields(self)})
@@ -267,6 +269,8 @@ class Schedule:
             allowed = sorted({f.name for f in dataclasses.fields(self)} | set(_NESTED))
             raise InputError(f"Schedule.replace got unknown field(s) {', '.join(unknown)}; "
                              f"fields are {', '.join(allowed)}")
+        if "target" in changes and self.name:
+            _same_family(self, changes["target"])
         top: dict[str, object] = {}
         for key, value in changes.items():
             if key in _NESTED:
@@ -312,6 +316,29 @@ class Schedule:
         if not d["scheduler"]["grouped"]:
             d["scheduler"].pop("grouped")  # likewise
         return repr(_plain(d))
+
+
+def _same_family(s: Schedule, target: object) -> None:
+    """Refuse moving the named schedule ``s`` to a target of another kernel family: its
+    tile, warps and mainloop were chosen for its own family's kernel, and the name would
+    no longer say what it is."""
+    new = target if isinstance(target, Target) else get_target(target)
+    old = s.arch
+    if new.family != old.family:
+        raise InputError(
+            f"schedule {s.name} is for {old.name} (family {old.family}); "
+            f"replace(target={new.name!r}) would move it to family {new.family}, whose "
+            f"kernel takes other tiles, warps and mainloops: start from a {new.family} "
+            f"catalogue schedule (e.g. {new.family}_default) or build "
+            f"Schedule(target={new.name!r}, ...); replace(target=...) moves a schedule "
+            f"between the targets of its family ({old.family}: "
+            f"{', '.join(_family_targets(old.family))})")
+
+
+def _family_targets(family) -> list[str]:
+    from cute_fp4.targets import TARGETS
+
+    return [t.name for t in TARGETS.values() if t.family == family]
 
 
 # replace() keywords that name a field of a component: keyword -> (component, field)
@@ -395,10 +422,15 @@ class Problem:
     @classmethod
     def of(cls, x: object) -> Problem | None:
         """Accept a Problem, ``None`` (any problem), an ``(m, n, k)`` tuple or an
-        ``(m, n, k, a_format)`` tuple."""
+        ``(m, n, k, a_format)`` tuple. A tuple names a concrete problem, so its sizes must
+        be > 0 (a zero is an InputError; a Problem field left at 0 means "any")."""
         if x is None or isinstance(x, cls):
             return x
         if isinstance(x, (tuple, list)) and len(x) in (3, 4, 5):
+            zero = [f"{d} = 0" for d, v in zip("MNK", x[:3]) if isinstance(v, int) and v == 0]
+            if zero:
+                raise InputError(f"problem {tuple(x)}: {', '.join(zero)}; a problem's sizes "
+                                 "must be > 0 (Problem() leaves a size open: any)")
             return cls(*x)
         raise InputTypeError(f"a problem must be a Problem or an (m, n, k) tuple, "
                              f"got {type(x).__name__} {x!r}")

@@ -3,6 +3,9 @@ the output tensor is left untouched. Runs on the CPU (device checks relaxed wher
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 
@@ -100,6 +103,15 @@ SCHEDULES = [
     ("unknown target", ValueError, "unknown target 'sm_89'", lambda: cf.Schedule(target="sm_89")),
     ("out dtype", ValueError, "unsupported output dtype 'int8'", lambda: OutDtype.of("int8")),
     ("catalogue name", ValueError, "no schedule named 'x'", lambda: catalogue.get("x")),
+    ("catalogue name not a str", TypeError, r"schedule name \(str\), got NoneType",
+     lambda: catalogue.get(None)),
+    ("replace across families", ValueError,
+     r"sm120_default is for sm_120a \(family sm120\); replace\(target='sm_90a'\) would move "
+     r"it to family sm90", lambda: catalogue.get("sm120_default").replace(target="sm_90a")),
+    ("plan M = 0", ValueError, r"problem \(0, 256, 256\): M = 0; a problem's sizes must be > 0",
+     lambda: cf.plan("sm120_default", (0, 256, 256))),
+    ("plan N = K = 0", ValueError, "N = 0, K = 0",
+     lambda: cf.plan("sm120_default", (16, 0, 0, "nvfp4"))),
     ("stages 0", ValueError, "Schedule.stages must be a positive int, got 0",
      lambda: cf.Schedule(stages=0)),
     ("tile tuple", ValueError, "Schedule.tile must be a Tile, got tuple",
@@ -181,12 +193,73 @@ def test_cpu_operands_are_a_device_error():
 @pytest.mark.parametrize("make, match", [
     (lambda: cf.NVFP4Linear(fp4(64, 64), mode="w8a8"), "mode must be 'w4a4' or 'w4a16'"),
     (lambda: cf.NVFP4Linear(fp4(64, 64), bias=torch.zeros(3)), r"bias must have shape \(64,\)"),
+    (lambda: cf.NVFP4Linear(fp4(64, 64), bias=torch.zeros(64, dtype=torch.int64)),
+     "bias must be a floating-point tensor .*got torch.int64"),
     (lambda: cf.NVFP4Linear(torch.zeros(64, 64)), "weight must be an NVFP4Tensor"),
+    (lambda: cf.NVFP4Linear(cf.quantize(torch.randn(4, 128, 256))),
+     r"got an expert stack \[4, 128, 256\]: one NVFP4Linear per expert"),
+    (lambda: cf.NVFP4Linear(fp4(64, 64), schedule="nope"), "no schedule named 'nope'"),
+    (lambda: cf.NVFP4Linear(fp4(64, 64), schedule=3), "schedule must be 'auto', a catalogue"),
+    (lambda: cf.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), schedule="nope"),
+     "no schedule named 'nope'"),
     (lambda: cf.NVFP4Linear(fp4(64, 64))(torch.zeros(2, 32)), "input has 32 features"),
 ])
 def test_linear_errors(make, match):
     with pytest.raises(CuteFp4Error, match=match):
         make()
+
+
+def test_linear_checkpoint_of_the_wrong_shape_raises_even_when_not_strict():
+    """As torch does for a parameter: a size mismatch is an error with strict=False too."""
+    layer = cf.NVFP4Linear(fp4(64, 64))
+    before = layer.weight_packed.clone()
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight: .*\[3, 3\].*\[64, 32\]"):
+        layer.load_state_dict({"weight": torch.randn(3, 3)}, strict=False)
+    with pytest.raises(RuntimeError, match="weight_scale_2 is one FP32 value"):
+        layer.load_state_dict({"weight_scale_2": torch.ones(2)}, strict=False)
+    assert torch.equal(layer.weight_packed, before)
+
+
+def test_convert_warns_when_a_skip_pattern_or_the_checkpoint_matches_nothing():
+    from cute_fp4.errors import CuteFp4Warning
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+
+    with pytest.warns(CuteFp4Warning, match=r"skip pattern 'no_such_layer' matched no nn.Linear"):
+        cf.convert(model(), skip=["no_such_layer", "1"])
+    with pytest.warns(CuteFp4Warning, match=r"state_dict's 1 keys \(e.g. 'x'\) hold no "
+                      r"'<layer>.weight_scale'"):
+        cf.convert(model(), state_dict={"x": torch.ones(1)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CuteFp4Warning)  # a pattern that matches: silent
+        report = cf.convert(model(), skip="1")
+    assert report.converted == ("0",)
+
+
+def test_catalogue_folder_mistakes_warn(tmp_path, monkeypatch):
+    """CUTE_FP4_SCHEDULES naming a missing folder or a file, and a user's file replacing a
+    catalogue schedule: one warning each, naming the paths."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "sm120_default.py").write_text(
+        '"""Mine."""\nfrom cute_fp4.schedule import Schedule\nSCHEDULE = Schedule(stages=2)\n')
+    py = tmp_path / "one.py"
+    py.write_text("")
+    missing = tmp_path / "nonexistent"
+    monkeypatch.setenv("CUTE_FP4_SCHEDULES", os.pathsep.join(map(str, (missing, py, user))))
+    catalogue._warn_not_a_directory.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        s = catalogue.get("sm120_default")
+        catalogue.names()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, catalogue.CatalogueWarning)]
+    assert s.stages == 2  # the user's file still wins, as documented
+    assert len(msgs) == 3, msgs
+    assert any(f"{str(missing)!r} does not exist" in m for m in msgs)
+    assert any(f"{str(py)!r} is a file; name the folder" in m for m in msgs)
+    assert any("'sm120_default' from " + str(user / "sm120_default.py") + " replaces" in m
+               for m in msgs)
 
 
 def test_linear_round_trip_of_weights():
@@ -230,18 +303,6 @@ def test_gemm_traces_into_one_op_under_torch_compile():
         f(a, b)
     assert len(graphs) == 1
     assert "cute_fp4.mm" in graphs[0].code
-
-
-NEW_USER_MISTAKES = [
-    ("schedule name not a str", TypeError, r"schedule name \(str\), got NoneType",
-     lambda: catalogue.get(None)),
-]
-
-
-@pytest.mark.parametrize("case", NEW_USER_MISTAKES, ids=[c[0] for c in NEW_USER_MISTAKES])
-def test_new_user_mistakes(case):
-    _, exc, match, fn = case
-    raises(exc, match, fn)
 
 
 def test_float64_nan_is_still_named_nan():

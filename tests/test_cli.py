@@ -48,10 +48,39 @@ def test_compile_json_reports_refusal_without_compiling(capsys):
     (["plan", "sm120_default", "--target", "sm_90a"], "cannot be compiled for sm_90a"),
     (["plan", "sm120_default", "--target", "sm_75"], "unknown target 'sm_75'"),
     (["compile", "sm120_default", "--target", "sm_999"], "unknown target"),
+    (["compile", "sm120_default", "--dump-dir", "/proc/nope"],
+     "--dump-dir /proc/nope: cannot write there"),
+    (["plan", "sm120_default", "--shape", "0", "256", "256"], "M = 0; a problem's sizes"),
+    (["plan", "sm120_default", "--shape", "16", "0", "0"], "N = 0, K = 0"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+_BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == {mod!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+from cute_fp4.cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("mod, argv, package", [
+    ("cutlass", ["compile", "sm120_default"], "pip install nvidia-cutlass-dsl==4.8.1"),
+    ("torch", ["validate", "sm120_default"], "pip install torch"),
+])
+def test_a_missing_package_is_one_line(mod, argv, package):
+    """A wheel installed without torch or the CuTe DSL: one line naming what to install,
+    exit 2, no traceback (the module blocked in a fresh interpreter)."""
+    p = subprocess.run([sys.executable, "-c", _BLOCK.format(mod=mod, argv=argv)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert package in p.stderr and "Traceback" not in p.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="GPU present")

@@ -158,7 +158,7 @@ def test_swap_ab_plan_accounting_and_checks():
                         (s.replace(tile=(24, 64, 256)), "Mx64x256"),
                         (s.replace(tile=(16, 64, 128)), "Mx64x256"),
                         (s.replace(mma=(2, 1)), "Warps.mma = (1, W)"),
-                        (s.replace(target="sm_120a"), "sm_90a only")]:
+                        (dataclasses.replace(s, target="sm_120a"), "sm_90a only")]:
         pl = plan(bad)
         assert not pl.ok and any(needle in r for r in pl.reasons), pl.reasons
 
