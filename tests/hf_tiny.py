@@ -35,8 +35,14 @@ KINDS = {
                   dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                        shared_expert_intermediate_size=128, num_experts=4,
                        num_experts_per_tok=2)),
+    "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,  # MLA, shared experts
+                    dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                         first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64,
+                         qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_group=1,
+                         topk_group=1, num_key_value_heads=4)),
 }
-MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 
 
 def build(kind: str, seed: int = 0, device="cpu", **sizes) -> torch.nn.Module:
@@ -45,13 +51,19 @@ def build(kind: str, seed: int = 0, device="cpu", **sizes) -> torch.nn.Module:
     config_cls, model_cls, base = KINDS[kind]
     config = config_cls(**{**ATTN, **base, **sizes})
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = model_cls(config)
+    with torch.device(device):  # BF16, except what the model keeps in FP32
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert type(model) is model_cls
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    for name, b in model.named_buffers():  # as from_pretrained leaves them
+        if any(k in name for k in keep):
+            mod, _, attr = name.rpartition(".")
+            model.get_submodule(mod)._buffers[attr] = b.float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.1 if "embed" not in name else 1.0)
-    return model.to(torch.bfloat16).eval()
+    return model.eval()
 
 
 def fake_quant(bf16: torch.nn.Module, nvfp4: torch.nn.Module) -> torch.nn.Module:

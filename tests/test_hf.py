@@ -1,8 +1,8 @@
 """cute_fp4.hf on the CPU: tiny random transformers models (Llama, Qwen3, Qwen3-MoE, Mixtral,
-Qwen2-MoE with a shared expert) quantized, saved as ModelOpt NVFP4 checkpoints and loaded
-back: every tensor equal to the checkpoint's, the layers cute_fp4's, the excluded modules
-BF16, the forward (kernels replaced by the exact reference) equal to the fake-quantized
-BF16 model's."""
+Qwen2-MoE and DeepSeek-V3, both with shared experts) quantized, saved as ModelOpt NVFP4
+checkpoints and loaded back: every tensor equal to the checkpoint's, the layers cute_fp4's,
+the excluded modules BF16, the forward (kernels replaced by the exact reference) equal to
+the fake-quantized BF16 model's."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_loaded_layers_hold_the_checkpoint(saved, kind):
     linears = [n for n, m in names.items() if isinstance(m, cnn.NVFP4Linear)]
     experts = [n for n, m in names.items() if ex.holds_nvfp4(m)]
     assert linears and (experts or kind not in hf_tiny.MOE_KINDS)
-    assert model.model.layers[0].self_attn.q_proj.mode == "w4a16"  # auto on the CPU
+    assert {names[n].mode for n in linears} == {"w4a16"}  # auto on the CPU
     for n in linears:
         layer = names[n]
         key = n.replace(".mlp.", ".block_sparse_moe.") if kind == "mixtral" else n
@@ -120,11 +120,12 @@ def test_forward_matches_the_fake_quantized_model(saved, kind, mode, monkeypatch
     assert (kind in hf_tiny.MOE_KINDS) == any(c[0] == "grouped" for c in calls)
     with torch.no_grad():
         got, want, orig = model(TOKENS).logits, twin(TOKENS).logits, bf16(TOKENS).logits
-    err = hf_tiny.rel_err(got, want)
-    if mode == "w4a16":
-        assert err < 3e-2 and hf_tiny.rel_err(got, orig) > 3 * err
+    median, p90 = hf_tiny.token_errors(got, want)  # per position: a MoE token may route
+    if mode == "w4a16":                              # to another expert on one side
+        assert median < 3e-2 and p90 < 6e-2, (median, p90)
+        assert hf_tiny.token_errors(got, orig)[0] > 3 * median
     else:  # 4-bit activations amplify last-bit differences (module_errors' docstring)
-        assert err < 0.5
+        assert hf_tiny.rel_err(got, want) < 0.5
 
 
 def test_cpu_forward_raises_device_error(saved):
