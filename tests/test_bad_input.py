@@ -305,6 +305,43 @@ def test_gemm_traces_into_one_op_under_torch_compile():
     assert "cute_fp4.mm" in graphs[0].code
 
 
+def _offsets(values, total_m: int = 300):
+    from cute_fp4.grouped import check_offsets
+
+    return lambda: check_offsets(torch.tensor(values, dtype=torch.int32), total_m)
+
+
+# grouped_gemm(validate_offsets=True) / check=True: the offsets' values (the GPU tests run
+# them through grouped_gemm; the check itself is torch ops, the same on the CPU)
+OFFSETS = [
+    ("past the end", (3, 600), r"offsets\[3\] = 600 is past the end: a has total_M = 300",
+     _offsets([0, 100, 200, 600])),
+    ("negative", (2, -50), r"offsets\[2\] = -50 is negative", _offsets([0, 100, -50, 300])),
+    ("decreasing", (2, 40), r"offsets\[2\] = 40 < offsets\[1\] = 250: offsets must be "
+     "non-decreasing", _offsets([0, 250, 40, 300])),
+    ("first not 0", (0, 37), r"offsets\[0\] = 37 must be 0", _offsets([37, 100, 200, 300])),
+    ("last short", (3, 250), r"offsets\[3\] = 250 must equal total_M = 300",
+     _offsets([0, 100, 200, 250])),
+    ("int32 extremes", (0, -2**31), r"offsets\[0\] = -2147483648 is negative",
+     _offsets([-2**31, 2**31 - 1, 0, 300])),
+]
+
+
+@pytest.mark.parametrize("case", OFFSETS, ids=lambda c: c[0])
+def test_offsets_errors_name_the_entry(case):
+    from cute_fp4.errors import OffsetsError
+
+    _, (index, value), match, fn = case
+    with pytest.raises(OffsetsError, match=match) as e:
+        fn()
+    assert (e.value.index, e.value.value) == (index, value)
+
+
+def test_valid_offsets_pass():
+    _offsets([0, 0, 100, 100, 300])()
+    _offsets([0, 0], 0)()
+
+
 def test_float64_nan_is_still_named_nan():
     x = torch.randn(16, 64, dtype=torch.float64)
     x[0, 0] = float("nan")
