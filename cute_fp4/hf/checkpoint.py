@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -296,6 +295,3 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLi
         os.remove(os.path.join(path, INDEX_FILE))
     return names
 
-
-def nbytes(shape, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
