@@ -14,19 +14,34 @@ version, the Python version and the target.
 
 Environment: ``CUTE_FP4_CACHE_DIR`` (default ``~/.cache/cute_fp4/kernels``),
 ``CUTE_FP4_CACHE=0`` turns the disk cache off.
+
+The **build cache** (:class:`BuildCache`, off unless ``CUTE_FP4_BUILD_CACHE`` names a
+directory; the tests and CI set it to ``.cache/builds``) keeps what a cross-compile writes
+(cubin, PTX), so compile-only work (``compile_report``, the tests, ``cute-fp4 compile``)
+builds each kernel once. Its entries are :class:`DiskCache` entries (the files in one
+archive), keyed by the kernel class, its schedule or spec, the problem, the compile options
+(target) and :func:`kernel_fingerprint` (the kernel modules' sources, the DSL and CUDA
+tool wheels, Python), under a folder per fingerprint; the outputs of ``cuobjdump`` on a
+cubin are kept beside them by content (:func:`tool_output`).
 """
 
 from __future__ import annotations
 
+import ast
+import collections
 import contextlib
 import functools
+import gzip
 import hashlib
+import io
 import json
 import os
 import platform
 import shutil
 import tempfile
 import warnings
+import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,6 +100,8 @@ def _sha256(path: Path) -> str:
 class DiskCache:
     """get-or-build of compiled artefacts; ``export``/``load`` adapt it to the DSL."""
 
+    object_name = OBJECT  # the one file of an entry that ``export`` writes
+
     def __init__(self, root: Path | None = None, fingerprint: str | None = None):
         self.root = Path(root) if root is not None else cache_dir()
         self.fingerprint = fingerprint or source_fingerprint()
@@ -115,7 +132,7 @@ class DiskCache:
         problem = self._check(entry)
         if problem is None:
             try:
-                return load(entry / OBJECT)
+                return load(entry / self.object_name)
             except Exception as e:  # a damaged object file the checksum did not catch
                 problem = f"it failed to load ({type(e).__name__}: {e})"
         _say_once("discarded", f"discarded entry {entry.name}: {problem}; rebuilding")
@@ -129,9 +146,10 @@ class DiskCache:
             return f"unreadable {META} ({type(e).__name__})"
         if meta.get("fingerprint") != self.fingerprint:
             return "stale (package sources, DSL or Python changed)"
-        obj = entry / OBJECT
+        obj = entry / self.object_name
         if not obj.is_file() or _sha256(obj) != meta.get("sha256"):
-            return f"{OBJECT} is missing, truncated or corrupted (checksum mismatch)"
+            return (f"{self.object_name} is missing, truncated or corrupted "
+                    "(checksum mismatch)")
         return None
 
     def _store(self, key: str, art: object, export: Callable[[object, Path], None]) -> None:
@@ -139,7 +157,8 @@ class DiskCache:
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
             export(art, tmp)
-            meta = {"fingerprint": self.fingerprint, "sha256": _sha256(tmp / OBJECT)}
+            meta = {"fingerprint": self.fingerprint,
+                    "sha256": _sha256(tmp / self.object_name)}
             (tmp / META).write_text(json.dumps(meta))
             final = self.root / key
             shutil.rmtree(final, ignore_errors=True)
@@ -163,3 +182,186 @@ def _locked(f):
         yield
     finally:
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------- build cache
+
+BUILD_CACHE_ENV = "CUTE_FP4_BUILD_CACHE"  # a directory; unset, "" or "0": no build cache
+KEEP_FINGERPRINTS = 4  # folders of other fingerprints kept (the most recently used)
+BUILD_STATS: collections.Counter = collections.Counter()  # this process's fetches by outcome
+FACTS = "facts.json"  # in an entry's archive, beside files/<the products>
+
+
+def build_cache_dir() -> Path | None:
+    """The build cache's directory (``CUTE_FP4_BUILD_CACHE``), or None when it is off."""
+    env = os.environ.get(BUILD_CACHE_ENV, "")
+    return None if env.lower() in ("", "0", "false", "off") else Path(env)
+
+
+@functools.cache
+def kernel_sources() -> tuple[Path, ...]:
+    """The package files generated code depends on: ``cute_fp4/kernels`` and every
+    ``cute_fp4`` module they import, transitively, at any depth of a function (read from
+    the import statements, so a new import is followed without a list to update)."""
+    root = Path(__file__).resolve().parent
+    todo = [root / "__init__.py", *sorted((root / "kernels").rglob("*.py"))]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            for name in _imported(node, path.relative_to(root)):
+                todo += _module_files(root, name)
+    return tuple(sorted(seen))
+
+
+def _imported(node: ast.AST, rel: Path) -> list[str]:
+    """Dotted names below ``cute_fp4`` that an import statement may load (a ``from X
+    import y`` names both X and X.y: y may be a submodule)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "cute_fp4"]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:  # relative: from the file's package
+        pkg = ["cute_fp4", *rel.parent.parts][:len(rel.parent.parts) + 2 - node.level]
+        base = ".".join(pkg + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    if base.split(".")[0] != "cute_fp4":
+        return []
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def _module_files(root: Path, dotted: str) -> list[Path]:
+    """The files importing ``dotted`` runs: every package ``__init__`` on the way, and the
+    module itself (absent names, e.g. a function of a module, give nothing)."""
+    parts = dotted.split(".")[1:]
+    out = []
+    for i in range(len(parts) + 1):
+        base = root.joinpath(*parts[:i])
+        out += [base / "__init__.py"] + ([base.with_suffix(".py")] if i else [])
+    return [p for p in out if p.is_file()]
+
+
+@functools.cache
+def toolchain() -> str:
+    """Versions of the DSL, the CUDA tool wheels (ptxas, cuobjdump: ``nvidia-*``,
+    ``cuda-*``) and Python: what besides the sources decides a cubin and its SASS text."""
+    from importlib import metadata
+
+    names = set()
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(("nvidia-", "cuda-")):
+            names.add(f"{name}={dist.version}")
+    return ";".join(sorted(names)) + f";python={platform.python_version()}"
+
+
+@functools.cache
+def kernel_fingerprint() -> str:
+    """SHA-256 over :func:`kernel_sources` (paths inside the package and contents) and
+    :func:`toolchain`: the same in a checkout and in an installed wheel of it."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in kernel_sources():
+        h.update(str(path.relative_to(root).as_posix()).encode() + b"\0")
+        h.update(path.read_bytes())
+    h.update(toolchain().encode())
+    return h.hexdigest()
+
+
+class BuildCache(DiskCache):
+    """Cross-compile products by key: :meth:`fetch` puts the files a build wrote (cubin,
+    PTX) into a directory, building them only on a miss. One folder per
+    :func:`kernel_fingerprint` under the root; folders of other fingerprints beyond the
+    :data:`KEEP_FINGERPRINTS` most recently used are removed."""
+
+    object_name = "products.zip"
+
+    def __init__(self, root: Path | None = None, fingerprint: str | None = None):
+        fp = fingerprint or kernel_fingerprint()
+        self.base = Path(root) if root is not None else build_cache_dir()
+        if self.base is None:
+            raise ValueError(f"no build cache: {BUILD_CACHE_ENV} is not set")
+        super().__init__(self.base / fp[:16], fp)
+
+    def fetch(self, key: str, dump_dir: str | Path, build: Callable[[Path], tuple[object, dict]]
+              ) -> tuple[object | None, dict, str]:
+        """Fill ``dump_dir`` with the products of ``key``; on a miss ``build(directory)``
+        compiles into an empty directory first and returns (its result, facts: a JSON-ready
+        dict kept with the files, e.g. what the kernel learnt while tracing). Returns (the
+        result, or None when the products were loaded; the facts; "loaded", "built" or
+        "built-uncached")."""
+        dump_dir = Path(dump_dir)
+        self._prune()
+
+        def make():
+            with tempfile.TemporaryDirectory(prefix="cute_fp4_build_") as d:
+                result, facts = build(Path(d))
+                return result, facts, {p.name: p.read_bytes() for p in Path(d).iterdir()
+                                       if p.is_file()}
+
+        def export(art, directory: Path) -> None:
+            with zipfile.ZipFile(directory / self.object_name, "w", zipfile.ZIP_DEFLATED) as z:
+                z.writestr(FACTS, json.dumps(art[1]))
+                for name, data in sorted(art[2].items()):
+                    z.writestr(f"files/{name}", data)
+
+        def load(path: Path):
+            with zipfile.ZipFile(io.BytesIO(path.read_bytes())) as z:
+                return (None, json.loads(z.read(FACTS)),
+                        {n[len("files/"):]: z.read(n) for n in z.namelist()
+                         if n.startswith("files/")})
+
+        (result, facts, files), how = self.get_or_build(key, make, export, load)
+        BUILD_STATS[how] += 1
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (dump_dir / name).write_bytes(data)
+        return result, facts, how
+
+    def _prune(self) -> None:
+        """Remove the folders of other fingerprints but the most recently used ones."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.utime(self.root)
+            others = sorted((p for p in self.base.iterdir() if p.is_dir() and p != self.root),
+                            key=lambda p: p.stat().st_mtime, reverse=True)
+        except OSError:
+            return  # get_or_build says so once, and runs uncached
+        for old in others[KEEP_FINGERPRINTS:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def build_cache() -> BuildCache | None:
+    """The build cache ``CUTE_FP4_BUILD_CACHE`` names, or None."""
+    root = build_cache_dir()
+    return None if root is None else BuildCache(root)
+
+
+def tool_output(tool: str, args: tuple[str, ...], path: str | Path,
+                run: Callable[[], str]) -> str:
+    """``run()`` (a tool's text output on the file ``path``), kept in the build cache by the
+    tool, its arguments and the file's content: the same cubin is disassembled once.
+    Without a build cache, just ``run()``."""
+    cache = build_cache()
+    if cache is None:
+        return run()
+    h = hashlib.sha256("\x1f".join((tool, *args)).encode())
+    h.update(Path(path).read_bytes())
+    memo = cache.root / "tools" / f"{h.hexdigest()[:32]}.txt.gz"
+    try:
+        return gzip.decompress(memo.read_bytes()).decode()
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error):  # absent or damaged: run it
+        pass
+    text = run()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_bytes(gzip.compress(text.encode(), 6))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # an unwritable cache: the text is still right
+    return text

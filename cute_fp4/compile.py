@@ -71,12 +71,59 @@ def cross_compile(schedule: Schedule, problem: Problem | None = None,
                   dump_dir: str | None = None):
     """Compile for ``schedule.target`` (no GPU needed). Returns (compiled, kernel, seconds).
 
+    With ``dump_dir`` (cubin and PTX written there) and a build cache
+    (``CUTE_FP4_BUILD_CACHE``, see :func:`cross_build`), a kernel built before is not
+    compiled again: its files are copied, ``compiled`` is None and the kernel object holds
+    what tracing set (``smem_bytes``).
     Raises ScheduleError (with the plan's reasons) before the DSL sees an invalid schedule.
     """
-    kernel = _make_kernel(schedule, problem or Problem())
+    problem = problem or Problem()
+    kernel = _make_kernel(schedule, problem)
+    compiled, secs = cross_build(kernel, lambda opts: _dsl_compile(kernel, schedule, opts),
+                                 schedule.target, dump_dir, schedule.key(), repr(problem))
+    return compiled, kernel, secs
+
+
+def cross_build(kernel, compile_fn, target: str, dump_dir: str | Path | None, *key: str,
+                tag: str = ""):
+    """``compile_fn(options)`` of ``kernel`` for ``target``, writing cubin and PTX to
+    ``dump_dir`` when one is given. Returns (what ``compile_fn`` returned, seconds).
+
+    With ``dump_dir`` and the build cache on (:func:`cute_fp4.cache.build_cache`; the tests
+    and CI turn it on), the products are looked up by the kernel's class (+ ``tag``),
+    ``key`` (its schedule or spec and problem: what decides the code, as for the runtime
+    cache), the options and the kernel modules' fingerprint. A hit copies them to
+    ``dump_dir``, sets the attributes tracing set on the kernel (numbers and strings, e.g.
+    ``smem_bytes``) from the entry, and returns None for the compiled object: nothing is
+    compiled twice."""
+    from cute_fp4 import cache
+
     t0 = time.perf_counter()
-    compiled = _dsl_compile(kernel, schedule, _options(schedule.target, dump_dir))
-    return compiled, kernel, time.perf_counter() - t0
+    bc = cache.build_cache() if dump_dir is not None else None
+    if bc is None:
+        compiled = compile_fn(_options(target, str(dump_dir) if dump_dir else None))
+        return compiled, time.perf_counter() - t0
+
+    def build(d: Path):
+        before = _traced_facts(kernel)
+        compiled = compile_fn(_options(target, str(d)))
+        return compiled, {k: v for k, v in _traced_facts(kernel).items()
+                          if k not in before or before[k] != v}
+
+    name = type(kernel).__name__ + tag
+    compiled, facts, _ = bc.fetch(
+        cache.entry_key("cross", name, *key, _options(target, None), bc.fingerprint),
+        dump_dir, build)
+    for k, v in facts.items():
+        setattr(kernel, k, v)
+    return compiled, time.perf_counter() - t0
+
+
+def _traced_facts(kernel) -> dict:
+    """The kernel object's plain attributes (numbers, strings, None): what tracing sets
+    and a cached build must restore."""
+    return {k: v for k, v in getattr(kernel, "__dict__", {}).items()
+            if v is None or isinstance(v, (bool, int, float, str))}
 
 
 def _make_kernel(schedule: Schedule, problem: Problem):
@@ -533,10 +580,12 @@ def cross_compile_emulated(schedule: Schedule, problem: Problem | None = None,
                            dump_dir: str | None = None):
     """:func:`cross_compile` of the emulated build for sm_90a (no GPU needed).
     Returns (compiled, kernel, seconds)."""
+    problem = problem or Problem()
     kernel = emulated_kernel(schedule, problem)
-    t0 = time.perf_counter()
-    compiled = _dsl_compile(kernel, schedule, _options(EMULATION_TARGET, dump_dir))
-    return compiled, kernel, time.perf_counter() - t0
+    compiled, secs = cross_build(kernel, lambda opts: _dsl_compile(kernel, schedule, opts),
+                                 EMULATION_TARGET, dump_dir, schedule.key(), repr(problem),
+                                 tag="+emulated")
+    return compiled, kernel, secs
 
 
 def compile_emulated(schedule: Schedule, signature: Signature | None = None) -> CompiledGemm:

@@ -68,16 +68,24 @@ def _run(tool: str, *args: str) -> str:
     return subprocess.run([exe, *args], check=True, capture_output=True, text=True).stdout
 
 
+def _run_on(path: str | Path, tool: str, *args: str) -> str:
+    """``tool *args path``, its output kept by the file's content when the build cache is
+    on (``cute_fp4.cache.tool_output``: the tests disassemble each cubin once)."""
+    from cute_fp4.cache import tool_output
+
+    return tool_output(tool, args, path, lambda: _run(tool, *args, str(path)))
+
+
 def cubin_sass(cubin: str | Path) -> str:
     """``cuobjdump -sass`` of ``cubin``."""
-    return _run("cuobjdump", "-sass", str(cubin))
+    return _run_on(cubin, "cuobjdump", "-sass")
 
 
 def inspect_cubin(cubin: str | Path, mma_prefixes: tuple[str, ...],
                   sass: str | None = None) -> CubinReport:
     """Resource usage of the heaviest kernel in ``cubin``, its tensor-core opcodes and its
     K loop (``sass``: the cubin's SASS when the caller already has it)."""
-    res = _run("cuobjdump", "-res-usage", str(cubin))
+    res = _run_on(cubin, "cuobjdump", "-res-usage")
     return report_from_text(res, cubin_sass(cubin) if sass is None else sass, mma_prefixes)
 
 

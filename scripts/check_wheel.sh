@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The package as a user installs it: build the wheel from the working tree (in a temporary
-# copy, so no stale build/ folder leaks into it), install it without dependencies into a
-# fresh venv that sees the packages of .venv (torch and the CuTe DSL are not downloaded
-# again), and run the CLI from there. Fails when the installed catalogue is empty, when
-# the package is imported from anywhere but the fresh venv, or when a command fails.
-# Needs .venv (scripts/setup.sh). Takes well under a minute plus the compile step.
+# The package as a user installs it: the wheel of the working tree (scripts/build_wheel.py:
+# built once per state of the sources, tests/test_packaging.py reuses it), installed without
+# dependencies into a fresh venv that sees the packages of .venv (torch and the CuTe DSL are
+# not downloaded again), and the CLI run from there. Fails when the installed catalogue is
+# empty, when the package is imported from anywhere but the fresh venv, or when a command
+# fails. The catalogue's compile goes through the build cache the tests use (.cache/builds:
+# CUTE_FP4_BUILD_CACHE, see tests/conftest.py), so CI compiles each kernel once.
+# Needs .venv (scripts/setup.sh). Takes well under a minute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -12,19 +14,8 @@ VPY=$ROOT/.venv/bin/python
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-# tracked and untracked-but-not-ignored files, as a clean clone would have them
-git ls-files -co --exclude-standard -z | "$VPY" -c '
-import shutil, sys
-from pathlib import Path
-dst = Path(sys.argv[1])
-for name in sys.stdin.read().split("\0"):
-    if name and Path(name).is_file():
-        (dst / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(name, dst / name)
-' "$TMP/src"
-"$VPY" -m pip wheel -q --no-deps --no-build-isolation -w "$TMP/dist" "$TMP/src"
-WHEEL=$(ls "$TMP"/dist/cute_fp4-*.whl)
-echo "built $(basename "$WHEEL")"
+WHEEL=$("$VPY" scripts/build_wheel.py)
+echo "wheel $WHEEL"
 
 "$VPY" -m venv --without-pip "$TMP/venv"
 purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
@@ -52,5 +43,6 @@ print(f"installed package ok: {where.parent}, {n} schedules in {folder}")
 EOF
 venv/bin/cute-fp4 schedules > schedules.txt
 grep -q sm120_default schedules.txt || { echo "cute-fp4 schedules: no sm120_default"; exit 1; }
-venv/bin/cute-fp4 compile --all --target sm_120a
+CUTE_FP4_BUILD_CACHE=${CUTE_FP4_BUILD_CACHE:-$ROOT/.cache/builds} \
+  venv/bin/cute-fp4 compile --all --target sm_120a
 echo "wheel check ok"

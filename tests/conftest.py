@@ -1,15 +1,51 @@
-"""Shared fixtures. GPU tests are gated by the physical architecture of the device."""
+"""Shared fixtures and the session's plumbing.
+
+* GPU tests are gated by the physical architecture of the device (``@pytest.mark.gpu``).
+* Cross-compiles go through the build cache (``cute_fp4.cache.BuildCache``):
+  ``CUTE_FP4_BUILD_CACHE`` defaults to ``.cache/builds`` in the checkout (git-ignored), so a
+  kernel that several tests compile (or ``scripts/check_wheel.sh`` compiled before) is
+  built once, and each cubin disassembled once. Entries are keyed by the kernel modules'
+  sources, so an edit there rebuilds. ``CUTE_FP4_BUILD_CACHE=0`` compiles everything
+  afresh. The session's count is printed at the end ("build cache: N built, M loaded").
+* Side process: the modules in :data:`SIDE_MODULES` (CPU-bound traces that share nothing
+  with other tests) run in a second pytest process, started as soon as the session has
+  collected, in parallel with the rest on the second core. Here their tests run last and
+  report that process's outcome for each of them (passed, skipped with its reason, or
+  failed with its text); their fixtures are set up in both processes, so keep them
+  cheap. ``CUTE_FP4_SIDE_PROCESS=0`` runs them in this process instead (e.g. to debug one
+  with ``--pdb``). A module belongs there when it takes long, compiles nothing another
+  test compiles (the two processes share the build cache, but not its work in flight)
+  and needs no order with other modules.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# the slowest CPU tests, ~4 of the suite's ~9 minutes on a 2-core machine
+SIDE_MODULES = ("test_sm120_mainloop.py", "test_epilogue.py")
+SIDE_ENV = "CUTE_FP4_SIDE_PROCESS"  # "0": no side process; in the side process: its JSON
+SIDE_TIMEOUT_S = 1800
+_SIDE = pytest.StashKey()
 
 
 def _cc():
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()
+
+
+def pytest_configure(config):
+    os.environ.setdefault("CUTE_FP4_BUILD_CACHE", str(ROOT / ".cache" / "builds"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +59,116 @@ def pytest_collection_modifyitems(config, items):
         if have not in families:
             why = "no CUDA GPU" if cc is None else f"GPU is sm_{cc[0]}{cc[1]}"
             item.add_marker(pytest.mark.skip(reason=f"{why}; needs {'/'.join(families)}"))
+    if _side_mode() == "main":
+        items.sort(key=_is_side)  # stable: the side modules' tests last
+
+
+# ----------------------------------------------------------------------------- side process
+
+def _side_mode() -> str:
+    """"main" (this session starts a side process), "side" (this is one) or "off"."""
+    env = os.environ.get(SIDE_ENV, "")
+    return "off" if env == "0" else "side" if env else "main"
+
+
+def _is_side(item) -> bool:
+    return item.path.name in SIDE_MODULES
+
+
+class SideProcess:
+    """``python -m pytest NODEIDS`` in the background, its outcomes in a JSON file."""
+
+    def __init__(self, nodeids: list[str], rootdir: Path):
+        fd, name = tempfile.mkstemp(prefix="cute_fp4_side_", suffix=".json")
+        os.close(fd)
+        self.out = Path(name)
+        self.log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodeids]
+        self.proc = subprocess.Popen(cmd, cwd=rootdir, env={**os.environ, SIDE_ENV: name},
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.results: dict | None = None
+        self.builds: dict[str, int] = {}
+
+    def stop(self) -> None:
+        """End the process if it still runs (the session stopped early, e.g. ``-x``)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.unlink(missing_ok=True)
+
+    def result(self, nodeid: str) -> dict:
+        if self.results is None:
+            try:
+                self.proc.wait(timeout=SIDE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            text = self.out.read_text()
+            data = json.loads(text) if text else {}
+            self.results, self.builds = data.get("results", {}), data.get("builds", {})
+            self.out.unlink(missing_ok=True)
+        hit = self.results.get(nodeid)
+        if hit is None:
+            self.log.seek(0)
+            tail = self.log.read().decode(errors="replace")[-6000:]
+            return {"outcome": "failed", "text": f"the side process (exit "
+                    f"{self.proc.returncode}) reported nothing for this test:\n{tail}"}
+        return hit
+
+
+def pytest_collection_finish(session):
+    if _side_mode() != "main" or session.config.option.collectonly:
+        return
+    side = [i.nodeid for i in session.items if _is_side(i)]
+    if side:
+        session.config.stash[_SIDE] = SideProcess(side, session.config.rootpath)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    side = pyfuncitem.config.stash.get(_SIDE, None)
+    if side is None or not _is_side(pyfuncitem):
+        return None
+    res = side.result(pyfuncitem.nodeid)
+    if res["outcome"] == "skipped":
+        pytest.skip(res["text"])
+    if res["outcome"] != "passed":
+        pytest.fail(f"(in the side process)\n{res['text']}", pytrace=False)
+    return True
+
+
+_RESULTS: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report):
+    """In the side process: each test's outcome (its first phase that did not pass)."""
+    if _side_mode() != "side" or _RESULTS.get(report.nodeid, {}).get("outcome") not in (
+            None, "passed"):
+        return
+    if report.when == "call" or not report.passed:
+        text = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) \
+            else report.longreprtext
+        _RESULTS[report.nodeid] = {"outcome": report.outcome, "text": text}
+
+
+def pytest_sessionfinish(session):
+    from cute_fp4.cache import BUILD_STATS
+
+    if _side_mode() == "side":
+        Path(os.environ[SIDE_ENV]).write_text(json.dumps(
+            {"results": _RESULTS, "builds": dict(BUILD_STATS)}))
+    side = session.config.stash.get(_SIDE, None)
+    if side is not None:
+        side.stop()
+        BUILD_STATS.update(side.builds)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from cute_fp4.cache import BUILD_STATS
+
+    if BUILD_STATS:
+        terminalreporter.write_line("build cache (both processes): " + ", ".join(
+            f"{n} {how}" for how, n in sorted(BUILD_STATS.items())))
 
 
 @pytest.fixture

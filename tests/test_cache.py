@@ -35,8 +35,9 @@ class Calls:
 
 
 @pytest.fixture(autouse=True)
-def fresh_warnings():
+def fresh_warnings(monkeypatch):
     cache._SAID.clear()
+    monkeypatch.setattr(cache, "BUILD_STATS", type(cache.BUILD_STATS)())  # the session's own
     yield
 
 
@@ -136,3 +137,144 @@ def test_failing_export_still_returns_the_kernel(tmp_path):
         art, how = DiskCache(tmp_path, "fp").get_or_build("k1", calls.build, export, calls.load)
     assert how == "built" and art.startswith(b"OBJECT")
     assert not (tmp_path / "k1").exists()
+
+
+# ----------------------------------------------------------------------------- build cache
+
+class Builds:
+    """A stand-in DSL build: writes a cubin and a PTX file into the directory it is given."""
+
+    def __init__(self, tag: bytes = b"v1"):
+        self.tag, self.built = tag, 0
+
+    def __call__(self, d: Path):
+        self.built += 1
+        (d / "k.sm_120a.cubin").write_bytes(b"CUBIN" + self.tag)
+        (d / "k.sm_120a.ptx").write_text("ptx " + self.tag.decode())
+        return "compiled", {"smem_bytes": 1024}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+def test_build_cache_builds_once_and_copies_the_products(tmp_path):
+    b = Builds()
+    res, facts, how = cache.BuildCache(tmp_path / "c", "fp").fetch("k", tmp_path / "d1", b)
+    assert (res, facts, how, b.built) == ("compiled", {"smem_bytes": 1024}, "built", 1)
+    res, facts, how = cache.BuildCache(tmp_path / "c", "fp").fetch("k", tmp_path / "d2", b)
+    assert (res, facts, how, b.built) == (None, {"smem_bytes": 1024}, "loaded", 1)
+    assert _files(tmp_path / "d1") == _files(tmp_path / "d2") == {
+        "k.sm_120a.cubin": b"CUBINv1", "k.sm_120a.ptx": b"ptx v1"}
+    # another fingerprint (a kernel module edited) is another folder: built again
+    _, _, how = cache.BuildCache(tmp_path / "c", "fp2").fetch("k", tmp_path / "d3",
+                                                              Builds(b"v2"))
+    assert how == "built" and _files(tmp_path / "d3")["k.sm_120a.cubin"] == b"CUBINv2"
+
+
+def test_build_cache_rebuilds_a_damaged_entry(tmp_path):
+    b = Builds()
+    bc = cache.BuildCache(tmp_path, "fp")
+    bc.fetch("k", tmp_path / "d1", b)
+    (bc.root / "k" / bc.object_name).write_bytes(b"PK garbage")
+    with pytest.warns(CacheWarning, match="checksum mismatch"):
+        _, _, how = bc.fetch("k", tmp_path / "d2", b)
+    assert how == "built" and b.built == 2 and _files(tmp_path / "d2")["k.sm_120a.ptx"]
+
+
+def test_build_cache_keeps_the_latest_fingerprints(tmp_path):
+    base = tmp_path / "c"
+    for i in range(cache.KEEP_FINGERPRINTS + 3):
+        cache.BuildCache(base, f"fp{i:02d}").fetch("k", tmp_path / "out", Builds())
+        os.utime(base / f"fp{i:02d}", (1000 + i, 1000 + i))
+    cache.BuildCache(base, "now").fetch("k", tmp_path / "out", Builds())
+    kept = sorted(p.name for p in base.iterdir())
+    assert kept == sorted(["now"] + [f"fp{i:02d}" for i in range(3, cache.KEEP_FINGERPRINTS + 3)])
+
+
+def test_build_cache_env(monkeypatch, tmp_path):
+    for off in ("", "0", "off"):
+        monkeypatch.setenv(cache.BUILD_CACHE_ENV, off)
+        assert cache.build_cache() is None
+    monkeypatch.setenv(cache.BUILD_CACHE_ENV, str(tmp_path))
+    bc = cache.build_cache()
+    assert bc.base == tmp_path and bc.root == tmp_path / cache.kernel_fingerprint()[:16]
+
+
+def test_kernel_sources_follow_the_kernels_imports():
+    root = Path(cache.__file__).parent
+    names = {p.relative_to(root).as_posix() for p in cache.kernel_sources()}
+    assert {p.relative_to(root).as_posix() for p in (root / "kernels").glob("*.py")} <= names
+    assert {"schedule.py", "plan.py", "targets.py", "nvfp4.py", "__init__.py"} <= names
+    assert not {"cli.py", "tables.py", "demo.py", "tune.py"} & names  # no code generation
+    assert len(cache.kernel_fingerprint()) == 64
+    rel = Path("kernels/sm120.py")
+    import ast
+
+    tree = ast.parse("from .roles import x\nfrom ..plan import plan\nimport cute_fp4.nvfp4\n"
+                     "from cute_fp4 import packed\nimport torch\n")
+    got = [n for node in ast.walk(tree) for n in cache._imported(node, rel)]
+    assert got == ["cute_fp4.kernels.roles", "cute_fp4.kernels.roles.x", "cute_fp4.plan",
+                   "cute_fp4.plan.plan", "cute_fp4.nvfp4", "cute_fp4", "cute_fp4.packed"]
+
+
+def test_tool_output_runs_once_per_content(monkeypatch, tmp_path):
+    runs = []
+
+    def run():
+        runs.append(1)
+        return f"sass {len(runs)}"
+
+    f = tmp_path / "a.cubin"
+    f.write_bytes(b"one")
+    monkeypatch.setenv(cache.BUILD_CACHE_ENV, "0")
+    assert cache.tool_output("cuobjdump", ("-sass",), f, run) == "sass 1"  # no cache: runs
+    monkeypatch.setenv(cache.BUILD_CACHE_ENV, str(tmp_path / "c"))
+    assert cache.tool_output("cuobjdump", ("-sass",), f, run) == "sass 2"
+    assert cache.tool_output("cuobjdump", ("-sass",), f, run) == "sass 2"  # kept
+    assert cache.tool_output("cuobjdump", ("-res-usage",), f, run) == "sass 3"  # other args
+    f.write_bytes(b"two")
+    assert cache.tool_output("cuobjdump", ("-sass",), f, run) == "sass 4"  # other content
+    for memo in (tmp_path / "c").rglob("*.txt.gz"):
+        memo.write_bytes(b"damaged")
+    assert cache.tool_output("cuobjdump", ("-sass",), f, run) == "sass 5"
+
+
+def test_cross_build_compiles_once_with_the_build_cache(monkeypatch, tmp_path):
+    """A hit copies the products and restores what tracing set on the kernel object."""
+    from cute_fp4.compile import cross_build
+
+    class Kernel:
+        def __init__(self):
+            self.smem_bytes, self.tile = None, (128, 128)
+
+    seen = []
+
+    def compiler(kernel):
+        def compile_fn(options):
+            seen.append(options)
+            kernel.smem_bytes, kernel.layout = 4096, object()  # what tracing sets
+            d = options.split("--dump-dir ")[1] if "--dump-dir" in options else None
+            if d:
+                Path(d).mkdir(parents=True, exist_ok=True)
+                (Path(d) / "k.cubin").write_bytes(b"CUBIN")
+            return "compiled"
+        return compile_fn
+
+    def build(target, dump_dir, *key):
+        k = Kernel()
+        return cross_build(k, compiler(k), target, dump_dir, *key)[0], k
+
+    monkeypatch.setenv(cache.BUILD_CACHE_ENV, "0")
+    assert build("sm_120a", None, "s")[0] == "compiled"
+    assert build("sm_120a", tmp_path / "a", "s")[0] == "compiled"
+    assert seen == ["--gpu-arch sm_120a",
+                    f"--gpu-arch sm_120a --keep-cubin --keep-ptx --dump-dir {tmp_path / 'a'}"]
+    monkeypatch.setenv(cache.BUILD_CACHE_ENV, str(tmp_path / "c"))
+    assert build("sm_120a", tmp_path / "b", "s")[0] == "compiled"
+    compiled, k = build("sm_120a", tmp_path / "d", "s")
+    assert compiled is None and k.smem_bytes == 4096 and not hasattr(k, "layout")
+    assert (tmp_path / "d" / "k.cubin").read_bytes() == b"CUBIN"
+    assert build("sm_90a", tmp_path / "e", "s")[0] == "compiled"  # another target
+    assert build("sm_120a", tmp_path / "f", "t")[0] == "compiled"  # another schedule
+    assert len(seen) == 5

@@ -39,7 +39,9 @@ CASES = [(s, t.name, fmt) for s in catalogue.all_schedules() for t in TARGETS.va
 
 # non-MMA instructions per OMMA in the K loop: the bars, per cooperative tile
 KLOOP_BAR = {(128, 128, 128): 1.8, (128, 128, 256): 1.45}
-# ... and the figures reached 2026-12-01 (sm_120a and sm_121a alike), with a little room
+# ... and the figures reached 2026-12-01 (sm_120a and sm_121a alike), with a little room: a
+# regression guard (docs/testing.md, "Frozen figures"). A change that lowers or raises one on
+# purpose updates it from `cute-fp4 compile NAME --json` (kloop.non_mma_per_mma) and says so.
 KLOOP_CEILING = {"sm120_default": 1.6, "sm120_epi64x32": 1.6, "sm120_nonpersistent": 1.6,
                  "sm120_raster_n": 1.6, "sm120_sf_cp_async": 1.6, "sm120_k256_epi64x32": 1.3,
                  "sm120_k64_deep": 2.0, "sm120_128x64": 2.85, "sm120_decode_64x128": 2.6,

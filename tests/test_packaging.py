@@ -4,8 +4,8 @@ CI) goes further: a fresh venv and the CLI."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,23 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel built from a copy of the sources (no build/ folder of the checkout)."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("cute_fp4", "schedules"):
-        shutil.copytree(ROOT / name, src / name, ignore=ignore)
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                        "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
-                       capture_output=True, text=True)
-    if r.returncode and "No module named pip" in r.stderr:
+def wheel() -> Path:
+    """The wheel of the checkout's sources (``scripts/build_wheel.py``: built from a copy, so
+    no build/ folder of the checkout; once per state of the sources, so in CI this is the
+    wheel ``scripts/check_wheel.sh`` built and installed)."""
+    if importlib.util.find_spec("pip") is None:
         pytest.skip("pip is not available in this interpreter")
-    assert r.returncode == 0, r.stderr
-    (whl,) = (tmp / "dist").glob("cute_fp4-*.whl")
-    return whl
+    spec = importlib.util.spec_from_file_location("build_wheel",
+                                                  ROOT / "scripts" / "build_wheel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.build(ROOT)
 
 
 def test_wheel_carries_every_module_and_the_catalogue(wheel):

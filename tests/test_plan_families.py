@@ -224,7 +224,9 @@ def test_every_family_check_is_exercised():
 # ----------------------------------------------------------------------------- catalogue
 
 # (stages, smem bytes, epilogue tile) per schedule and A format, as plan() gave them before
-# the rules were split per family (git 93a5dbc); the split must not move a byte
+# the rules were split per family (git 93a5dbc); the split must not move a byte. A regression
+# guard (docs/testing.md, "Frozen figures"): a planner change that moves a row on purpose
+# updates it from `cute-fp4 plan NAME --json` and says so; a new schedule adds its rows.
 ACCOUNTING = {
     ("sm120_128x64", "nvfp4"): (5, 89_088, (128, 64)),
     ("sm120_decode_64x128", "nvfp4"): (5, 89_088, (64, 128)),

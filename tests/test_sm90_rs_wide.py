@@ -391,7 +391,8 @@ def test_rs_packed_compiles_pipelined(tmp_path):
 
 # the decode K loop's SASS as measured (sm_90a, 2026-12-01, sm90_rs_packed_decode_128 at
 # M = 1, K tile 128, one WGMMA per K block): 217 instructions per K tile (324 before the
-# decode rework), PRMT 8 and LOP3 4 per K block; the budget leaves a few for ptxas noise
+# decode rework), PRMT 8 and LOP3 4 per K block; the budget leaves a few for ptxas noise.
+# A regression guard (docs/testing.md, "Frozen figures").
 KLOOP_BUDGET = {"instructions": 232, "PRMT": 8, "LOP3": 4, "HMUL2": 4}
 
 
