@@ -202,9 +202,10 @@ def build_cache_dir() -> Path | None:
 def kernel_sources() -> tuple[Path, ...]:
     """The package files generated code depends on: ``cute_fp4/kernels`` and every
     ``cute_fp4`` module they import, transitively, at any depth of a function (read from
-    the import statements, so a new import is followed without a list to update)."""
+    the import statements, so a new import is followed without a list to update). The
+    package facade (``cute_fp4/__init__.py``, lazy exports) decides no code: not followed."""
     root = Path(__file__).resolve().parent
-    todo = [root / "__init__.py", *sorted((root / "kernels").rglob("*.py"))]
+    todo = sorted((root / "kernels").rglob("*.py"))
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
@@ -235,13 +236,13 @@ def _imported(node: ast.AST, rel: Path) -> list[str]:
 
 
 def _module_files(root: Path, dotted: str) -> list[Path]:
-    """The files importing ``dotted`` runs: every package ``__init__`` on the way, and the
-    module itself (absent names, e.g. a function of a module, give nothing)."""
+    """The files importing ``dotted`` runs: every subpackage ``__init__`` on the way, and
+    the module itself (absent names, e.g. a function of a module, give nothing)."""
     parts = dotted.split(".")[1:]
     out = []
-    for i in range(len(parts) + 1):
+    for i in range(1, len(parts) + 1):
         base = root.joinpath(*parts[:i])
-        out += [base / "__init__.py"] + ([base.with_suffix(".py")] if i else [])
+        out += [base / "__init__.py", base.with_suffix(".py")]
     return [p for p in out if p.is_file()]
 
 
