@@ -24,7 +24,7 @@ _EXPORTS = {
     "Schedule": "schedule", "Tile": "schedule", "Warps": "schedule", "WarpRoles": "schedule",
     "SFLoad": "schedule", "Scheduler": "schedule", "Raster": "schedule",
     "Epilogue": "schedule", "OutDtype": "schedule", "Problem": "schedule",
-    "Plan": "plan", "can_implement": "plan",
+    "Plan": "plan",
     "Target": "targets", "TARGETS": "targets", "get_target": "targets",
     "detect_device": "targets",
     "CompiledGemm": "compile", "compile_report": "compile",

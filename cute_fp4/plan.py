@@ -233,13 +233,7 @@ def _plan(s: Schedule, p: Problem) -> Plan:
                 threads=rules.threads(s), registers=rules.registers(s))
 
 
-def can_implement(schedule: Schedule, problem: Problem | None = None) -> tuple[bool, tuple]:
-    """``(ok, reasons)``: the short form of :func:`plan`."""
-    pl = plan(schedule, problem)
-    return pl.ok, pl.reasons
-
-
-__all__ = ["Plan", "Region", "RegisterSplit", "plan", "can_implement", "smem_regions",
+__all__ = ["Plan", "Region", "RegisterSplit", "plan", "smem_regions",
            "stage_bytes", "max_stages", "epilogue_tile", "c_elem_bytes", "register_split",
            "family_rules", "FAMILY_RULES", "WarpRoles", "ALIGN", "SF_VEC", "SF_ATOM_ROWS",
            "MAX_EPI_STAGES"]

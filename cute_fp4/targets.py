@@ -117,8 +117,8 @@ TARGETS: dict[str, Target] = {
     )
 }
 
-# Per-product SM counts and bandwidths that differ from the target's first product.
-_PRODUCT_SMS = {"RTX 5090": 170, "RTX PRO 6000": 188, "GB10": 48, "H100": 132, "H200": 132}
+# Per-product memory bandwidths that differ from the target's first product (the SM count
+# is read from the device).
 _PRODUCT_BW = {"RTX 5090": 1790.0, "H100": 3350.0, "H200": 4800.0}
 
 

@@ -70,6 +70,33 @@ def test_error_rule_accepts_fp32_accumulation_and_rejects_real_errors(rng):
         reference.assert_close(bad, a, b)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_error_bound_is_the_bound_check_applies(out_dtype, rng):
+    """``error_bound`` (the rule's public form) is the rule's formula and the per-element
+    tolerance ``check`` holds an output of that dtype to: the same error ratio; the exact
+    result moved by 0.99 of it passes, by 1.01 of it at one element fails."""
+    a, b = _pair(5, 24, 96, rng)
+    ref = reference.gemm(a, b, out_dtype=torch.float64)
+    bound = reference.error_bound(a, b, out_dtype=out_dtype)
+    assert bound.shape == ref.shape and bound.dtype == torch.float64 and (bound > 0).all()
+    absdot = (a.block_values(torch.float64).abs() @ b.block_values(torch.float64).abs().T
+              * float(a.global_scale) * float(b.global_scale))
+    p, tiny = {torch.float32: (24, 2.0**-149), torch.bfloat16: (8, 2.0**-133),
+               torch.float16: (11, 2.0**-24)}[out_dtype]  # precision, smallest subnormal
+    acc = absdot * (-(-96 // 16) + 16) * 2.0**-23
+    assert torch.allclose(bound, ref.abs() * 2.0**-p + acc * (1 + 2.0**-p) + tiny, rtol=1e-12)
+    assert torch.equal(bound, reference.error_bound(a, b, out_dtype=out_dtype, ref=ref))
+    out = (ref * (1 + 2.0**-6 * torch.randn(ref.shape, generator=rng, dtype=torch.float64))
+           ).to(out_dtype)  # some elements outside the bound, some inside
+    ratio = float(((out.double() - ref).abs() / bound).max())
+    assert reference.check(out, a, b).max_err_over_bound == pytest.approx(ratio, rel=1e-9)
+    if out_dtype is torch.float32:  # float32 holds these moves exactly enough
+        inside = ref + 0.99 * bound * torch.sign(torch.randn(ref.shape, generator=rng))
+        assert reference.check(inside.float(), a, b).passed
+        inside[2, 7] = ref[2, 7] + 1.01 * bound[2, 7]
+        assert not reference.check(inside.float(), a, b).passed
+
+
 def test_reference_errors(rng):
     a, b = _pair(2, 8, 32, rng)
     c = cf.quantize(torch.randn(8, 64))

@@ -202,6 +202,31 @@ def test_groups_alternate_buffers_across_tiles():
 
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_tables_and_scale_words_meet_at_the_lut_exponent(bf16):
+    """The decode tables hold each E2M1 magnitude times 2^e and a raw scale word holds each
+    UE4M3 scale times 2^-e (e = LUT_EXPONENT), both halves: their product, the decode's one
+    multiply, is the exact value v * s."""
+    from cute_fp4.kernels.sm90_rs_wide import _LUT, LUT_EXPONENT, raw_scale_word
+
+    half = torch.bfloat16 if bf16 else torch.float16
+    e = LUT_EXPONENT[bf16]
+
+    def halves(words):  # little-endian 16-bit halves of 32-bit words, as the 16-bit type
+        return torch.tensor([(w >> s) & 0xFFFF for w in words for s in (0, 16)],
+                            dtype=torch.int32).to(torch.int16).view(half).double()
+
+    (lo0, lo1), (hi0, hi1) = _LUT[bf16]
+    lo = (lo0 | lo1 << 32).to_bytes(8, "little")
+    hi = (hi0 | hi1 << 32).to_bytes(8, "little")
+    table = halves([lo[i] | hi[i] << 8 | lo[i + 1] << 16 | hi[i + 1] << 24
+                    for i in range(0, 8, 2)])
+    assert (table * 2.0**-e).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    scales = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
+    words = halves([raw_scale_word(b, bf16) for b in scales]) * 2.0**e
+    assert words.tolist() == [_ue4m3(b) for b in scales for _ in range(2)]
+
+
 def _tables(bf16: bool) -> list[int]:
     from cute_fp4.kernels.sm90_rs_wide import _LUT
 
