@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -28,7 +29,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # the slowest CPU tests, ~4 of the suite's ~9 minutes on a 2-core machine
@@ -36,9 +36,12 @@ SIDE_MODULES = ("test_sm120_mainloop.py", "test_epilogue.py")
 SIDE_ENV = "CUTE_FP4_SIDE_PROCESS"  # "0": no side process; in the side process: its JSON
 SIDE_TIMEOUT_S = 1800
 _SIDE = pytest.StashKey()
+_STATS = pytest.StashKey()
 
 
 def _cc():
+    import torch
+
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()
@@ -49,11 +52,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    cc = _cc()
-    for item in items:
-        want = item.get_closest_marker("gpu")
-        if want is None:
-            continue
+    gpu = [(item, item.get_closest_marker("gpu")) for item in items]
+    gpu = [(item, want) for item, want in gpu if want is not None]
+    cc = _cc() if gpu else None
+    for item, want in gpu:
         families = want.args or ("sm90", "sm120")
         have = None if cc is None else ("sm90" if cc[0] == 9 else "sm120" if cc[0] == 12 else "x")
         if have not in families:
@@ -151,21 +153,25 @@ def pytest_runtest_logreport(report):
         _RESULTS[report.nodeid] = {"outcome": report.outcome, "text": text}
 
 
-def pytest_sessionfinish(session):
-    from cute_fp4.cache import BUILD_STATS
+def _build_stats():
+    """This process's build-cache counts (empty when nothing was compiled)."""
+    cache = sys.modules.get("cute_fp4.cache")
+    return cache.BUILD_STATS if cache is not None else collections.Counter()
 
+
+def pytest_sessionfinish(session):
+    BUILD_STATS = _build_stats()
     if _side_mode() == "side":
         Path(os.environ[SIDE_ENV]).write_text(json.dumps(
             {"results": _RESULTS, "builds": dict(BUILD_STATS)}))
     side = session.config.stash.get(_SIDE, None)
     if side is not None:
         side.stop()
-        BUILD_STATS.update(side.builds)
+        session.config.stash[_STATS] = BUILD_STATS + collections.Counter(side.builds)
 
 
 def pytest_terminal_summary(terminalreporter):
-    from cute_fp4.cache import BUILD_STATS
-
+    BUILD_STATS = terminalreporter.config.stash.get(_STATS, None) or _build_stats()
     if BUILD_STATS:
         terminalreporter.write_line("build cache (both processes): " + ", ".join(
             f"{n} {how}" for how, n in sorted(BUILD_STATS.items())))
@@ -173,4 +179,6 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def rng():
+    import torch
+
     return torch.Generator().manual_seed(1234)
