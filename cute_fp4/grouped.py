@@ -53,7 +53,7 @@ __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operand
 # the catalogue schedule "auto" runs, per kernel family of the present GPU ...
 AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
 # ... unless the experts average at most this many rows (decode): then this one. Measured
-# on the H200 (perf/grouped_tiles.py, 2026-12-01): at 1-4 rows per expert the 16-row
+# on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows per expert the 16-row
 # four-warpgroup tile runs 1.6-1.8x the 128-row one, at 256 rows 0.3x; sm_90a's decode tile
 # takes 16-bit activations only (W4A4 needs 64-row activation tiles there).
 AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_decode", 32)}

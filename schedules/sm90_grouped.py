@@ -8,7 +8,7 @@ fragment-order packed weight (two consumer warpgroups of 64 rows, the weight dec
 registers as in sm90_rs_packed); D^T is stored from registers, masked at the expert's last
 token (the tile's rows past it belong to the next expert). 192 token rows (WGMMA N = 192)
 amortise the decode over more MMAs than 128 while wasting less of a ragged expert than
-256. Measured on the H200 (perf/grouped_tiles.py, 2026-12-01, 4096 tokens x top-8 over
+256. Measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01, 4096 tokens x top-8 over
 DeepSeek-V3's 256 experts, ~128 rows each): 1.36x torch BF16 grouped_mm, against 1.32-1.36x
 for 128 x 256 (which spills 24 registers with the grouped scheduler) and 1.13x for 256 x 128.
 """

@@ -6,7 +6,7 @@ so the work is streaming every routed expert's weight once, and decoding it (E2M
 table lookups in registers) is what limits the SM: four consumer warpgroups of 64 weight
 rows (16 warps) keep more decode chains in flight than two (2.4-2.7x torch BF16 grouped_mm
 against 2.2-2.4x for 16x128x128 on Qwen3-30B-A3B / DeepSeek-V3 expert shapes, 16 and 64
-tokens, H200, 2026-12-01, perf/grouped_tiles.py). A 16-row token tile (WGMMA N = 16) keeps
+tokens, H200, 2026-12-01, perf/tools/grouped_tiles.py). A 16-row token tile (WGMMA N = 16) keeps
 the MMA work per weight byte and the accumulators small (81 registers, 0 spills under the
 104-register split of 640 threads).
 """

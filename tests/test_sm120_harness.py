@@ -1,4 +1,4 @@
-"""perf/sm120_emulated.py's watchdog on the CPU: a case that hangs, crashes its process,
+"""perf/tools/sm120_emulated.py's watchdog on the CPU: a case that hangs, crashes its process,
 fails, or raises a CUDA error is recorded as such and the cases after it still run.
 
 The harness is driven with stand-in cases (no GPU: ``require_device`` and the case list are
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HARNESS = Path(__file__).resolve().parent.parent / "perf" / "sm120_emulated.py"
+HARNESS = Path(__file__).resolve().parent.parent / "perf" / "tools" / "sm120_emulated.py"
 
 DRIVER = f"""
 import os, sys, time, types, importlib.util

@@ -1,7 +1,7 @@
 """The SM120 kernel on a GPU: emulated MMA on SM90 (``compile.compile_emulated``), natively
 on SM12x (``compile.compile``), the same tests unchanged.
 
-A subset of perf/sm120_emulated.py's matrix: every SM120 catalogue schedule on awkward
+A subset of perf/tools/sm120_emulated.py's matrix: every SM120 catalogue schedule on awkward
 shapes (M = 1, tails, K = 32) with NaN-poisoned outputs; one persistent CTA walking every
 work unit; stages forced to 1 and 2; TMA and cp.async scale loads bit-identical; pingpong
 with 1, 2, 3 and 5 units per CTA; long K bit-identical over reruns; FP16 and FP32 outputs;

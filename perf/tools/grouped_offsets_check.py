@@ -2,9 +2,9 @@
 the clamp's cost timed against the scheduler without it, in one process.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
-        python3 perf/grouped_offsets_check.py sanitize            # every grouped kernel
-    ... python3 perf/grouped_offsets_check.py sanitize --unclamped  # control: must fail
-    python3 perf/grouped_offsets_check.py time --out times.json
+        python3 perf/tools/grouped_offsets_check.py sanitize            # every grouped kernel
+    ... python3 perf/tools/grouped_offsets_check.py sanitize --unclamped  # control: must fail
+    python3 perf/tools/grouped_offsets_check.py time --out times.json
 
 ``sanitize`` runs every grouped catalogue schedule this GPU can run (SM120 ones emulated on
 SM90) on each bad table of ``BAD`` with tensors of exactly their size (no caching
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402

@@ -1,6 +1,6 @@
 """GPU check of the pointer-argument launch path (run once on an H200; ~1-3 min).
 
-    python3 perf/check_launch.py   # twice, if the disk cache is
+    python3 perf/tools/check_launch.py   # twice, if the disk cache is
                                                               # on: the 2nd run launches
                                                               # kernels "loaded" from it
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue, reference
 from cute_fp4.api import _alpha_tensor, check_operands, make_operands, out_dtype_of, run_compiled

@@ -3,7 +3,7 @@
 # $OUT/log.txt (pytest's GPU tests and the CLI's validate/bench/tune output).
 # SECTIONS=validate,fuzz (say) runs only those sections of perf/gpu_session.py.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source .gpu/activate.sh >/dev/null
 export PYTHONPATH=$PWD:$PYTHONPATH CUTE_FP4_CACHE_DIR=/tmp/cute_fp4_cache CUTE_FP4_TUNING=/tmp/tuning.json
 OUT=${OUT:-perf-out}

@@ -1,6 +1,6 @@
 """How fast the activation quantizer's memory traffic can go on this GPU, arithmetic aside.
 
-    python perf/quantize_ceiling.py OUT.json [--shapes MxK,...]
+    python perf/tools/quantize_ceiling.py OUT.json [--shapes MxK,...]
 
 For each shape, three rows under ``perf/quantize_bench.py``'s ``graphN`` timing (10 calls in
 one CUDA graph over rotating buffers of more than 100 MiB):
@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 os.environ["CUTE_FP4_CACHE"] = "0"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/
 
 import torch  # noqa: E402
 

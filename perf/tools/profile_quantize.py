@@ -1,7 +1,7 @@
 """One activation-quantizer launch for Nsight Compute: the kernel of a ``QuantSpec`` (fields
 from the command line) on a BF16 ``[M, K]`` input, bracketed by ``cudaProfilerStart/Stop``.
 
-    ncu --profile-from-start off ... python perf/profile_quantize.py 4096 4096 items=2 order=rows
+    ncu --profile-from-start off ... python perf/tools/profile_quantize.py 4096 4096 items=2
 
 Fields are ``name=value`` (ints as ints); the target is the present GPU's. ``gs=cal`` takes
 the input's amax / 2688 as the static global scale (no block scale saturates), ``gs=F`` a
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import quant  # noqa: E402
 from cute_fp4.nvfp4 import scale_shape  # noqa: E402

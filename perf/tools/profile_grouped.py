@@ -2,9 +2,9 @@
 
     ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
-        python3 perf/profile_grouped.py [SCHEDULE] [TOKENS EXPERTS N K] [bf16|nvfp4]
+        python3 perf/tools/profile_grouped.py [SCHEDULE] [TOKENS EXPERTS N K] [bf16|nvfp4]
 
-Routing: each token's 8 experts drawn uniformly (seed 0), as in perf/grouped_tiles.py;
+Routing: each token's 8 experts drawn uniformly (seed 0), as in perf/tools/grouped_tiles.py;
 defaults: sm90_grouped_decode, DeepSeek-V3's down projection at 16 tokens (256 experts,
 N = 7168, K = 2048).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue, grouped  # noqa: E402
 from cute_fp4.compile import Signature, compile  # noqa: E402

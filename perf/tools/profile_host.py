@@ -3,7 +3,7 @@ and W4A16, a few layers), eager decode steps under ``cProfile``, the functions w
 most own time, and the host time per call of a layer's converted projections (3-D
 inputs, as the model passes them) against ``nn.Linear``.
 
-    python perf/profile_host.py [--layers 2] [--steps 20] [--out DIR]
+    python perf/tools/profile_host.py [--layers 2] [--steps 20] [--out DIR]
 
 Writes ``DIR/profile_host.txt`` (or prints it).
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # perf/
 
 import model_decode as md  # noqa: E402
 

@@ -1,7 +1,7 @@
 """W4A4 on SM90 by three exact routes, against the W4A16 kernel they are measured by (issue
 11's bar: W4A4 within 10% of W4A16 at every M), on the same NVFP4 weight, in one process.
 
-    python perf/w4a4_routes.py --out DIR [--quick] [--budget-s 200] [--shapes N,K ...]
+    python perf/tools/w4a4_routes.py --out DIR [--quick] [--budget-s 200] [--shapes N,K ...]
         [--routes ROUTE ...]
 
 Per case (N x K in {8192 x 8192, 28672 x 4096, 4096 x 14336}, M in {1, 16, 64, 256, 1024,
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = ((8192, 8192), (28672, 4096), (4096, 14336))  # (N, K)
 MS = (1, 16, 64, 256, 1024, 4096, 8192)

@@ -2,7 +2,7 @@
 every SM120 catalogue schedule against the exact reference, NaN-poisoned outputs, every
 kernel run under a timeout.
 
-    python perf/sm120_emulated.py --out "$OUT" [--only NAME,...] [--quick]
+    python perf/tools/sm120_emulated.py --out "$OUT" [--only NAME,...] [--quick]
         [--case-timeout 90] [--deadline-s 540]
 
 What runs, per schedule that ``plan()`` accepts (plus two derived ones: a 64x128 pingpong
@@ -56,7 +56,7 @@ from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue, reference  # noqa: E402
 from cute_fp4.plan import plan  # noqa: E402

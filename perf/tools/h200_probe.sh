@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Decode and quantizer probe on the lent H200 (one device call): the decode variant sweep
-# (perf/decode_probe.py) and Nsight Compute profiles of the decode kernels, QuACK's, and the
+# (perf/tools/decode_probe.py) and Nsight Compute profiles of the decode kernels, QuACK's, and the
 # activation quantizer, with warp stall reasons. Writes under $OUT. Environment (all optional):
 #   PYTEST="tests/gpu/..." PYTEST_K=expr PYTEST_S=240   pytest first, under a timeout
-#   SWEEP=1 (0: none) MS="1 16" ONLY=labels SHAPES=...  perf/decode_probe.py
+#   SWEEP=1 (0: none) MS="1 16" ONLY=labels SHAPES=...  perf/tools/decode_probe.py
 #   PROFILES="name m n k;..." ("": none)                 ncu of decode_probe launches
-#     (e.g. "auto_packed 8192 8192 8192;quack 8192 8192 8192": issue 11's large-M profile)
-#   W4A4="--shapes 4096,14336" W4A4_S=120                perf/w4a4_routes.py
-#   PHOST=1                                              perf/profile_host.py
+#     (e.g. "auto_packed 8192 8192 8192;quack 8192 8192 8192": the large-M profile)
+#   W4A4="--shapes 4096,14336" W4A4_S=120                perf/tools/w4a4_routes.py
+#   PHOST=1                                              perf/tools/profile_host.py
 #   HOST=1                                               perf/host_overhead.py (GPU mode)
-#   QCEIL="--shapes 4096x4096"                           perf/quantize_ceiling.py
+#   QCEIL="--shapes 4096x4096"                           perf/tools/quantize_ceiling.py
 #   QPROF=1 QSPECS="field=value ...;..."               ncu of quantizer specs at 4096^2
 #   QPIPE=1                                            ncu also counts instructions per pipe
 #   QBENCH="--quick --sweep" QBENCH_S=200              perf/quantize_bench.py
 #   MODEL="--modes w4a16 --step torch,compiled" MODEL_S perf/model_decode.py
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source .gpu/activate.sh >/dev/null
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .gpu/wheels/*.whl >/dev/null 2>&1
@@ -28,7 +28,7 @@ if [ -n "${PYTEST:-}" ]; then
   tail -3 "$OUT/pytest.txt"
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout "${SWEEP_S:-300}" python3 perf/decode_probe.py --out "$OUT" --budget-s "${SWEEP_B:-260}" \
+  timeout "${SWEEP_S:-300}" python3 perf/tools/decode_probe.py --out "$OUT" --budget-s "${SWEEP_B:-260}" \
     --ms ${MS:-1 16} ${ONLY:+--only $ONLY} ${SHAPES:+--shapes $SHAPES} > "$OUT/sweep.txt" 2>&1
 fi
 # QPIPE=1: instructions per pipe and each pipe's busy share (which pipe bounds a kernel)
@@ -41,15 +41,15 @@ DEFAULT_PROFILES='d4_s1 1 28672 4096;quack 1 28672 4096;auto_plain 1 8192 8192;d
 IFS=';' read -ra specs <<< "${PROFILES-$DEFAULT_PROFILES}"  # PROFILES="" profiles nothing
 for spec in "${specs[@]}"; do
   set -- $spec
-  timeout 120 $NCU python3 perf/decode_probe.py --launch "$@" > "$OUT/ncu_$1_$3x$4.txt" 2>&1
+  timeout 120 $NCU python3 perf/tools/decode_probe.py --launch "$@" > "$OUT/ncu_$1_$3x$4.txt" 2>&1
 done
-# QSPECS: ';'-separated QuantSpec field lists ("staging=regs order=atoms"), one profile each
+# QSPECS: ';'-separated QuantSpec field lists ("ctas_per_sm=0 order=atoms"), one profile each
 if [ "${QPROF:-1}" = 1 ]; then
   IFS=';' read -ra qspecs <<< "${QSPECS:-}"
   [ ${#qspecs[@]} -eq 0 ] && qspecs=("")
   i=0
   for q in "${qspecs[@]}"; do
-    timeout 120 $NCU python3 perf/profile_quantize.py 4096 4096 $q \
+    timeout 120 $NCU python3 perf/tools/profile_quantize.py 4096 4096 $q \
       > "$OUT/ncu_quantize_4096x4096_$i.txt" 2>&1
     i=$((i + 1))
   done
@@ -60,12 +60,12 @@ if [ -n "${QBENCH:-}" ]; then
   tail -5 "$OUT/quant.txt"
 fi
 if [ -n "${W4A4:-}" ]; then
-  timeout "${W4A4_S:-120}" python3 perf/w4a4_routes.py --out "$OUT" $W4A4 \
+  timeout "${W4A4_S:-120}" python3 perf/tools/w4a4_routes.py --out "$OUT" $W4A4 \
     > "$OUT/w4a4_routes.txt" 2>&1
   tail -10 "$OUT/w4a4_routes.txt"
 fi
 if [ "${PHOST:-0}" = 1 ]; then
-  timeout 120 python3 perf/profile_host.py --out "$OUT" > /dev/null 2>&1
+  timeout 120 python3 perf/tools/profile_host.py --out "$OUT" > /dev/null 2>&1
   grep "M=" "$OUT/profile_host.txt"
 fi
 if [ "${HOST:-0}" = 1 ]; then
@@ -73,7 +73,7 @@ if [ "${HOST:-0}" = 1 ]; then
   grep -E "^M=|host" "$OUT/host_overhead.txt" | head -20
 fi
 if [ -n "${QCEIL+set}" ]; then
-  timeout 150 python3 perf/quantize_ceiling.py "$OUT/quantize_ceiling.json" $QCEIL \
+  timeout 150 python3 perf/tools/quantize_ceiling.py "$OUT/quantize_ceiling.json" $QCEIL \
     > "$OUT/quantize_ceiling.txt" 2>&1
   cat "$OUT/quantize_ceiling.txt" | tail -6
 fi

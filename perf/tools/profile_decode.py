@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:kernel_cutlass --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats \\
-        python3 perf/profile_decode.py [SCHEDULE] [M N K] [nvfp4|bf16]
+        python3 perf/tools/profile_decode.py [SCHEDULE] [M N K] [nvfp4|bf16]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue  # noqa: E402
 from cute_fp4.api import make_operands, run_compiled  # noqa: E402

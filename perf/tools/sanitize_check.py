@@ -1,7 +1,7 @@
 """Run every catalogue schedule of the present GPU once per A format on small awkward
 shapes, for `compute-sanitizer --tool memcheck` (out-of-bounds or misaligned accesses):
 
-    compute-sanitizer --tool memcheck python3 perf/sanitize_check.py
+    compute-sanitizer --tool memcheck python3 perf/tools/sanitize_check.py
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue, reference  # noqa: E402
 from cute_fp4.api import make_operands, out_dtype_of, run_compiled  # noqa: E402

@@ -1,7 +1,7 @@
 """Decode-size (M <= 16) SM90 W4A16 variants against torch BF16 and QuACK, in one process.
 
-    python perf/decode_probe.py --out DIR [--budget-s 240] [--ms 1 16]
-    python perf/decode_probe.py --launch LABEL M N K     # one variant, for Nsight Compute
+    python perf/tools/decode_probe.py --out DIR [--budget-s 240] [--ms 1 16]
+    python perf/tools/decode_probe.py --launch LABEL M N K     # one variant, for Nsight Compute
                                   # (LABEL also quack, auto_plain, auto_packed: any M)
 
 The sweep times every variant of :func:`_variants` (rs_packed tiles x warpgroups x split-K,
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # (N, K): the three of issue 11 and a Llama-8B layer's projections (q/o, k+v, qkv fused,
 # gate/up, gate+up fused, down)

@@ -2,7 +2,7 @@
 schedule (SM90 natively; SM120 through the emulated MMA on an SM90 GPU, natively on SM12x),
 NaN-poisoned outputs, over the routings MoE layers produce.
 
-    python perf/grouped_validate.py --out "$OUT" [--only NAME,...] [--quick]
+    python perf/tools/grouped_validate.py --out "$OUT" [--only NAME,...] [--quick]
 
 Routings (token counts per expert, tokens sorted by expert): ragged random (seeded), empty
 experts first, last and in between, one token per expert, every token to one expert,
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue, reference  # noqa: E402
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004, E402

@@ -1,7 +1,7 @@
 """Tile sweep of the grouped (MoE) kernels on MoE layer shapes, against torch BF16
 ``torch._grouped_mm`` in the same run: which grouped schedule to pick per shape.
 
-    python perf/grouped_tiles.py --out "$OUT" [--quick]
+    python perf/tools/grouped_tiles.py --out "$OUT" [--quick]
 
 Shapes: the expert GEMMs of a Qwen3-30B-A3B-like layer (hidden 2048, expert intermediate
 768, 128 experts) and a DeepSeek-V3-like one (hidden 7168, intermediate 2048, 256 experts):
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue  # noqa: E402
 from cute_fp4.bench import Timer  # noqa: E402

@@ -7,7 +7,7 @@
 # much of the whole tests/gpu as the remaining time allows. BUDGET_S (default 320): the
 # whole script's seconds.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 start=$(date +%s)
 budget=${BUDGET_S:-320}
 left() { echo $(( budget - ($(date +%s) - start) )); }
@@ -38,13 +38,13 @@ memcheck() {  # seconds, log file, args: API-error reports off (the DSL's driver
   echo "rc=$rc" >> "$file"
 }
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # every tensor its own allocation
-memcheck 75 "$OUT/memcheck.txt" python3 perf/grouped_offsets_check.py sanitize
-memcheck 40 "$OUT/memcheck-unclamped.txt" python3 perf/grouped_offsets_check.py sanitize \
+memcheck 75 "$OUT/memcheck.txt" python3 perf/tools/grouped_offsets_check.py sanitize
+memcheck 40 "$OUT/memcheck-unclamped.txt" python3 perf/tools/grouped_offsets_check.py sanitize \
   --unclamped
 unset PYTORCH_NO_CUDA_MEMORY_CACHING
 grep -h "ERROR SUMMARY\|^done\|rc=" "$OUT"/memcheck*.txt | tee -a "$log"
 echo "## timing: clamped vs unclamped scheduler (left $(left) s)" | tee -a "$log"
-timeout 60 python3 perf/grouped_offsets_check.py time --out "$OUT/grouped-clamp-times.json" \
+timeout 60 python3 perf/tools/grouped_offsets_check.py time --out "$OUT/grouped-clamp-times.json" \
   >> "$log" 2>&1
 echo "rc=$?" >> "$log"
 rest=$(( $(left) - 5 ))

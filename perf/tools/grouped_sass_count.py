@@ -4,8 +4,8 @@ total and by kind, registers, spills and the K loop's measures, as JSON on stdou
 Run once per version of the package to compare them, e.g. the committed tree against an
 older one unpacked elsewhere::
 
-    python3 perf/grouped_sass_count.py > new.json
-    PYTHONPATH=/tmp/old python3 perf/grouped_sass_count.py > old.json
+    python3 perf/tools/grouped_sass_count.py > new.json
+    PYTHONPATH=/tmp/old python3 perf/tools/grouped_sass_count.py > old.json
 
 (the second imports ``cute_fp4`` from ``/tmp/old``; this file itself imports nothing of
 the package before that).
