@@ -155,7 +155,8 @@ def graph_check(fn_eager, fn_capture, out_of) -> dict:
 def gpu_main(args) -> dict:
     sync = torch.cuda.synchronize
     res = {"mode": "gpu", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "tvm_ffi": host.tvm_ffi_enabled(), "calls": args.calls, "rows": []}
+           "tvm_ffi": host.tvm_ffi_enabled(), "calls": args.calls, "rows": [],
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}  # the run's time (perf/render_docs.py)
     for (N, K), m in ((nk, m) for nk in args.nk for m in MS):  # noqa: N806
         a16, b = operands.make_operands(m, N, K, "bf16", seed=m, dist="normal")
         a4 = cf.quantize(a16.float())
