@@ -165,28 +165,34 @@ def packed_decode_schedule(n: int, k: int) -> Schedule:
     return s.replace(split_k=split) if split > 1 else s
 
 
-STREAM_MIN_UNITS = 4  # 64-element K units per split at least
-STREAM_CTAS_PER_SM = 8  # the grid a split-K is chosen to fill: this many CTAs per SM
+STREAM_MIN_UNITS = 16  # 64-element K units per split at least
+STREAM_CTAS_PER_SM = 2  # the grid split-K grows to, at most
+STREAM_MAX_M = 8  # sm_90a: the stream kernel up to this M; rs_packed's decode tile above
+# H200, 2026-12-03 (perf/results/2026-12-03-h200-decode.md): the best split of each shape
+# at M = 1 gave ~2 CTAs per SM with >= 16 K units each (8192^2: 2; 28672 x 4096: 1;
+# 4096 x 14336 and 4096^2: 4); at M = 16 the rs_packed decode tile was faster on every
+# shape but 1024 x 4096
 
 
 def stream_decode_schedule(target: str, m: int, n: int, k: int) -> Schedule:
-    """The weight-streaming decode kernel (``mainloop=stream``) for ``m <= 16`` rows: an
-    8- or 16-row activation tile, and split-K doubled while the grid has fewer than
-    :data:`STREAM_CTAS_PER_SM` CTAs per SM and each split keeps
-    :data:`STREAM_MIN_UNITS` K units (16 at most)."""
+    """The weight-streaming decode kernel (``mainloop=stream``): an 8- or 16-row activation
+    tile, the default batch of a warp's ring, and split-K doubled (16 at most) while
+    the grid stays within :data:`STREAM_CTAS_PER_SM` CTAs per SM (the splits' partial sums
+    cost traffic, a second wave a tail) and each split keeps :data:`STREAM_MIN_UNITS` K
+    units."""
     from cute_fp4.planning.common import MAX_SPLIT_K
     from cute_fp4.planning.stream import stream_schedule
-    from cute_fp4.targets import get_target
 
     tm = 8 if m <= 8 else 16
+    s = stream_schedule(target, tm, name="stream_decode")
     tiles = -(-n // 64) * -(-m // tm)
     units = k // 64
-    sms = get_target(target).sm_count
+    wave = STREAM_CTAS_PER_SM * s.arch.sm_count
     split = 1
-    while (tiles * split < STREAM_CTAS_PER_SM * sms and split * 2 <= MAX_SPLIT_K
+    while (tiles * split * 2 <= wave and split * 2 <= MAX_SPLIT_K
            and units // (split * 2) >= STREAM_MIN_UNITS):
         split *= 2
-    return stream_schedule(target, tm, split, name="stream_decode")
+    return s.replace(split_k=split, name="stream_decode") if split > 1 else s
 
 
 def _family_target(family: str) -> str:
@@ -206,6 +212,8 @@ def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16",
 
     if m > 128:
         s = catalogue.get("sm90_rs_packed")
+    elif m <= STREAM_MAX_M and a_format != "nvfp4":
+        return stream_decode_schedule(target, m, n, k)
     elif m <= 16 and a_format != "nvfp4":
         return packed_decode_schedule(n, k)
     else:

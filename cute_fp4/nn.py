@@ -80,9 +80,10 @@ def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torc
 
 
 def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor, schedule="auto") -> str:
-    """"auto" -> "packed" on an SM90 GPU when K allows it and the schedule reads that
-    layout ("auto" or an rs_packed schedule; W4A4 then decodes the activation once and runs
-    the W4A16 kernel: ``api._w4a4_via_bf16``), else "plain"."""
+    """"auto" -> "packed" when K allows it and the schedule reads that layout ("auto" or an
+    rs_packed or stream schedule): on an SM90 GPU (W4A4 then decodes the activation once
+    and runs the W4A16 kernel: ``api._w4a4_via_bf16``) and for W4A16 on SM12x (the stream
+    kernel, its W4A16 kernel); else "plain" (SM12x W4A4: the block-scaled MMA)."""
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     k = weight.shape[1]
@@ -91,12 +92,17 @@ def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor, schedule="auto"
                           f"got {k}: use layout='plain'")
     if layout != "auto":
         return layout
-    sm90 = _on_sm90(weight.device)
-    return "packed" if sm90 and k % UNIT_K == 0 and _reads_packed(schedule) else "plain"
+    dev = weight.device
+    wants = _on_sm90(dev) or (mode == "w4a16" and _on_sm12x(dev))
+    return "packed" if wants and k % UNIT_K == 0 and _reads_packed(schedule) else "plain"
 
 
 def _on_sm90(dev: torch.device) -> bool:
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+
+
+def _on_sm12x(dev: torch.device) -> bool:
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 12
 
 
 def _reads_packed(schedule) -> bool:

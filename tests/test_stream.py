@@ -96,11 +96,30 @@ def test_unit_words_are_the_packed_layout():
 
 
 @pytest.mark.parametrize("m, n, k, tm, split", [
-    (1, 8192, 8192, 8, 8), (4, 28672, 4096, 8, 4), (16, 4096, 14336, 16, 16),
-    (1, 1024, 4096, 8, 16), (9, 4096, 4096, 16, 8)])
+    (1, 8192, 8192, 8, 2), (4, 28672, 4096, 8, 1), (16, 4096, 14336, 16, 4),
+    (1, 1024, 4096, 8, 4), (9, 4096, 4096, 16, 4)])
 def test_auto_picks_the_stream_kernel_at_decode(m, n, k, tm, split):
     s = stream_decode_schedule("sm_90a", m, n, k)
     assert (s.tile.m, s.split_k) == (tm, split)
     assert plan(s, Problem(m, n, k, "bf16")).ok
     picked = heuristic("sm120", m, n, k, packed=True, a_format="bf16", target="sm_120a")
     assert picked.mainloop.value == "stream" and picked.target == "sm_120a"
+
+
+def test_w4a16_layers_hold_the_packed_weight_on_sm12x(monkeypatch):
+    """NVFP4Linear's "auto" layout: packed where a kernel reads it (SM90 always; SM12x for
+    W4A16, whose only kernel is the stream one), plain for SM12x W4A4 (block-scaled MMA)
+    and where K is not a multiple of 64."""
+    from types import SimpleNamespace
+
+    from cute_fp4 import nn
+
+    for cc, mode, k, want in [((12, 0), "w4a16", 4096, "packed"), ((12, 1), "w4a16", 4096,
+                                                                   "packed"),
+                              ((12, 0), "w4a4", 4096, "plain"), ((12, 0), "w4a16", 4128,
+                                                                 "plain"),
+                              ((9, 0), "w4a4", 4096, "packed"), ((9, 0), "w4a16", 4096,
+                                                                 "packed")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev, cc=cc: cc)
+        w = SimpleNamespace(device=torch.device("cuda", 0), shape=(1024, k))
+        assert nn._resolve_layout("auto", mode, w) == want, (cc, mode, k)
