@@ -121,6 +121,10 @@ def us(v) -> str | None:
     return None if v is None else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
+def _us_or(v) -> str | None:
+    return v if v == "FAIL" else us(v)
+
+
 def source(path: Path, data) -> str:
     """The file, its date and machine, and the session's note when there is one."""
     env = {}
@@ -242,18 +246,22 @@ def render_decode_bench(data: dict, path: Path) -> list[str]:
     for r in data["rows"]:
         if r.get("status") == "ok":
             by.setdefault((r["N"], r["K"], r["M"]), {})[r["provider"]] = r
-    out = [f"Decode GEMMs, device time in us; `cold`: L2 flushed before each replay. "
+    out = ["Decode GEMMs through `NVFP4Linear` (the call path of a converted model), device "
+           "time in us with L2 flushed before each replay (the weight comes from memory). "
            f"Floor: weight and scale bytes ({data['formulas']['weight_bytes']}) at "
-           f"{data['formulas']['peak_TB/s']} TB/s.", ""]
+           f"{data['formulas']['peak_TB/s']} TB/s. FAIL: the output failed its check.", ""]
+    def cold(p, name, check="check"):  # None: absent; "FAIL": its output failed the check
+        r = p.get(name)
+        return None if r is None else r["cold_us"] if r.get(check) == "ok" else "FAIL"
+
     rows = []
     for (n, k, m), p in sorted(by.items()):
-        bf = p.get("torch_bf16", {}).get("cold_us")
-        qk = p.get("quack_w4a16", {}).get("cold_us")
-        a16 = p.get("nvfp4linear_w4a16", {}).get("cold_us")
-        a4 = p.get("nvfp4linear_w4a4", {}).get("cold_us")
+        bf, qk = cold(p, "torch_bf16"), cold(p, "quack_w4a16")
+        a16 = cold(p, "nvfp4linear_w4a16")
+        a4 = cold(p, "nvfp4linear_w4a4", "w4a4_check")
         floor = next(iter(p.values())).get("floor_peak_us")
-        rows.append([f"{n} x {k}", m, us(bf), us(qk), us(a16), x(bf, a16), x(qk, a16), us(a4),
-                     x(a4, a16), us(floor)])
+        rows.append([f"{n} x {k}", m, *map(_us_or, (bf, qk, a16)), _ratio(bf, a16),
+                     _ratio(qk, a16), _us_or(a4), _ratio(a4, a16), us(floor)])
     return out + table(["N x K", "M", "torch BF16", "QuACK", "W4A16", "x torch", "x QuACK",
                         "W4A4", "W4A4 / W4A16", "floor"], rows)
 

@@ -68,10 +68,12 @@ def test_decode_bench_renders_when_its_file_appears(tmp_path, monkeypatch):
     rd = _module()
     monkeypatch.setattr(rd, "RESULTS", tmp_path)
     assert "Decode GEMMs: no run yet (`python perf/decode_bench.py`)" in rd.render(tmp_path)
-    rows = [{"provider": p, "M": 1, "N": 8192, "K": 8192, "status": "ok", "check": "ok",
-             "cold_us": t, "warm_us": t / 2, "floor_peak_us": 7.46}
-            for p, t in (("torch_bf16", 35.0), ("quack_w4a16", 24.0),
-                         ("nvfp4linear_w4a16", 20.0), ("nvfp4linear_w4a4", 22.0))]
+    rows = [{"provider": p, "M": m, "N": 8192, "K": 8192, "status": "ok", "check": "ok",
+             "w4a4_check": "ok", "cold_us": t, "warm_us": t / 2, "floor_peak_us": 7.46}
+            for m in (1, 4) for p, t in (("torch_bf16", 35.0), ("quack_w4a16", 24.0),
+                                         ("nvfp4linear_w4a16", 20.0),
+                                         ("nvfp4linear_w4a4", 22.0))]
+    rows[6]["check"] = "FAIL"  # M = 4's W4A16 output failed: no ratio for it
     _write(tmp_path / "2026-12-03-h200-decode" / "decode_bench.json",
            {"rows": rows, "env": {"gpu": "NVIDIA H200"}, "date": "2026-12-03",
             "formulas": {"weight_bytes": "N*K/2 + N*K/16", "peak_TB/s": 4.8}})
@@ -79,3 +81,4 @@ def test_decode_bench_renders_when_its_file_appears(tmp_path, monkeypatch):
     assert "## Decode GEMMs" in page and "Decode GEMMs: no run yet" not in page
     assert "| 8192 x 8192 | 1 | 35.0 | 24.0 | 20.0 | 1.75x | 1.20x | 22.0 | 1.10x | 7.46 |" \
         in page
+    assert "| 8192 x 8192 | 4 | 35.0 | 24.0 | FAIL | FAIL | FAIL | 22.0 | FAIL | 7.46 |" in page
