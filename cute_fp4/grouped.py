@@ -7,7 +7,9 @@ scale) or bf16/fp16 (W4A16); ``b`` the experts' weights, an NVFP4Tensor with a l
 mode ``[E, N, K]`` (a PackedNVFP4Weight stack for the sm_90a ``rs_packed`` schedules);
 ``offsets`` int32 ``[E + 1]`` on the GPU (``offsets[0] = 0``, non-decreasing,
 ``offsets[E] = total_M``; empty experts allowed); ``alpha`` float32 ``[E]``, default
-``a.global_scale * b.global_scale`` (W4A16: ``b.global_scale``).
+``a.global_scale * b.global_scale`` (W4A16: ``b.global_scale``). W4A4 on a packed stack with
+``schedule="auto"`` runs as ``gemm`` runs it on a packed weight: the activation decoded to
+its exact BF16 block values, then the W4A16 kernel, alpha as above (:func:`via_values`).
 
 The values of ``offsets`` are never read on the host by default: a call checks metadata
 only (shapes, dtypes, devices, strides, pointers), so it needs no GPU sync and can be
@@ -48,6 +50,7 @@ from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
 __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
            "check_offsets", "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op",
+           "via_values",
            "resolve_grouped", "run_grouped"]
 
 # the catalogue schedule "auto" runs, per kernel family of the present GPU ...
@@ -413,10 +416,45 @@ def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims) ->
     return result
 
 
+def via_values(schedule, dims: GroupedDims) -> bool:
+    """Whether a call runs W4A4 as the W4A16 kernel on the activation's exact BF16 block
+    values: NVFP4 activations, a fragment-order packed weight (sm_90a) and "auto", as
+    ``gemm`` does for a dense W4A4 product there (``api._w4a4_via_bf16``: the rs_packed
+    mainloop's own W4A4 route converts each activation stage without overlap and ran at
+    0.56-0.90x torch BF16 grouped at every size, H200 2026-12-02)."""
+    return (dims.a_format == "nvfp4" and dims.packed and isinstance(schedule, str)
+            and schedule == "auto")
+
+
+def _w4a4_via_values(a: NVFP4Tensor, b, offsets, out, dt, alpha, dims: GroupedDims,
+                     check_offsets_first: bool) -> tuple[torch.Tensor, CompiledGemm]:
+    """:func:`via_values`'s launches: the decoder (one pass, ``quant.dequantize_activation``:
+    bit for bit ``a.block_values``), then the W4A16 grouped kernel with alpha = the global
+    scales' product per expert (or the given alpha): the same exact products as a W4A4
+    kernel."""
+    from cute_fp4.quant import dequantize_activation
+
+    dims16 = dims._replace(a_format="bf16")
+    kern = _kernel_for("auto", dims16, dt, b)
+    if check_offsets_first:
+        check_offsets(offsets, dims.total_m)
+    alpha_t = grouped_alpha(a, b, alpha, dims.experts)
+    a16 = dequantize_activation(a) if dims.total_m else torch.empty(
+        (0, dims.k), dtype=torch.bfloat16, device=b.data.device)
+    return _launch(kern, a16, b, offsets, out, alpha_t, dims16), kern
+
+
 def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
                   validate_offsets: bool = False) -> torch.Tensor:
     dt = _torch_out(out_dtype)
     dims = check_grouped_operands(a, b, offsets, out, alpha, dt, require_cuda=False)
+    if via_values(schedule, dims):
+        _require_cuda(b)
+        result, kern = _w4a4_via_values(a, b, offsets, out, dt, alpha, dims,
+                                        check or validate_offsets)
+        if check and dims.total_m and not kern.validated:
+            reference.assert_close_grouped(result, a, b, offsets, alpha)
+        return result
     kern = _kernel_for(schedule, dims, dt, b)
     validate = check and dims.total_m and not kern.validated
     if validate or validate_offsets:

@@ -746,3 +746,16 @@ def test_gemm_refuses_an_expert_stack_as_a():
     with pytest.raises(cf.errors.InputError, match=r"2-D \[M, K\], got an expert stack"):
         check_all(stack, cf.quantize(torch.randn(64, 64)), None, None, torch.bfloat16,
                   require_cuda=False)
+
+
+def test_w4a4_on_a_packed_stack_takes_the_values_route():
+    """grouped.via_values: NVFP4 activations on a packed weight with "auto" run the W4A16
+    kernel on the activation's block values; a named schedule, 16-bit activations or a
+    plain weight keep their kernels."""
+    from cute_fp4.grouped import GroupedDims, via_values
+
+    w4a4 = GroupedDims(64, 256, 512, 8, "nvfp4", True)
+    assert via_values("auto", w4a4)
+    assert not via_values("sm90_grouped", w4a4)
+    assert not via_values("auto", w4a4._replace(a_format="bf16"))
+    assert not via_values("auto", w4a4._replace(packed=False))

@@ -322,6 +322,38 @@ def test_torch_compile_runs_the_op():
     assert reference.check_grouped(got, a, b, offs).passed
 
 
+def test_w4a4_on_a_packed_stack_runs_on_the_block_values():
+    """W4A4 with "auto" on a packed stack (sm_90a): decoded to the activation's exact BF16
+    block values, then the W4A16 grouped kernel (grouped.via_values): the same products as
+    the reference over the routings, with the default and a given alpha, in a graph with
+    changed offsets, and bit-identical reruns."""
+    selection.skip_unless_packed()
+    for name, counts, n, ki in CASES[:6]:
+        k = K_TAILS[True][ki]
+        a = _activations("nvfp4", sum(counts), k, seed=70)
+        b = packed.repack(cf.quantize(_awkward(len(counts), n, k, seed=71).cuda()))
+        offs = _offsets(counts)
+        dims = grouped.check_grouped_operands(a, b, offs, None, None)
+        assert grouped.via_values("auto", dims)
+        out = torch.full((sum(counts), n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = cf.grouped_gemm(a, b, offs, out=out)
+        assert y is out and reference.check_grouped(out, a, b, offs).passed, name
+        assert torch.equal(bits(cf.grouped_gemm(a, b, offs)), bits(out)), name
+        alpha = torch.rand(len(counts), device="cuda") + 0.5
+        y = cf.grouped_gemm(a, b, offs, alpha=alpha, check=True)
+        assert reference.check_grouped(y, a, b, offs, alpha).passed, name
+    counts = [3, 0, 9, 4]
+    a = _activations("nvfp4", 16, 256, seed=72)
+    b = packed.repack(cf.quantize(_awkward(4, 136, 256, seed=73).cuda()))
+    offs = _offsets(counts)
+    out = torch.full((16, 136), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g, _ = capture_graph(lambda: cf.grouped_gemm(a, b, offs, out=out))
+    offs.copy_(_offsets([0, 10, 0, 6]))
+    g.replay()
+    torch.cuda.synchronize()
+    assert reference.check_grouped(out, a, b, offs).passed
+
+
 def test_quantize_stack_on_the_gpu_is_per_expert():
     x = _awkward(6, 136, 320, seed=71).cuda()
     t = cf.quantize(x)
