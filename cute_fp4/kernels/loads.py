@@ -11,11 +11,14 @@ warp's 32 lanes copy the same bytes as 16-byte cp.async chunks (:func:`load_sf_c
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from cute_fp4.kernels.scheduler import UnitScheduler, WorkTile, for_each_unit
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset, sf_offset
 
 CHUNK = 16  # bytes per cp.async
@@ -47,25 +50,30 @@ def sf_tma_atom(mSF_view: cute.Tensor, s_layout):
 
 
 @cute.jit
-def producer_loop(mainloop, stages: cutlass.Constexpr, units, per_unit: cutlass.Constexpr,
-                  issue: cutlass.Constexpr):
+def producer_loop(mainloop, stages: cutlass.Constexpr, units: UnitScheduler,
+                  per_unit: cutlass.Constexpr, issue: cutlass.Constexpr):
     """The producer warp of every kernel: each K tile of each of this CTA's work units into
     the next stage of ``mainloop``. ``per_unit(work_tile)`` computes what the copies of a
     unit need (once per unit), ``issue(that, k_tile, stage, barrier)`` issues one stage's
     copies, arriving on ``barrier``."""
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    unit, nctas = units.first_unit()
-    while unit < units.total:
-        w = units.coords(unit)
-        u = per_unit(w)
-        for kk in cutlass.range(w.k_count, unroll=1):
-            mainloop.producer_acquire(state)
-            bar = mainloop.producer_get_barrier(state)
-            issue(u, w.k_begin + kk, state.index, bar)
-            mainloop.producer_commit(state)
-            state.advance()
-        unit += nctas
+    state = for_each_unit(units, functools.partial(_produce_unit, mainloop, per_unit, issue),
+                          state)
     mainloop.producer_tail(state)
+
+
+@cute.jit
+def _produce_unit(mainloop, per_unit: cutlass.Constexpr, issue: cutlass.Constexpr,
+                  w: WorkTile, unit, state):
+    """:func:`producer_loop`'s body: the K tiles of one unit; returns the advanced state."""
+    u = per_unit(w)
+    for kk in cutlass.range(w.k_count, unroll=1):
+        mainloop.producer_acquire(state)
+        bar = mainloop.producer_get_barrier(state)
+        issue(u, w.k_begin + kk, state.index, bar)
+        mainloop.producer_commit(state)
+        state.advance()
+    return state
 
 
 @cute.jit

@@ -26,11 +26,15 @@ reads a row of A or writes a row of D outside ``0 .. m_total``.
 
 ``unit_coords`` is plain integer arithmetic, so the kernels (DSL integers) and the CPU
 tests (Python ints) run the very same function.
+
+The protocol every scheduler follows is :class:`UnitScheduler`; the one persistent loop of
+every kernel is :func:`for_each_unit` (a kernel never writes ``while unit < total``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, TypeVar, Union
 
 import cutlass
 import cutlass.cute as cute
@@ -38,20 +42,74 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from cute_fp4.planning.common import MAX_GROUPS
 
+# An index of a work tile: a DSL integer in a kernel, a Python int in the CPU tests (the
+# same functions compute both).
+Index = Union[cutlass.Int32, int]  # noqa: UP007 - a runtime alias of DSL classes
+
 
 class WorkTile(NamedTuple):
     """One work unit: output tile (``m``, ``n``) of problem ``l``, split ``split``, and its
     K tiles ``[k_begin, k_begin + k_count)``. Grouped GEMMs also give the tile's first row
-    in A and D (``row0``) and how many of its rows belong to group ``l`` (``rows``)."""
+    in A and D (``row0``) and how many of its rows belong to group ``l`` (``rows``); a
+    dense scheduler leaves them None."""
 
-    m: object
-    n: object
-    l: object  # noqa: E741 - the batch / group mode, CuTe's L
-    split: object
-    k_begin: object
-    k_count: object
-    row0: object = None
-    rows: object = None
+    m: Index
+    n: Index
+    l: Index  # noqa: E741 - the batch / group mode, CuTe's L
+    split: Index
+    k_begin: Index
+    k_count: Index
+    row0: Index | None = None
+    rows: Index | None = None
+
+
+class UnitScheduler(Protocol):
+    """What a kernel reads of a scheduler (:class:`TileScheduler`, :class:`GroupedScheduler`).
+
+    Host side: ``grid(persistent, max_ctas)`` CTAs. Device side: ``prepare(offsets)`` once
+    (a scheduler that needs no setup returns itself), then ``total`` units, numbered
+    ``0 .. total``, walked from ``first_unit()`` by its stride (:func:`for_each_unit`), each
+    read as a :class:`WorkTile` by ``coords(unit)``. ``split_k`` splits per output tile
+    (adjacent units), ``k_tiles`` K tiles per tile."""
+
+    total: Index
+    split_k: int
+    k_tiles: Index
+
+    def grid(self, persistent: bool, max_ctas: Index) -> Index: ...
+
+    def prepare(self, offsets=None) -> UnitScheduler: ...
+
+    def coords(self, unit: Index) -> WorkTile: ...
+
+    def first_unit(self) -> tuple[Index, Index]: ...
+
+
+Carry = TypeVar("Carry")
+
+
+@cute.jit
+def for_each_unit(units: UnitScheduler, body: cutlass.Constexpr, carry):
+    """The persistent loop of every kernel: ``carry = body(work_tile, unit, carry)`` for
+    each unit of this CTA (``first_unit()``, then by the stride, while below ``total``);
+    returns the last ``carry``. ``carry`` holds every DSL value the body changes from one
+    unit to the next (pipeline states, counters): the body must return what it advanced,
+    a value it only mutated in place would not leave the loop. ``body`` is traced inline
+    (a ``cute.jit`` function or a method of the kernel)."""
+    unit, nctas = units.first_unit()
+    while unit < units.total:
+        carry = body(units.coords(unit), unit, carry)
+        unit += nctas
+    return carry
+
+
+def this_unit(units: UnitScheduler) -> tuple[Index, WorkTile]:
+    """The one unit of a one-CTA-per-unit launch (``grid == total``): (unit, work tile)."""
+    unit, _ = units.first_unit()
+    return unit, units.coords(unit)
+
+
+UnitBody = Callable[[WorkTile, Index, Carry], Carry]  # what for_each_unit calls
 
 
 def unit_coords(unit, tiles_m, tiles_n, k_tiles, split_k, group_size, along_m,
@@ -263,5 +321,6 @@ class GroupedScheduler:
     first_unit = staticmethod(TileScheduler.first_unit)
 
 
-__all__ = ["GROUPS_PER_LANE", "MAX_GROUPS", "GroupedScheduler", "TileScheduler", "WorkTile",
-           "clamp_row", "group_of_tile", "group_rows", "unit_coords"]
+__all__ = ["GROUPS_PER_LANE", "MAX_GROUPS", "GroupedScheduler", "Index", "TileScheduler",
+           "UnitBody", "UnitScheduler", "WorkTile", "clamp_row", "for_each_unit",
+           "group_of_tile", "group_rows", "this_unit", "unit_coords"]
