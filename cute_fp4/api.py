@@ -71,6 +71,11 @@ def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
         from cute_fp4.tuning import lookup
 
         dev = require_device()
+        if dev.target.family == "sm120" and a_format != "nvfp4":
+            raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
+                             "stream kernel, which reads the fragment-order packed weight: "
+                             "pass cute_fp4.packed.repack(w) once (NVFP4Linear holds it so), "
+                             "or quantize the activations (W4A4)")
         schedule = lookup(dev, m, n, k, a_format) or heuristic(dev.target.family, m, n, k)
     if not isinstance(schedule, Schedule):
         raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "

@@ -123,3 +123,15 @@ def test_w4a16_layers_hold_the_packed_weight_on_sm12x(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev, cc=cc: cc)
         w = SimpleNamespace(device=torch.device("cuda", 0), shape=(1024, k))
         assert nn._resolve_layout("auto", mode, w) == want, (cc, mode, k)
+
+
+def test_plain_weight_w4a16_on_sm12x_says_to_repack(monkeypatch):
+    from cute_fp4 import api, targets
+    from cute_fp4.errors import InputError
+
+    """16-bit activations with a plain weight on SM12x: a typed error naming the fix (the
+    packed weight the stream kernel reads), not plan()'s refusal of the OMMA kernels."""
+    fake = type("Dev", (), {"target": targets.get_target("sm_120a")})()
+    monkeypatch.setattr(targets, "require_device", lambda *a, **k: fake)
+    with pytest.raises(InputError, match="repack"):
+        api.resolve_schedule("auto", 1, 4096, 4096, "bf16", torch.bfloat16)
