@@ -421,7 +421,7 @@ def _record_mainloop(k, f, k_tiles=K_TILES):
     import cutlass
     import cutlass.cute as cute
 
-    import cute_fp4.kernels.sm120 as mod
+    import cute_fp4.kernels.sm120_mainloop as mod  # where Sm120Gemm.mainloop lives
 
     calls = []
 

@@ -12,7 +12,16 @@ loop-invariant swizzled shared-memory addresses of the 128x256x64 kernel inside 
 Named barriers (``bar.sync`` ids, :class:`Barrier`): id 0 is ``__syncthreads``; each MMA
 group (SM120 pingpong group, SM90 swap-AB warpgroup) has its own id; one id spans every MMA
 thread. Pingpong groups hand each other their mainloop and epilogue turns through four
-mbarriers (:func:`turn_wait` / :func:`turn_arrive`).
+mbarriers (:class:`Turn`, :func:`turn_wait` / :func:`turn_arrive`), kept in their own
+shared-memory region (``TURN_BARRIERS``).
+
+Pipeline arrive counts (:func:`stage_arrivals`) are derived from the roles, never written
+by hand: a stage's full barrier expects one arrival of the producer warp's elected thread
+(with the TMA transaction bytes), plus one per producer lane when that warp also copies by
+cp.async (each lane arrives, no-inc, once its copies land); its empty barrier one arrival
+per consumer warp that reads the stage (``PipelineTmaAsync`` releases from one thread of
+each consumer warp). :func:`mainloop_pipeline` checks a kernel's own count of its consumer
+warps against the roles' at trace time, with an AssertionError naming both.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 
 from cute_fp4.plan import Plan
 
@@ -114,38 +124,106 @@ def consumer_registers(layout: cutlass.Constexpr):
         cute.arch.setmaxregister_increase(layout.regs[1])
 
 
+# ----------------------------------------------------------------------------- pipelines
+
+class Arrivals(NamedTuple):
+    """Arrive counts of a TMA -> consumers stage: full barrier (producer), empty (consumer)."""
+
+    producer: int
+    consumer: int
+
+
+def stage_arrivals(layout: WarpLayout, consumer_groups: int = 1,
+                   producer_cp_async: bool = False) -> Arrivals:
+    """The arrivals a stage's barriers expect, from the warp roles: the producer warp's
+    elected thread (TMA, with the transaction bytes), plus its :data:`WARP` lanes when it
+    also copies by cp.async; one arrival per consumer warp of the ``consumer_groups``
+    groups that take the stages in turn (SM120 pingpong groups, SM90 swap-AB warpgroups;
+    1: every consumer warp reads every stage)."""
+    consumer_warps = layout.mma_threads // WARP
+    if consumer_warps % consumer_groups:
+        raise AssertionError(f"{consumer_warps} consumer warps do not split into "
+                             f"{consumer_groups} groups")
+    return Arrivals(1 + (WARP if producer_cp_async else 0), consumer_warps // consumer_groups)
+
+
+def check_arrivals(what: str, counted: int, derived: int, roles: str) -> None:
+    """Trace time: a kernel's own count of arrivals is the roles' (a too-high count hangs
+    the barrier, a too-low one releases the stage early)."""
+    if counted != derived:
+        raise AssertionError(f"{what}: the kernel counts {counted} arrivals per stage, the "
+                             f"warp roles give {derived} ({roles})")
+
+
+def mainloop_pipeline(layout: WarpLayout, stages: int, tx_bytes: int, barriers,
+                      consumer_warps: int, consumer_groups: int = 1,
+                      producer_cp_async: bool = False) -> pipeline.PipelineTmaAsync:
+    """The TMA -> consumers ring of ``stages`` stages on the ``2 * stages`` mbarriers at
+    ``barriers`` (full, then empty), with :func:`stage_arrivals`; ``consumer_warps``: the
+    warps that release each stage as the kernel's consumer code counts them, checked
+    against the roles. ``defer_sync``: the kernel synchronises after its other barriers'
+    initialisation."""
+    arrivals = stage_arrivals(layout, consumer_groups, producer_cp_async)
+    check_arrivals("stage release (empty barrier)", consumer_warps, arrivals.consumer,
+                   f"{layout.mma_threads // WARP} consumer warps in {consumer_groups} "
+                   "group(s) taking stages in turn")
+    return pipeline.PipelineTmaAsync.create(
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals.producer),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals.consumer),
+        tx_count=tx_bytes,
+        barrier_storage=barriers,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        defer_sync=True,
+    )
+
+
 # ----------------------------------------------------------------------------- pingpong
+
+class Turn(enum.IntEnum):
+    """Pingpong turns, each a pair of mbarriers in the ``TURN_BARRIERS`` region: mbarrier
+    ``turn + g`` says that group ``g`` may take its next ``turn`` (the other group
+    arrives on it when it hands the turn over)."""
+
+    MAINLOOP = 0  # mbarriers 0, 1: the K mainloop (the groups share the stages' order)
+    EPILOGUE = 2  # mbarriers 2, 3: the epilogue (the groups share the one C buffer)
+
+
+TURN_BARRIERS = 4  # mbarriers of the pingpong turns
+
 
 @cute.jit
 def init_turns(enabled: cutlass.Constexpr, bars, group_threads: cutlass.Constexpr, warp_idx):
-    """Pingpong: mbarriers [mainloop turn g0, g1, epilogue turn g0, g1]."""
+    """Pingpong: the :data:`TURN_BARRIERS` mbarriers at ``bars`` (see :class:`Turn`)."""
     if cutlass.const_expr(enabled):
         if warp_idx == 0:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(4):
+                for i in cutlass.range_constexpr(TURN_BARRIERS):
                     cute.arch.mbarrier_init(bars + i, group_threads)
     cute.arch.mbarrier_init_fence()
 
 
 @cute.jit
 def turn_wait(enabled: cutlass.Constexpr, bars, group, turn, base: cutlass.Constexpr):
-    """Wait until this group may run its ``turn``-th mainloop (base 0) / epilogue (base 2).
+    """Wait until this group may run its ``turn``-th mainloop (``base`` =
+    ``Turn.MAINLOOP``) / epilogue (``Turn.EPILOGUE``).
 
     Group 0 starts first; group g then waits for the other group's matching arrival.
     """
     if cutlass.const_expr(enabled):
         if group == 0:
             if turn > 0:
-                cute.arch.mbarrier_wait(bars + base, (turn - 1) % 2)
+                cute.arch.mbarrier_wait(bars + int(base), (turn - 1) % 2)
         else:
-            cute.arch.mbarrier_wait(bars + base + 1, turn % 2)
+            cute.arch.mbarrier_wait(bars + int(base) + 1, turn % 2)
 
 
 @cute.jit
 def turn_arrive(enabled: cutlass.Constexpr, bars, group, base: cutlass.Constexpr):
-    """Hand the turn to the other group (every thread of this group arrives)."""
+    """Hand the turn ``base`` (a :class:`Turn`) to the other group (every thread of this
+    group arrives)."""
     if cutlass.const_expr(enabled):
-        cute.arch.mbarrier_arrive(bars + base + 1 - group)
+        cute.arch.mbarrier_arrive(bars + int(base) + 1 - group)
 
 
 @cute.jit
@@ -156,5 +234,7 @@ def skip_stages(state, count):
     return state
 
 
-__all__ = ["WARP", "WARPGROUP", "Barrier", "WarpLayout", "consumer_registers", "init_turns",
-           "producer_registers", "skip_stages", "turn_arrive", "turn_wait", "warp_layout"]
+__all__ = ["TURN_BARRIERS", "WARP", "WARPGROUP", "Arrivals", "Barrier", "Turn", "WarpLayout",
+           "check_arrivals", "consumer_registers", "init_turns", "mainloop_pipeline",
+           "producer_registers", "skip_stages", "stage_arrivals", "turn_arrive", "turn_wait",
+           "warp_layout"]

@@ -66,6 +66,7 @@ Constraints
   ``plan()`` and the compile checks cover it).
 """
 
+import functools
 from typing import NamedTuple
 
 import cutlass
@@ -78,7 +79,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
-from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma, store_split_k
+from cute_fp4.kernels.epilogue import (
+    SmemEpilogue,
+    smem_epilogue,
+    store_direct,
+    store_smem_tma,
+    store_split_k,
+)
 from cute_fp4.kernels.launch import (
     GemmLaunch,
     GemmTensors,
@@ -86,8 +93,9 @@ from cute_fp4.kernels.launch import (
     PointerTypes,
     out_dtype,
 )
-from cute_fp4.kernels.roles import WARP, Barrier
-from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler
+from cute_fp4.kernels.roles import WARP, Barrier, Turn
+from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler, WorkTile, for_each_unit
+from cute_fp4.kernels.sm120_mainloop import MmaFragments, Sm120Mainloop
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Problem, Raster, Schedule, SFLoad, WarpRoles
 
@@ -95,30 +103,53 @@ SF_VEC = sf_layout.SF_VEC
 ALIGN = 1024
 
 
-class MmaFragments(NamedTuple):
-    """What an MMA warp holds for the mainloop: register fragments, the smem -> register
-    copies feeding them, and the accumulator. The stable seam the CPU traces read."""
+class Sm120Params(NamedTuple):
+    """Kernel arguments: TMA atoms with the tensors they partition, and the work."""
 
-    acc: object  # FP32 accumulator (V, MMA rows, MMA cols)
-    copy_a: object  # ldmatrix tiled copies of A and B
-    copy_b: object
-    copy_sfa: object  # scale-factor tiled copies (universal byte copies)
-    copy_sfb: object
-    tCsA: object  # (V, rows, k block, stage) smem sources of this thread
-    tCrA_v: object  # A fragment as the copy sees it
-    tCrA: object  # A fragment as the MMA sees it (V, MMA rows, k block)
-    tCsB: object
-    tCrB_v: object
-    tCrB: object
-    thr_sfa: object  # this thread's slices of the scale copies
-    thr_sfb: object
-    tCrSFA: object  # scale fragments (V, MMA rows, k block)
-    tCrSFB: object
-    sfa_ptr: object  # start of the staged scales (UE4M3 view)
-    sfb_ptr: object
+    tma_a: cute.CopyAtom
+    mA: cute.Tensor  # A's TMA tensor (uint8 bytes, K/2 per row)
+    tma_b: cute.CopyAtom
+    mB: cute.Tensor
+    tma_sfa: cute.CopyAtom  # grouped: an alias of tma_sfb, unused (SFA by cp.async)
+    mSFA: cute.Tensor
+    tma_sfb: cute.CopyAtom
+    mSFB: cute.Tensor
+    tma_c: cute.CopyAtom  # the D store atom (grouped, split-K: an alias of tma_a, unused)
+    mC: cute.Tensor  # D's TMA tensor, or D itself where stored from registers
+    sfa_bytes: cute.Tensor  # A's and B's flat blocked scale bytes (cp.async loads)
+    sfb_bytes: cute.Tensor
+    mAlpha: cute.Tensor  # (1,) float32, grouped: (groups,)
+    units: TileScheduler | GroupedScheduler
+    k_blocks: cutlass.Int32  # 64-element K blocks of the scale tensors
+    mOffsets: cute.Tensor  # grouped: int32 [groups + 1] row offsets (dense: mAlpha, unused)
+    m_rows: cutlass.Int32  # rows of A
+    mWork: cute.Tensor  # split-K: the workspace (grouped: mAlpha, unused)
+    mCount: cute.Tensor
 
 
-class Sm120Gemm(GemmLaunch):
+class Sm120Consumer(NamedTuple):
+    """What an MMA group's units share (:meth:`Sm120Gemm.mma_and_store`)."""
+
+    mainloop: pipeline.PipelineTmaAsync
+    frags: MmaFragments
+    turn_bars: object  # pingpong turn mbarriers (roles.init_turns)
+    group: cutlass.Int32  # this MMA group
+    gtid: cutlass.Int32  # this thread in its group
+    mma_warp: cutlass.Int32  # this warp among the MMA warps
+    bar: pipeline.NamedBarrier  # the group's named barrier
+    scale: cutlass.Float32  # alpha (dense); grouped: alpha per group, read per unit
+    epi: SmemEpilogue | None  # the staged epilogue (None: stored from registers)
+    sC: cute.Tensor | None
+    gC: cute.Tensor | None
+    tma_c: cute.CopyAtom
+    mC: cute.Tensor
+    alpha: cute.Tensor
+    mWork: cute.Tensor
+    mCount: cute.Tensor
+    units: TileScheduler | GroupedScheduler
+
+
+class Sm120Gemm(Sm120Mainloop, GemmLaunch):
     """NVFP4 x NVFP4 -> BF16/FP16/FP32 GEMM for SM120, configured by a :class:`Schedule`."""
 
     def __init__(self, schedule: Schedule, problem: Problem | None = None,
@@ -162,7 +193,10 @@ class Sm120Gemm(GemmLaunch):
         self.sm_count = schedule.arch.sm_count
         self.sf_rows = (sf_layout.sf_smem_rows(t.m), sf_layout.sf_smem_rows(t.n))
         self.smem_bytes = None  # set while tracing
-        self.num_barriers = 2 * self.stages + 2 * self.groups
+        # mbarriers: a full/empty pair per stage, then the pingpong turns (plan() counts two
+        # per MMA group for every schedule; pingpong's two groups use all four)
+        self.turn_barriers = 2 * self.groups
+        assert not self.pingpong or self.turn_barriers == roles.TURN_BARRIERS
 
     # ------------------------------------------------------------------ setup (trace time)
 
@@ -216,7 +250,8 @@ class Sm120Gemm(GemmLaunch):
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.num_barriers]
+            mainloop_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            turn_bars: cute.struct.MemRange[cutlass.Int64, self.turn_barriers]
             sA: cute.struct.Align[cute.struct.MemRange[
                 cutlass.Float4E2M1FN, cute.cosize(self.sA_layout)], ALIGN]
             sB: cute.struct.Align[cute.struct.MemRange[
@@ -269,10 +304,10 @@ class Sm120Gemm(GemmLaunch):
         split_out = (t.mAlpha, t.mAlpha)  # grouped: unused
         if cutlass.const_expr(not self.grouped):
             split_out = (t.mWork, t.mCount)
-        self.kernel(
-            tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB, tma_c, tma_mC,
-            t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32, offsets, m, *split_out,
-        ).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
+        params = Sm120Params(tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB,
+                             tma_c, tma_mC, t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32,
+                             offsets, m, *split_out)
+        self.kernel(params        ).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                  block=[self.threads, 1, 1], cluster=[1, 1, 1],
                  smem=self.smem_bytes, stream=stream,
                  max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=1,
@@ -294,48 +329,33 @@ class Sm120Gemm(GemmLaunch):
     # ------------------------------------------------------------------ kernel
 
     @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-               mB: cute.Tensor, tma_sfa: cute.CopyAtom, mSFA: cute.Tensor,
-               tma_sfb: cute.CopyAtom, mSFB: cute.Tensor, tma_c: cute.CopyAtom,
-               mC: cute.Tensor, sfa_bytes: cute.Tensor, sfb_bytes: cute.Tensor,
-               alpha: cute.Tensor, units, k_blocks: cutlass.Int32,
-               offsets: cute.Tensor, m_rows: cutlass.Int32, mWork: cute.Tensor,
-               mCount: cute.Tensor):
+    def kernel(self, p: Sm120Params):
         self._setup()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp:
-            for atom in (tma_a, tma_b, tma_sfa, tma_sfb, tma_c):
+            for atom in (p.tma_a, p.tma_b, p.tma_sfa, p.tma_sfb, p.tma_c):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        bars = storage.barriers.data_ptr()
-        mainloop = self._make_mainloop_pipeline(bars)
-        roles.init_turns(self.pingpong, bars + 2 * self.stages, self.group_threads, warp_idx)
+        mainloop = self._make_mainloop_pipeline(storage.mainloop_bars.data_ptr())
+        turn_bars = storage.turn_bars.data_ptr()
+        roles.init_turns(self.pingpong, turn_bars, self.group_threads, warp_idx)
         cute.arch.sync_threads()
         roles.wait_for_inputs()  # nothing above touches global memory
-        units = units.prepare(offsets)
+        p = p._replace(units=p.units.prepare(p.mOffsets))
         if warp_idx < self.warps.first_mma_warp:
             roles.producer_registers(self.warps)
             if warp_idx == self.producer_warp:
-                self.load_tiles(storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa,
-                                mSFA, tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks, m_rows)
+                self.load_tiles(storage, mainloop, p)
         else:
             roles.consumer_registers(self.warps)
-            self.mma_and_store(storage, mainloop, units, bars + 2 * self.stages, tma_c, mC,
-                               alpha, warp_idx, mWork, mCount)
+            self.mma_and_store(storage, mainloop, p, turn_bars, warp_idx)
 
     def _make_mainloop_pipeline(self, bars):
-        # cp.async scale loads add one no-increment arrival per producer lane.
-        producers = 1 + (WARP if self.sf_cp_async or self.grouped else 0)
-        return pipeline.PipelineTmaAsync.create(
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.group_warps),
-            tx_count=self.tx_bytes,
-            barrier_storage=bars,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        # cp.async scale loads add one no-increment arrival per producer lane; each stage is
+        # read (and released) by one MMA group: pingpong groups take units in turn
+        return roles.mainloop_pipeline(
+            self.warps, self.stages, self.tx_bytes, bars, consumer_warps=self.group_warps,
+            consumer_groups=self.groups, producer_cp_async=self.sf_cp_async or self.grouped)
 
     # ------------------------------------------------------------------ producer warp
 
@@ -346,10 +366,12 @@ class Sm120Gemm(GemmLaunch):
         return region.get_tensor(layout.outer, swizzle=layout.inner, dtype=cutlass.Uint8)
 
     @cute.jit
-    def load_tiles(self, storage, mainloop, units, tma_a, mA, tma_b, mB, tma_sfa, mSFA,
-                   tma_sfb, mSFB, sfa_bytes, sfb_bytes, k_blocks, m_rows):
+    def load_tiles(self, storage, mainloop, p: Sm120Params):
         """Producer warp: for each work unit, its K tiles of A, B, SFA, SFB into the ring."""
         tm, tn, tk = self.tile_mnk
+        tma_a, mA, tma_b, mB = p.tma_a, p.mA, p.tma_b, p.mB
+        tma_sfa, mSFA, tma_sfb, mSFB = p.tma_sfa, p.mSFA, p.tma_sfb, p.mSFB
+        sfa_bytes, sfb_bytes, k_blocks, m_rows = p.sfa_bytes, p.sfb_bytes, p.k_blocks, p.m_rows
         tAsA, tAgA = loads.tma_views(tma_a, self._tma_smem(storage.sA, self.sA_tma_layout),
                                      mA, (tm, tk // 2))
         tBsB, tBgB = loads.tma_views(tma_b, self._tma_smem(storage.sB, self.sB_tma_layout),
@@ -394,14 +416,14 @@ class Sm120Gemm(GemmLaunch):
                 cute.copy(tma_sfb, tBgSFB[(None, 0, 0, kt, rb)], tBsSFB[(None, s)],
                           tma_bar_ptr=bar)
 
-        loads.producer_loop(mainloop, self.stages, units, per_unit, issue)
+        loads.producer_loop(mainloop, self.stages, p.units, per_unit, issue)
 
     # ------------------------------------------------------------------ MMA warps
 
     @cute.jit
-    def mma_and_store(self, storage, mainloop, units, turn_bars, tma_c, mC, alpha, warp_idx,
-                      mWork, mCount):
+    def mma_and_store(self, storage, mainloop, p: Sm120Params, turn_bars, warp_idx):
         """MMA warps: per work unit, the K mainloop into registers, then the epilogue."""
+        units, tma_c, mC, alpha, mWork, mCount = p.units, p.tma_c, p.mC, p.mAlpha, p.mWork, p.mCount
         tidx, _, _ = cute.arch.thread_idx()
         mma_warp = warp_idx - self.warps.first_mma_warp
         group = mma_warp // self.group_warps
@@ -412,40 +434,48 @@ class Sm120Gemm(GemmLaunch):
             gC = cute.local_tile(mC, self.tile_mnk[:2], (None, None, None))
             epi = smem_epilogue(self._r2s_copy(), self.tiled_mma, gtid, sC, frags.acc,
                                 self.c_dtype, self.tile_mnk[:2], self.epi_tile)
+        else:
+            sC, gC, epi = None, None, None
         bar = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_GROUP) + group,
                                     num_threads=self.group_threads)
         scale = cutlass.Float32(1.0)
         if cutlass.const_expr(not self.grouped):
             scale = alpha[0]
+        c = Sm120Consumer(mainloop, frags, turn_bars, group, gtid, mma_warp, bar, scale, epi,
+                          sC, gC, tma_c, mC, alpha, mWork, mCount, units)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit, nctas = units.first_unit()
-        turn = cutlass.Int32(0)
-        step = cutlass.Int32(0)
-        while unit < units.total:
-            w = units.coords(unit)
-            if step % self.groups == group:
-                roles.turn_wait(self.pingpong, turn_bars, group, turn, 0)
-                frags.acc.fill(0.0)
-                # grouped tiles keep their scale rows at the start of the stage's atom
-                cm = 0 if cutlass.const_expr(self.grouped) else w.m
-                state = self.mainloop(mainloop, state, frags, w.k_count, cm, w.n)
-                roles.turn_arrive(self.pingpong, turn_bars, group, 0)
-                roles.turn_wait(self.pingpong, turn_bars, group, turn, 2)
-                if cutlass.const_expr(self.grouped):
-                    self._store_grouped(frags.acc, alpha, mC, w, gtid)
-                elif cutlass.const_expr(self.split_k > 1):
-                    self._store_split(frags.acc, scale, mC, mWork, mCount, units, w, unit,
-                                      gtid)
-                else:
-                    store_smem_tma(epi, tma_c, gC[(None, None, w.m, w.n, w.split)], sC,
-                                   scale, self.epi_tile, self.epi_stages, bar,
-                                   mma_warp % self.group_warps == 0, self.c_dtype)
-                roles.turn_arrive(self.pingpong, turn_bars, group, 2)
-                turn += 1
+        for_each_unit(units, functools.partial(self._mma_unit, c),
+                      (state, cutlass.Int32(0), cutlass.Int32(0)))
+
+    @cute.jit
+    def _mma_unit(self, c: Sm120Consumer, w: WorkTile, unit, carry):
+        """One work unit of an MMA group (pingpong: every other unit is the other group's,
+        whose stages it skips): the mainloop, then the epilogue. ``carry``: the pipeline
+        state, this group's turn and the unit's step in the CTA's list."""
+        state, turn, step = carry
+        if step % self.groups == c.group:
+            roles.turn_wait(self.pingpong, c.turn_bars, c.group, turn, Turn.MAINLOOP)
+            c.frags.acc.fill(0.0)
+            # grouped tiles keep their scale rows at the start of the stage's atom
+            cm = 0 if cutlass.const_expr(self.grouped) else w.m
+            state = self.mainloop(c.mainloop, state, c.frags, w.k_count, cm, w.n)
+            roles.turn_arrive(self.pingpong, c.turn_bars, c.group, Turn.MAINLOOP)
+            roles.turn_wait(self.pingpong, c.turn_bars, c.group, turn, Turn.EPILOGUE)
+            if cutlass.const_expr(self.grouped):
+                self._store_grouped(c.frags.acc, c.alpha, c.mC, w, c.gtid)
+            elif cutlass.const_expr(self.split_k > 1):
+                self._store_split(c.frags.acc, c.scale, c.mC, c.mWork, c.mCount, c.units, w,
+                                  unit, c.gtid)
             else:
-                state = roles.skip_stages(state, w.k_count)
-            step += 1
-            unit += nctas
+                store_smem_tma(c.epi, c.tma_c, c.gC[(None, None, w.m, w.n, w.split)], c.sC,
+                               c.scale, self.epi_tile, self.epi_stages, c.bar,
+                               c.mma_warp % self.group_warps == 0, self.c_dtype)
+            roles.turn_arrive(self.pingpong, c.turn_bars, c.group, Turn.EPILOGUE)
+            turn += 1
+        else:
+            state = roles.skip_stages(state, w.k_count)
+        step += 1
+        return state, turn, step
 
     @cute.jit
     def _store_split(self, acc, scale, mD, mWork, mCount, units, w, unit, gtid):
@@ -485,258 +515,6 @@ class Sm120Gemm(GemmLaunch):
         return cute.make_tiled_copy_S(atom,
                                       cute.make_tiled_copy_C_atom(tiler_atom, self.tiled_mma))
 
-    def _k_slots(self) -> int:
-        """K blocks of register fragments: the tile's K blocks, or two register buffers
-        when a cooperative tile has a single one (tile K 64), so that the next stage's
-        fragments load while the current ones feed the MMAs."""
-        n_kb = self.tile_mnk[2] // sf_layout.MMA_K
-        return 2 if n_kb == 1 and not self.pingpong else n_kb
-
-    def _copy_b(self, tiled_mma):
-        """ldmatrix copy of B. An ``.x4`` loads two MMAs' B (16 columns x 64 K): with 2
-        warps along N a warp's columns of one MMA permutation step (32 columns, SM120's
-        (8, 2, 2):(1, 16, 8)) are 16 contiguous rows, the MMA's own tiling. With 4 warps
-        they are 8 rows: tiled like the MMA, an ``.x4`` loaded the same 8 rows twice (half
-        its registers never read), so its two halves take two consecutive steps instead
-        (``.x2`` where the tile has a single step)."""
-        def atom(matrices):
-            return cute.make_copy_atom(
-                warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=matrices),
-                cutlass.Float4E2M1FN)
-
-        perm_n = cute.size(tiled_mma.permutation_mnk[1])
-        if perm_n // self.warps_mn[1] >= 16:
-            return cute.make_tiled_copy_B(atom(4), tiled_mma)
-        if self.tile_mnk[1] % (2 * perm_n):
-            return cute.make_tiled_copy_B(atom(2), tiled_mma)
-        # the MMA's (thread, value) -> n + perm_n * k, re-indexed into a tile of two steps
-        # (n + 2 perm_n * k), with the step as the last value mode
-        two_steps = cute.make_layout((perm_n, sf_layout.MMA_K), stride=(1, 2 * perm_n))
-        tv = cute.composition(two_steps, tiled_mma.tv_layout_B_tiled)
-        tv = cute.make_layout((tv.shape[0], (tv.shape[1], 2)),
-                              stride=(tv.stride[0], (tv.stride[1], perm_n)))
-        return cute.make_tiled_copy(atom(4), tv, (2 * perm_n, sf_layout.MMA_K))
-
-    @cute.jit
-    def _mma_fragments(self, storage, gtid) -> MmaFragments:
-        """Register fragments and smem->register copies of A, B, SFA, SFB; the accumulator.
-
-        The fragments' K mode has :meth:`_k_slots` K blocks (register buffers)."""
-        tiled_mma = self.tiled_mma
-        thr_mma = tiled_mma.get_slice(gtid)
-        tm, tn, _ = self.tile_mnk
-        k_regs = self._k_slots() * sf_layout.MMA_K
-        sA = storage.sA.get_tensor(self.sA_layout.outer, swizzle=self.sA_layout.inner)
-        sB = storage.sB.get_tensor(self.sB_layout.outer, swizzle=self.sB_layout.inner)
-        # register fragments of K = k_regs, K-major like the stages (only the layouts of
-        # these views are used: nothing is read through them)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(cute.make_tensor(
-            sA.iterator, cute.make_layout((tm, k_regs), stride=(k_regs, 1)))))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.make_tensor(
-            sB.iterator, cute.make_layout((tn, k_regs), stride=(k_regs, 1)))))
-        sfa_ptr = cute.recast_ptr(storage.sSFA.data_ptr(), dtype=cutlass.Float8E4M3FN)
-        sfb_ptr = cute.recast_ptr(storage.sSFB.data_ptr(), dtype=cutlass.Float8E4M3FN)
-        sfa0 = cute.make_tensor(sfa_ptr, sf_layout.sf_smem_layout(tm, k_regs, 1))
-        sfb0 = cute.make_tensor(sfb_ptr, sf_layout.sf_smem_layout(tn, k_regs, 1))
-        tCrSFA = sm120_utils.partition_fragment_SFA(sfa0[None, None, 0], thr_mma, gtid)
-        tCrSFB = sm120_utils.partition_fragment_SFB(sfb0[None, None, 0], thr_mma, gtid)
-        ldsm_a = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
-        copy_a = cute.make_tiled_copy_A(
-            cute.make_copy_atom(ldsm_a, cutlass.Float4E2M1FN), tiled_mma)
-        copy_b = self._copy_b(tiled_mma)
-        perm = tiled_mma.permutation_mnk
-        sf_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN)
-        copy_sfa = cute.make_tiled_copy(
-            sf_atom, sm120_utils.get_layoutSFA_TV(tiled_mma),
-            (cute.size(perm[0]), cute.size(perm[2])))
-        copy_sfb = cute.make_tiled_copy(
-            sf_atom, sm120_utils.get_layoutSFB_TV(tiled_mma),
-            (cute.size(perm[1]), cute.size(perm[2])))
-        thr_a, thr_b = copy_a.get_slice(gtid), copy_b.get_slice(gtid)
-        acc_shape = tiled_mma.partition_shape_C(self.tile_mnk[:2])
-        return MmaFragments(
-            acc=cute.make_rmem_tensor(acc_shape, cutlass.Float32),
-            copy_a=copy_a, copy_b=copy_b, copy_sfa=copy_sfa, copy_sfb=copy_sfb,
-            tCsA=thr_a.partition_S(sA), tCrA_v=thr_a.retile(tCrA), tCrA=tCrA,
-            tCsB=thr_b.partition_S(sB), tCrB_v=thr_b.retile(tCrB), tCrB=tCrB,
-            thr_sfa=copy_sfa.get_slice(gtid), thr_sfb=copy_sfb.get_slice(gtid),
-            tCrSFA=self._sf_fragment_vmk(tCrSFA), tCrSFB=self._sf_fragment_vmk(tCrSFB),
-            sfa_ptr=sfa_ptr, sfb_ptr=sfb_ptr)
-
-    @staticmethod
-    def _sf_fragment_vmk(frag):
-        """Scale fragment as (value, rest rows, K blocks), like the A/B fragments.
-
-        The DSL helpers return the rest modes flattened differently per warp layout:
-        (V, M, (K...)) for some, (V, (N, K)) when N has a single rest mode.
-        """
-        if cutlass.const_expr(cute.rank(frag) > 2):
-            return cute.group_modes(frag, 2, cute.rank(frag))
-        shape, stride = frag.layout.shape, frag.layout.stride
-        if cutlass.const_expr(isinstance(shape[1], int)):
-            layout = cute.make_layout((shape[0], shape[1], 1), stride=(stride[0], stride[1], 0))
-        else:
-            layout = cute.make_layout((shape[0], shape[1][0], shape[1][1]),
-                                      stride=(stride[0], stride[1][0], stride[1][1]))
-        return cute.make_tensor(frag.iterator, layout)
-
-    @staticmethod
-    def _sub_atom(ptr, tile_idx, tile_rows):
-        """Start of a sub-128-row tile's rows inside the stage's 128-row scale atom."""
-        if cutlass.const_expr(tile_rows >= sf_layout.ATOM_ROWS):
-            return ptr
-        step = sf_layout.sf_view_offset(tile_rows, 1)
-        off = (tile_idx % (sf_layout.ATOM_ROWS // tile_rows)) * step
-        return ptr + cute.assume(off, divby=step)
-
-    @cute.jit
-    def _sf_sources(self, f: MmaFragments, cm, cn):
-        """(smem view, register view) pairs of the scale factors of this work unit."""
-        tm, tn, _ = self.tile_mnk
-        sfa = cute.make_tensor(self._sub_atom(f.sfa_ptr, cm, tm), self.sSFA_view)
-        sfb = cute.make_tensor(self._sub_atom(f.sfb_ptr, cn, tn), self.sSFB_view)
-        return (cute.filter_zeros(f.thr_sfa.partition_S(sfa)),
-                cute.filter_zeros(f.thr_sfa.retile(f.tCrSFA)),
-                cute.filter_zeros(f.thr_sfb.partition_S(sfb)),
-                cute.filter_zeros(f.thr_sfb.retile(f.tCrSFB)))
-
-    @staticmethod
-    def _kb_sources(f: MmaFragments, sf, n_kb):
-        """Per K block of a stage: the A, B, SFA, SFB shared-memory sources (V, rows, stage).
-
-        Sliced at the (static) K block first, so that the stage is the only dynamic offset
-        left: it is a multiple of the swizzle period, which the DSL then adds after the
-        swizzle, to a per-thread address computed once (sliced stage first, the K block's
-        offset joins the stage's and the swizzle is redone per load: 97 against 82
-        instructions per 128x128x128 K tile, sm_120a, 2026-12-01)."""
-        tCsSFA, _, tCsSFB, _ = sf
-        return [(f.tCsA[None, None, kb, None], f.tCsB[None, None, kb, None],
-                 tCsSFA[None, None, kb, None], tCsSFB[None, None, kb, None])
-                for kb in range(n_kb)]
-
-    @cute.jit
-    def _load_k_block(self, f: MmaFragments, sf, srcs, s, kb, slot):
-        """K block ``kb`` of stage ``s`` into register K block ``slot``."""
-        _, tCrSFA_v, _, tCrSFB_v = sf
-        src = srcs[kb]
-        cute.copy(f.copy_a, src[0][None, None, s], f.tCrA_v[None, None, slot])
-        cute.copy(f.copy_b, src[1][None, None, s], f.tCrB_v[None, None, slot])
-        cute.copy(f.copy_sfa, src[2][None, None, s], tCrSFA_v[None, None, slot])
-        cute.copy(f.copy_sfb, src[3][None, None, s], tCrSFB_v[None, None, slot])
-
-    def mma_k_block(self, f: MmaFragments, slot):
-        """The MMAs of one 64-wide K block (register K block ``slot``): OMMA.SF, or its
-        exact emulation (SM90 runs).
-
-        Plain Python, run while tracing (``emulate`` is a static choice), so the CPU trace
-        records the ``cute.gemm`` of the shipping build through its stand-ins."""
-        if self.emulate:
-            mma_emulation.mma_k_block(f.tCrA[None, None, slot], f.tCrSFA[None, None, slot],
-                                      f.tCrB[None, None, slot], f.tCrSFB[None, None, slot],
-                                      f.acc)
-        else:
-            cute.gemm(self.tiled_mma, f.acc,
-                      [f.tCrA[None, None, slot], f.tCrSFA[None, None, slot]],
-                      [f.tCrB[None, None, slot], f.tCrSFB[None, None, slot]], f.acc)
-
-    def _tile(self, mainloop, state, f, sf, srcs, more):
-        """One K tile of a cooperative mainloop with two or more K blocks, whose first K
-        block is in registers: each K block's MMAs run while the next K block loads; at the
-        last, the stage is released and, when ``more`` tiles follow, the next stage waited
-        for and its first K block loaded before the last MMAs (which use registers loaded
-        before that wait). Plain Python (static control flow); returns the state."""
-        n_kb = len(srcs)
-        for kb in range(n_kb):
-            if kb + 1 < n_kb:
-                self._load_k_block(f, sf, srcs, state.index, kb + 1, kb + 1)
-            else:
-                mainloop.consumer_release(state)
-                state.advance()
-                if more:
-                    mainloop.consumer_wait(state)
-                    self._load_k_block(f, sf, srcs, state.index, 0, 0)
-            self.mma_k_block(f, kb)
-        return state
-
-    def _tile_buffered(self, mainloop, state, f, sf, srcs, slot, more):
-        """One K tile of a single K block, held in register buffer ``slot``: the stage is
-        released, the next one (``more``) waited for and loaded into the other buffer, then
-        this tile's MMAs run. Plain Python; returns the state."""
-        mainloop.consumer_release(state)
-        state.advance()
-        if more:
-            mainloop.consumer_wait(state)
-            self._load_k_block(f, sf, srcs, state.index, 0, 1 - slot)
-        self.mma_k_block(f, slot)
-        return state
-
-    @cute.jit
-    def mainloop(self, mainloop, state, f: MmaFragments, k_count, cm, cn):
-        """K tiles of one work unit: ldmatrix + OMMA.SF per 64-wide K block, software
-        pipelined across stages.
-
-        K block ``kb + 1`` is loaded while the MMAs of ``kb`` run. Cooperative tiles
-        release the current stage after loading its last K block, then wait for the next
-        stage and load its first K block before the current stage's last K block's MMAs,
-        whose fragments are in registers already, so those MMAs hide the next stage's
-        latency (release before wait: with a single stage that is the same buffer). The
-        last K tile is peeled off the loop, which is then free of conditions. Tiles of one
-        K block (tile K 64) alternate two register buffers, the loop unrolled by two so
-        that the buffers stay static. Pingpong keeps the stage-at-a-time order: the other
-        group's MMAs hide its waits, and in the order above the first K block's fragments
-        stay live across the loop's back edge with its 128 accumulators, which spills at
-        its 168 registers (54 words, sm_120a, 2026-12-01).
-        """
-        sf = self._sf_sources(f, cm, cn)
-        n_kb = self.tile_mnk[2] // sf_layout.MMA_K
-        srcs = self._kb_sources(f, sf, n_kb)
-        if cutlass.const_expr(self.pingpong):
-            for _ in cutlass.range(k_count, unroll=1):
-                mainloop.consumer_wait(state)
-                s = state.index
-                self._load_k_block(f, sf, srcs, s, 0, 0)
-                for kb in cutlass.range_constexpr(n_kb):
-                    if cutlass.const_expr(kb + 1 < n_kb):
-                        self._load_k_block(f, sf, srcs, s, kb + 1, kb + 1)
-                    else:
-                        mainloop.consumer_release(state)
-                    self.mma_k_block(f, kb)
-                state.advance()
-        elif cutlass.const_expr(n_kb == 1):
-            if k_count > 0:
-                mainloop.consumer_wait(state)
-                self._load_k_block(f, sf, srcs, state.index, 0, 0)
-            for _ in cutlass.range((k_count - 1) // 2, unroll=1):
-                state = self._tile_buffered(mainloop, state, f, sf, srcs, 0, True)
-                state = self._tile_buffered(mainloop, state, f, sf, srcs, 1, True)
-            if k_count > 0:
-                if k_count % 2 == 0:
-                    state = self._tile_buffered(mainloop, state, f, sf, srcs, 0, True)
-                    state = self._tile_buffered(mainloop, state, f, sf, srcs, 1, False)
-                else:
-                    state = self._tile_buffered(mainloop, state, f, sf, srcs, 0, False)
-        else:
-            # Where the loop sits is ptxas' register allocation, measured (sm_120a, DSL
-            # 4.8.1, 2026-12-01): inside the ``k_count > 0`` block, 4 MOVs copy an
-            # accumulator at the block's end; outside, with 4 K blocks, ptxas keeps the stage
-            # index in a uniform register and moves it back per address (14 MOVs). Inside
-            # for 4 K blocks (128x128x256: 145 against 155 instructions per K tile),
-            # outside for 2 (128x128x128: 82 against 87).
-            inside = n_kb > 2
-            if k_count > 0:
-                mainloop.consumer_wait(state)
-                self._load_k_block(f, sf, srcs, state.index, 0, 0)
-                if cutlass.const_expr(inside):
-                    for _ in cutlass.range(k_count - 1, unroll=1):
-                        state = self._tile(mainloop, state, f, sf, srcs, True)
-                    state = self._tile(mainloop, state, f, sf, srcs, False)
-            if cutlass.const_expr(not inside):
-                for _ in cutlass.range(k_count - 1, unroll=1):
-                    state = self._tile(mainloop, state, f, sf, srcs, True)
-                if k_count > 0:
-                    state = self._tile(mainloop, state, f, sf, srcs, False)
-        return state
-
 
 class Sm120GroupedGemm(GroupedLaunch, Sm120Gemm):
     """Grouped (MoE) NVFP4 GEMM for SM120: :class:`Sm120Gemm` with a
@@ -746,4 +524,4 @@ class Sm120GroupedGemm(GroupedLaunch, Sm120Gemm):
     b_row_align = 1  # plain [N, K/2] weights per group
 
 
-__all__ = ["MmaFragments", "Sm120Gemm", "Sm120GroupedGemm"]
+__all__ = ["MmaFragments", "Sm120Consumer", "Sm120Gemm", "Sm120GroupedGemm", "Sm120Params"]

@@ -49,7 +49,7 @@ Constraints:
   group's last row. No split-K.
 """
 
-
+import functools
 from typing import NamedTuple
 
 import cutlass
@@ -61,7 +61,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_fp4.kernels import loads, roles, sf_layout
-from cute_fp4.kernels.epilogue import smem_epilogue, store_direct, store_smem_tma, store_split_k
+from cute_fp4.kernels.epilogue import (
+    SmemEpilogue,
+    smem_epilogue,
+    store_direct,
+    store_smem_tma,
+    store_split_k,
+)
 from cute_fp4.kernels.launch import (
     GemmLaunch,
     GemmTensors,
@@ -70,7 +76,7 @@ from cute_fp4.kernels.launch import (
     out_dtype,
 )
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
-from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler
+from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler, WorkTile, for_each_unit
 from cute_fp4.kernels.sm90_convert import convert_word, scale_word
 from cute_fp4.kernels.sm90_rs import RegisterSourcedMainloop
 from cute_fp4.kernels.sm90_rs_wide import (
@@ -117,6 +123,22 @@ class SmemTensors(NamedTuple):
     sSFB: object
     sC: object  # staged epilogue tiles, None when D is stored from registers
     red_ptr: object  # swap-AB: FP32 view of the activation buffers for the reduction
+
+
+class SsConsumer(NamedTuple):
+    """What the shared-memory sourced mainloop's units share (:meth:`Sm90Gemm.consume_ss`)."""
+
+    mainloop: pipeline.PipelineTmaAsync
+    smem: SmemTensors
+    ctid: cutlass.Int32  # this thread among the consumers
+    mma_warp: cutlass.Int32  # this warp among the consumers
+    tCrA: cute.Tensor  # WGMMA fragments (smem descriptors) of the 16-bit A and B buffers
+    tCrB: cute.Tensor
+    gD_t: cute.Tensor  # D cut into output tiles
+    acc: cute.Tensor
+    sync: pipeline.NamedBarrier  # every consumer thread
+    epi: SmemEpilogue | None  # the staged epilogue (None: stored from registers)
+    scale: cutlass.Float32
 
 
 def _stage0(layout):
@@ -386,19 +408,13 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             tx_bytes += cute.size_in_bytes(cutlass.Uint8,
                                            cute.slice_(self.sSFA_layout, sf_stage))
         # grouped W4A4: the producer warp's lanes also arrive (no-inc) after their cp.async
-        # copies of A's scales
-        producers = 1 + (WARPGROUP // 4 if self.grouped and not self.w4a16 else 0)
-        # swap-AB: one consumer warpgroup takes each stage (K tiles round-robin)
-        consumer_warps = 4 if self.swap_ab else self.num_wg * 4
-        mainloop = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-            tx_count=tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
+        # copies of A's scales; swap-AB: one consumer warpgroup takes each stage (K tiles
+        # round-robin), else every consumer warp reads every stage
+        groups = self.num_wg if self.swap_ab else 1
+        mainloop = roles.mainloop_pipeline(
+            self.warps, self.stages, tx_bytes, storage.mbar.data_ptr(),
+            consumer_warps=4 if self.swap_ab else self.num_wg * 4, consumer_groups=groups,
+            producer_cp_async=self.grouped and not self.w4a16)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         return storage, mainloop
 
@@ -525,57 +541,68 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         gD_t = cute.local_tile(p.gD, (tm, tn), (None, None, None))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD_t[(None, None, 0, 0, 0)]).shape,
                                     cutlass.Float32)
-        num_k_blocks = cute.size(tCrA, mode=[2])
         sync = pipeline.NamedBarrier(barrier_id=int(Barrier.ALL_MMA),
                                      num_threads=self.num_mma_threads)
         if cutlass.const_expr(not self.direct_store):
             epi = smem_epilogue(self._r2s_copy(), tiled_mma, ctid, s.sC, acc, self.epi_dtype,
                                 (tm, tn), self.epi_tile)
-        scale = self._scale(p)
+        else:
+            epi = None
+        c = SsConsumer(mainloop, s, ctid, mma_warp, tCrA, tCrB, gD_t, acc, sync, epi,
+                       self._scale(p))
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit, nctas = p.units.first_unit()
-        while unit < p.units.total:
-            w = p.units.coords(unit)
-            rows_a = p.m - w.m * tm
-            rows_b = p.n - w.n * tn
-            sf_row_a = (w.m * tm) % SF_ATOM_ROWS if tm < SF_ATOM_ROWS else 0
-            sf_row_b = (w.n * tn) % SF_ATOM_ROWS if tn < SF_ATOM_ROWS else 0
-            acc.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for kt in cutlass.range(w.k_count, unroll=1):
-                buf = kt % 2
-                mainloop.consumer_wait(read)
-                if cutlass.const_expr(not self.w4a16):
-                    self.convert(s.sA, s.sSFA, s.sA16, read.index, buf, rows_a, sf_row_a, tm,
-                                 ctid, True)
-                self.convert(s.sB, s.sSFB, s.sB16, read.index, buf, rows_b, sf_row_b, tn,
-                             ctid, False)
-                if cutlass.const_expr(not self.w4a16):
-                    mainloop.consumer_release(read)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                warpgroup.wait_group(0)
-                if cutlass.const_expr(self.w4a16):
-                    if kt > 0:
-                        mainloop.consumer_release(release)
-                        release.advance()
-                sync.arrive_and_wait()
-                a_idx = read.index if self.w4a16 else buf
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, a_idx)],
-                              tCrB[(None, None, kb, buf)], acc)
-                warpgroup.commit_group()
-                read.advance()
-            release = self._finish_unit(mainloop, release, w.k_count)
-            if cutlass.const_expr(self.direct_store):
-                self._store(tiled_mma.get_slice(ctid), acc, scale, p, (tm, tn), w.m, w.n, w,
-                            unit, ctid, rows_a, rows_b)
-            else:
-                store_smem_tma(epi, p.tma_c, gD_t[(None, None, w.m, w.n, 0)], s.sC,
-                               scale, self.epi_tile,
-                               self.epi_stages, sync, mma_warp == 0, self.epi_dtype)
-            unit += nctas
+        for_each_unit(p.units, functools.partial(self._ss_unit, p, c), (release, read))
+
+    @cute.jit
+    def _ss_unit(self, p: Sm90Params, c: SsConsumer, w: WorkTile, unit, carry):
+        """One work unit of the shared-memory sourced mainloop and its epilogue; ``carry``:
+        the (release, read) pipeline states (in this order: the loop's carried values in
+        the order of the hand-written loop before it, whose SASS ptxas made)."""
+        release, read = carry
+        tm, tn = self.tile_m, self.tile_n
+        tiled_mma = self.tiled_mma
+        s, acc, mainloop, ctid = c.smem, c.acc, c.mainloop, c.ctid
+        num_k_blocks = cute.size(c.tCrA, mode=[2])
+        rows_a = p.m - w.m * tm
+        rows_b = p.n - w.n * tn
+        sf_row_a = (w.m * tm) % SF_ATOM_ROWS if tm < SF_ATOM_ROWS else 0
+        sf_row_b = (w.n * tn) % SF_ATOM_ROWS if tn < SF_ATOM_ROWS else 0
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for kt in cutlass.range(w.k_count, unroll=1):
+            buf = kt % 2
+            mainloop.consumer_wait(read)
+            if cutlass.const_expr(not self.w4a16):
+                self.convert(s.sA, s.sSFA, s.sA16, read.index, buf, rows_a, sf_row_a, tm,
+                             ctid, True)
+            self.convert(s.sB, s.sSFB, s.sB16, read.index, buf, rows_b, sf_row_b, tn,
+                         ctid, False)
+            if cutlass.const_expr(not self.w4a16):
+                mainloop.consumer_release(read)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            warpgroup.wait_group(0)
+            if cutlass.const_expr(self.w4a16):
+                if kt > 0:
+                    mainloop.consumer_release(release)
+                    release.advance()
+            c.sync.arrive_and_wait()
+            a_idx = read.index if self.w4a16 else buf
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                cute.gemm(tiled_mma, acc, c.tCrA[(None, None, kb, a_idx)],
+                          c.tCrB[(None, None, kb, buf)], acc)
+            warpgroup.commit_group()
+            read.advance()
+        release = self._finish_unit(mainloop, release, w.k_count)
+        if cutlass.const_expr(self.direct_store):
+            self._store(tiled_mma.get_slice(ctid), acc, c.scale, p, (tm, tn), w.m, w.n, w,
+                        unit, ctid, rows_a, rows_b)
+        else:
+            store_smem_tma(c.epi, p.tma_c, c.gD_t[(None, None, w.m, w.n, 0)], s.sC,
+                           c.scale, self.epi_tile,
+                           self.epi_stages, c.sync, c.mma_warp == 0, self.epi_dtype)
+        return release, read
 
     @cute.jit
     def _finish_unit(self, mainloop, release, k_count):

@@ -45,6 +45,9 @@ Correct but not overlapped across the stage boundary (W4A16 is the target of thi
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -52,6 +55,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cute_fp4.kernels.epilogue import store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
+from cute_fp4.kernels.scheduler import WorkTile, for_each_unit
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 
@@ -199,6 +203,25 @@ def weight_global_view(mB: cute.Tensor, n, k) -> cute.Tensor:
     return cute.make_tensor(mB.iterator, cute.make_layout(shape, stride=stride))
 
 
+class PackedConsumer(NamedTuple):
+    """What a consumer thread's units share (:meth:`PackedRegisterMainloop.consume_rs_packed`)."""
+
+    mainloop: pipeline.PipelineTmaAsync
+    smem: object  # sm90.SmemTensors
+    ctid: cutlass.Int32  # this thread among the consumers
+    t: cutlass.Int32  # this thread in its warpgroup
+    wg: cutlass.Int32  # this warpgroup
+    thr_mma: object  # this thread's slice of the WGMMA
+    tCrB: cute.Tensor  # (V, N, kb, stage) WGMMA B descriptors of the activation stages
+    gD_t: cute.Tensor  # D^T cut into (64, tile.m) tiles
+    accs: list  # [M block] FP32 accumulators
+    frags: list  # [M block][buffer] A fragments of one group of K blocks
+    sf_word: list  # [2 b + h] word offsets of this thread's scales in a stage
+    sync: pipeline.NamedBarrier  # every consumer thread (W4A4's activation conversion)
+    scale: cutlass.Float32
+    tables: tuple  # decode_tables()
+
+
 class PackedRegisterMainloop:
     """Methods of :class:`~cute_fp4.kernels.sm90.Sm90Gemm` for ``mainloop=rs_packed``."""
 
@@ -206,7 +229,7 @@ class PackedRegisterMainloop:
     def consume_rs_packed(self, mainloop, p, s, ctid):
         """Consumer warpgroups: every work unit of this CTA (weight tile ``w.m``,
         activation tile ``w.n``, split ``w.split``)."""
-        tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
+        tm, tk = self.tile_m, self.tile_k
         mb_n = self.rs_m_blocks  # 64-row WGMMA M blocks per warpgroup
         k_units = tk // UNIT_K
         wg = ctid // WARPGROUP
@@ -237,45 +260,55 @@ class PackedRegisterMainloop:
         scale = self._scale(p)
         tables = decode_tables(bf16)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        c = PackedConsumer(mainloop, s, ctid, t, wg, thr_mma, tCrB, gD_t, accs, frags, sf_word,
+                           w4a4_sync, scale, tables)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        unit, nctas = p.units.first_unit()
-        while unit < p.units.total:
-            w = p.units.coords(unit)
-            nt, mt = w.m, w.n  # the scheduler's M tiles are the weight's rows
-            gD_u, cols, scale_u = gD_t, p.m - mt * tm, scale
-            if cutlass.const_expr(self.grouped):  # activation row tiles inside a group
-                nt, mt = w.n, 0
-                gD_u = cute.local_tile(cute.domain_offset((0, w.row0, 0), p.gD),
-                                       (UNIT_ROWS, tm), (None, None, None))
-                cols, scale_u = w.rows, scale * p.mAlpha[w.l]
-            for b in cutlass.range_constexpr(mb_n):
-                accs[b].fill(0.0)
-            # the first K tile of a unit releases no earlier stage: peeled, so that no
-            # branch sits between the WGMMAs in flight and their wait (ptxas serialises
-            # the WGMMAs of a pipeline with a conditional release inside it)
-            if w.k_count > 0:
-                mainloop.consumer_wait(read)
-                self._k_tile(mainloop, read, release, s, t, wg, mt, ctid, sf_word, frags, accs,
-                             tCrB, w4a4_sync, tables, bf16, False)
-                read.advance()
-            for _ in cutlass.range(1, w.k_count, unroll=1):
-                mainloop.consumer_wait(read)
-                self._k_tile(mainloop, read, release, s, t, wg, mt, ctid, sf_word, frags, accs,
-                             tCrB, w4a4_sync, tables, bf16, self.w4a16)
-                if cutlass.const_expr(self.w4a16):
-                    release.advance()
-                read.advance()
-            release = self._finish_unit(mainloop, release, w.k_count)
-            for b in cutlass.range_constexpr(mb_n):
-                rb = nt * (tn // UNIT_ROWS) + wg * mb_n + b  # 64-row block of D^T
-                if cutlass.const_expr(self.grouped):
-                    store_direct(thr_mma, accs[b], scale_u, gD_u[(None, None, rb, mt, 0)],
-                                 (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype)
-                else:
-                    self._store(thr_mma, accs[b], scale_u, p, (UNIT_ROWS, tm), rb, mt, w, unit,
-                                b * self.num_mma_threads + ctid, p.n - rb * UNIT_ROWS, cols)
-            unit += nctas
+        for_each_unit(p.units, functools.partial(self._rs_packed_unit, p, c), (release, read))
+
+    @cute.jit
+    def _rs_packed_unit(self, p, c: PackedConsumer, w: WorkTile, unit, carry):
+        """One work unit (weight tile ``w.m``, activation tile ``w.n``, split ``w.split``):
+        its K tiles, then D^T; ``carry``: the (release, read) pipeline states."""
+        release, read = carry
+        tm, tn = self.tile_m, self.tile_n
+        mb_n = self.rs_m_blocks
+        bf16 = self.mma_dtype is cutlass.BFloat16
+        mainloop, s, ctid, t, wg, accs = c.mainloop, c.smem, c.ctid, c.t, c.wg, c.accs
+        nt, mt = w.m, w.n  # the scheduler's M tiles are the weight's rows
+        gD_u, cols, scale_u = c.gD_t, p.m - mt * tm, c.scale
+        if cutlass.const_expr(self.grouped):  # activation row tiles inside a group
+            nt, mt = w.n, 0
+            gD_u = cute.local_tile(cute.domain_offset((0, w.row0, 0), p.gD),
+                                   (UNIT_ROWS, tm), (None, None, None))
+            cols, scale_u = w.rows, c.scale * p.mAlpha[w.l]
+        for b in cutlass.range_constexpr(mb_n):
+            accs[b].fill(0.0)
+        # the first K tile of a unit releases no earlier stage: peeled, so that no
+        # branch sits between the WGMMAs in flight and their wait (ptxas serialises
+        # the WGMMAs of a pipeline with a conditional release inside it)
+        if w.k_count > 0:
+            mainloop.consumer_wait(read)
+            self._k_tile(mainloop, read, release, s, t, wg, mt, ctid, c.sf_word, c.frags, accs,
+                         c.tCrB, c.sync, c.tables, bf16, False)
+            read.advance()
+        for _ in cutlass.range(1, w.k_count, unroll=1):
+            mainloop.consumer_wait(read)
+            self._k_tile(mainloop, read, release, s, t, wg, mt, ctid, c.sf_word, c.frags, accs,
+                         c.tCrB, c.sync, c.tables, bf16, self.w4a16)
+            if cutlass.const_expr(self.w4a16):
+                release.advance()
+            read.advance()
+        release = self._finish_unit(mainloop, release, w.k_count)
+        for b in cutlass.range_constexpr(mb_n):
+            rb = nt * (tn // UNIT_ROWS) + wg * mb_n + b  # 64-row block of D^T
+            if cutlass.const_expr(self.grouped):
+                store_direct(c.thr_mma, accs[b], scale_u, gD_u[(None, None, rb, mt, 0)],
+                             (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype)
+            else:
+                self._store(c.thr_mma, accs[b], scale_u, p, (UNIT_ROWS, tm), rb, mt, w, unit,
+                            b * self.num_mma_threads + ctid, p.n - rb * UNIT_ROWS, cols)
+        return release, read
 
     @cute.jit
     def _k_tile(self, mainloop, read, release, s, t, wg, mt, ctid, sf_word, frags, accs, tCrB,
@@ -363,6 +396,6 @@ class PackedRegisterMainloop:
         sync.arrive_and_wait()
 
 
-__all__ = ["GROUP_K_BLOCKS", "WIDE_GROUP_K_BLOCKS", "PackedRegisterMainloop", "decode_fragment",
-           "fragment_ptx", "group_k_blocks", "sf_word_offset", "weight_global_view",
-           "weight_stage_layout"]
+__all__ = ["GROUP_K_BLOCKS", "WIDE_GROUP_K_BLOCKS", "PackedConsumer", "PackedRegisterMainloop",
+           "decode_fragment", "fragment_ptx", "group_k_blocks", "sf_word_offset",
+           "weight_global_view", "weight_stage_layout"]
