@@ -141,25 +141,6 @@ def test_roofline_plot_from_rows(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_readme_example_runs_up_to_the_gpu_call():
-    """The README's Python example, on the CPU: everything before the GEMM runs as written;
-    the GEMM itself says plainly that it needs a GPU."""
-    from pathlib import Path
-
-    import torch
-
-    from cute_fp4.errors import DeviceError
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    code = text.split("```python\n", 1)[1].split("```", 1)[0]
-    assert 'device="cuda"' in code and "cf.gemm(" in code
-    code = code.replace('device="cuda"', 'device="cpu"')
-    if torch.cuda.is_available():
-        pytest.skip("GPU present: tests/gpu covers the real call")
-    with pytest.raises(DeviceError):
-        exec(compile(code, "README.md", "exec"), {})  # noqa: S102
-
-
 # ----------------------------------------------------------------------------- issue 12 item 6
 
 WIDTH = 100
