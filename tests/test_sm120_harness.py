@@ -46,7 +46,7 @@ def test_hangs_crashes_and_cuda_errors_are_recorded(tmp_path):
     driver.write_text(DRIVER)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(driver), "--out", str(out)], capture_output=True,
-                       text=True, timeout=300, cwd=HARNESS.parent.parent)
+                       text=True, timeout=300, cwd=HARNESS.parents[2])
     assert r.returncode == 1, r.stdout + r.stderr  # not everything passed
     report = json.loads((out / "sm120_emulated.json").read_text())
     rows = report["rows"]["sm120_default"]
