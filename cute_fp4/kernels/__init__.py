@@ -3,19 +3,25 @@
 Shared components (each exists once and serves every kernel family):
 
 * ``scheduler.py``: work units (output tile x K split), one split-K rule, persistent or
-  one CTA per unit, grouped raster; ``WorkTile`` is the seam a grouped (MoE) scheduler
-  plugs into.
-* ``roles.py``: warp placement (consumers first, producer last), named-barrier ids,
-  setmaxnreg from the plan, pingpong turn barriers.
+  one CTA per unit, grouped raster; the protocol every scheduler follows
+  (``UnitScheduler``: ``prepare``, ``total``, ``first_unit``, ``coords`` -> ``WorkTile``,
+  the seam a grouped (MoE) scheduler plugs into) and the one persistent loop of every
+  kernel (``for_each_unit``).
+* ``roles.py``: warp placement (producer first, consumers after it), named-barrier ids,
+  setmaxnreg from the plan, the mainloop pipeline with its arrive counts derived from the
+  roles (checked at trace time), the named pingpong turns.
 * ``loads.py``: TMA partitions of A and B, scale factors by TMA boxes or cp.async.
 * ``epilogue.py``: alpha, a fused-op hook, conversion; TMA store through shared memory or a
   masked store from registers (through a transposed view for swap-AB).
 * ``launch.py``: the one compiled signature, ``fake_args``/``runtime_args``, and the global
   tensors built from raw pointers.
 
-Kernel classes: ``sm120.Sm120Gemm`` (block-scaled warp MMA, SM120/SM121) and
-``sm90.Sm90Gemm`` (in-kernel FP4 -> 16-bit conversion + WGMMA; the register-sourced
-swap-AB mainloop is ``sm90_rs.py``). Contract every kernel class follows (the host layer,
+Kernel classes: ``sm120.Sm120Gemm`` (block-scaled warp MMA, SM120/SM121; its MMA warps'
+mainloop is ``sm120_mainloop.py``), ``sm90.Sm90Gemm`` (in-kernel FP4 -> 16-bit conversion +
+WGMMA; the register-sourced mainloops are ``sm90_rs.py`` and ``sm90_rs_wide.py``) and
+``stream.StreamGemm`` (the weight-streaming decode GEMM, both families). Each takes its
+arguments as one NamedTuple (``Sm120Params``, ``Sm90Params``, ``StreamParams``), an
+absent operand as None. Contract every kernel class follows (the host layer,
 ``cute_fp4.compile``, relies on it):
 
 ``Kernel(schedule, problem)``

@@ -40,13 +40,17 @@ Constraints
   SFA | SFB | C, each 1024-byte aligned); at most 101,376 B. Cluster 1x1x1 (SM120 has no
   multicast).
 * Pingpong: two MMA groups alternate work units; their mainloops and their epilogues are
-  each serialized by a pair of mbarriers (the groups share the one C buffer). The CTA is
+  each serialized by a pair of mbarriers (``roles.Turn``, in their own region after the
+  stages' mbarriers; the groups share the one C buffer). The CTA is
   padded to whole warpgroups so setmaxnreg can hand the producer's registers to the MMA
   warps (168 -> 232 per thread with 2 x 4 MMA warps).
 * Compiled signature: the one of every GEMM kernel (kernels/launch.py); ``_launch``
-  builds the TMA atoms and launches. Work units come from kernels/scheduler.py, warp
-  roles, named barriers and pingpong turns from kernels/roles.py, the epilogue from
-  kernels/epilogue.py.
+  builds the TMA atoms and launches the kernel with one :class:`Sm120Params` (an absent
+  operand is None: no SFA atom for grouped, no scale atoms with ``sf_load=cp_async``, no
+  D store atom where D is stored from registers, no workspace without split-K). Work
+  units come from kernels/scheduler.py (``for_each_unit``), warp roles, named barriers,
+  the pipeline's arrive counts and the pingpong turns from kernels/roles.py, the mainloop
+  from kernels/sm120_mainloop.py, the epilogue from kernels/epilogue.py.
   M = 0 or N = 0 would launch an empty grid: the host layer must skip those.
 * Grouped (``Scheduler.grouped``, :class:`Sm120GroupedGemm`, the grouped launch signature
   of kernels/launch.py): work units from ``GroupedScheduler`` (device offsets, at most 256
@@ -110,21 +114,21 @@ class Sm120Params(NamedTuple):
     mA: cute.Tensor  # A's TMA tensor (uint8 bytes, K/2 per row)
     tma_b: cute.CopyAtom
     mB: cute.Tensor
-    tma_sfa: cute.CopyAtom  # grouped: an alias of tma_sfb, unused (SFA by cp.async)
-    mSFA: cute.Tensor
+    tma_sfa: cute.CopyAtom | None  # grouped: None (A's scales by cp.async, row by row)
+    mSFA: cute.Tensor | None
     tma_sfb: cute.CopyAtom
     mSFB: cute.Tensor
-    tma_c: cute.CopyAtom  # the D store atom (grouped, split-K: an alias of tma_a, unused)
+    tma_c: cute.CopyAtom | None  # the D store atom; None where D is stored from registers
     mC: cute.Tensor  # D's TMA tensor, or D itself where stored from registers
     sfa_bytes: cute.Tensor  # A's and B's flat blocked scale bytes (cp.async loads)
     sfb_bytes: cute.Tensor
     mAlpha: cute.Tensor  # (1,) float32, grouped: (groups,)
     units: TileScheduler | GroupedScheduler
     k_blocks: cutlass.Int32  # 64-element K blocks of the scale tensors
-    mOffsets: cute.Tensor  # grouped: int32 [groups + 1] row offsets (dense: mAlpha, unused)
+    mOffsets: cute.Tensor | None  # grouped: int32 [groups + 1] row offsets; dense: None
     m_rows: cutlass.Int32  # rows of A
-    mWork: cute.Tensor  # split-K: the workspace (grouped: mAlpha, unused)
-    mCount: cute.Tensor
+    mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors); else None
+    mCount: cute.Tensor | None
 
 
 class Sm120Consumer(NamedTuple):
@@ -132,7 +136,7 @@ class Sm120Consumer(NamedTuple):
 
     mainloop: pipeline.PipelineTmaAsync
     frags: MmaFragments
-    turn_bars: object  # pingpong turn mbarriers (roles.init_turns)
+    turn_bars: cute.Pointer  # the pingpong turn mbarriers (roles.Turn)
     group: cutlass.Int32  # this MMA group
     gtid: cutlass.Int32  # this thread in its group
     mma_warp: cutlass.Int32  # this warp among the MMA warps
@@ -141,11 +145,11 @@ class Sm120Consumer(NamedTuple):
     epi: SmemEpilogue | None  # the staged epilogue (None: stored from registers)
     sC: cute.Tensor | None
     gC: cute.Tensor | None
-    tma_c: cute.CopyAtom
+    tma_c: cute.CopyAtom | None  # None where D is stored from registers
     mC: cute.Tensor
     alpha: cute.Tensor
-    mWork: cute.Tensor
-    mCount: cute.Tensor
+    mWork: cute.Tensor | None  # split-K only
+    mCount: cute.Tensor | None
     units: TileScheduler | GroupedScheduler
 
 
@@ -283,14 +287,20 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
             g2s, mA, cute.slice_(self.sA_tma_layout, (None, None, 0)), (tm, tk // 2))
         tma_b, tma_mB = cpasync.make_tiled_tma_atom(
             g2s, mB, cute.slice_(self.sB_tma_layout, (None, None, 0)), (tn, tk // 2))
-        mSFA = loads.sf_global_view(t.mSFA, m, half_k)
-        mSFB = loads.sf_global_view(t.mSFB, n, half_k)
-        tma_sfa, tma_mSFA = loads.sf_tma_atom(mSFA, self.sSFA_bytes)
-        tma_sfb, tma_mSFB = loads.sf_tma_atom(mSFB, self.sSFB_bytes)
-        if cutlass.const_expr(self.grouped or self.split_k > 1):
-            tma_c, tma_mC = tma_a, t.mD  # no TMA store: masked from registers
+        # absent operands are None (the kernel branches on them with const_expr): scale
+        # atoms where the scales go by cp.async (grouped: A's, row by row), the D store
+        # atom where D is stored from registers (grouped, split-K), the split-K workspace
+        # and the group offsets where there are none
+        tma_sfa = tma_mSFA = tma_sfb = tma_mSFB = None
+        if cutlass.const_expr(not self.sf_cp_async):
+            tma_sfb, tma_mSFB = loads.sf_tma_atom(loads.sf_global_view(t.mSFB, n, half_k),
+                                                  self.sSFB_bytes)
+            if cutlass.const_expr(not self.grouped):
+                tma_sfa, tma_mSFA = loads.sf_tma_atom(
+                    loads.sf_global_view(t.mSFA, m, half_k), self.sSFA_bytes)
+        tma_c, tma_mC = None, t.mD
+        offsets = work = count = None
         if cutlass.const_expr(self.grouped):
-            tma_sfa, tma_mSFA = tma_sfb, tma_mSFB  # SFA goes row by row (cp.async)
             offsets = t.mOffsets
             units = GroupedScheduler.create(offsets.shape[0] - 1, m, n, k, self.tile_mnk)
         else:
@@ -298,20 +308,18 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
                 tma_c, tma_mC = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), t.mD,
                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
-            offsets = t.mAlpha
+            else:
+                work, count = t.mWork, t.mCount
             units = TileScheduler.create(m, n, k, self.tile_mnk, self.split_k,
                                          self.sched.group_size, self.along_m)
-        split_out = (t.mAlpha, t.mAlpha)  # grouped: unused
-        if cutlass.const_expr(not self.grouped):
-            split_out = (t.mWork, t.mCount)
         params = Sm120Params(tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB,
                              tma_c, tma_mC, t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32,
-                             offsets, m, *split_out)
-        self.kernel(params        ).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
-                 block=[self.threads, 1, 1], cluster=[1, 1, 1],
-                 smem=self.smem_bytes, stream=stream,
-                 max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=1,
-                 use_pdl=roles.PDL)
+                             offsets, m, work, count)
+        self.kernel(params).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
+                                   block=[self.threads, 1, 1], cluster=[1, 1, 1],
+                                   smem=self.smem_bytes, stream=stream,
+                                   max_number_threads=[self.threads, 1, 1],
+                                   min_blocks_per_mp=1, use_pdl=roles.PDL)
 
     @staticmethod
     def _byte_view(t: cute.Tensor) -> cute.Tensor:
@@ -334,7 +342,8 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == self.producer_warp:
             for atom in (p.tma_a, p.tma_b, p.tma_sfa, p.tma_sfb, p.tma_c):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         mainloop = self._make_mainloop_pipeline(storage.mainloop_bars.data_ptr())
         turn_bars = storage.turn_bars.data_ptr()
@@ -379,8 +388,10 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         sSFA = storage.sSFA.get_tensor(self.sSFA_bytes)
         sSFB = storage.sSFB.get_tensor(self.sSFB_bytes)
         sf_box = cute.shape(cute.slice_(self.sSFA_bytes, (None,) * 4 + (0,)))
-        tAsSFA, tAgSFA = loads.tma_views(tma_sfa, sSFA, mSFA, sf_box)
-        tBsSFB, tBgSFB = loads.tma_views(tma_sfb, sSFB, mSFB, sf_box)
+        if cutlass.const_expr(tma_sfa is not None):
+            tAsSFA, tAgSFA = loads.tma_views(tma_sfa, sSFA, mSFA, sf_box)
+        if cutlass.const_expr(tma_sfb is not None):
+            tBsSFB, tBgSFB = loads.tma_views(tma_sfb, sSFB, mSFB, sf_box)
         ratio_a = self.sf_rows[0] // tm
         ratio_b = self.sf_rows[1] // tn
         lane = cute.arch.lane_idx()

@@ -99,19 +99,19 @@ class Sm90Params(NamedTuple):
     gA: cute.Tensor
     tma_b: cute.CopyAtom
     gB: cute.Tensor
-    tma_sfa: cute.CopyAtom
-    gSFA: cute.Tensor  # grouped W4A4: A's flat scale bytes (copied row by row, cp.async)
+    tma_sfa: cute.CopyAtom | None  # None: W4A16, grouped (then by cp.async, row by row)
+    gSFA: cute.Tensor | None  # grouped W4A4: A's flat scale bytes; W4A16: None
     tma_sfb: cute.CopyAtom
     gSFB: cute.Tensor
-    tma_c: cute.CopyAtom  # the D store atom (unused when D is stored from registers)
+    tma_c: cute.CopyAtom | None  # the D store atom; None where D is stored from registers
     gD: cute.Tensor  # (M, N, L), or (N, M, L) = D^T for swap-AB
     mAlpha: cute.Tensor
     units: TileScheduler  # or a GroupedScheduler (grouped schedules)
     m: cutlass.Int32
     n: cutlass.Int32
-    mOffsets: cute.Tensor  # grouped: int32 [groups + 1] row offsets (dense: mAlpha, unused)
-    mWork: cute.Tensor  # split-K: the workspace (launch.global_tensors), flat FP32
-    mCount: cute.Tensor  # split-K: the header and counters, flat int32
+    mOffsets: cute.Tensor | None  # grouped: int32 [groups + 1] row offsets; dense: None
+    mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors), flat FP32
+    mCount: cute.Tensor | None  # split-K: the header and counters, flat int32
 
 
 class SmemTensors(NamedTuple):
@@ -302,9 +302,10 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         m, n = t.mD.shape[0], t.mD.shape[1]
         k = t.mB.shape[1] * 2
         tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB = self._make_load_atoms(t, m, n)
+        # absent operands are None (the kernel branches on them with const_expr)
         gD = t.mD
-        tma_c = tma_b  # unused: D is stored from registers
-        offsets = t.mAlpha
+        tma_c = None  # D stored from registers
+        offsets = None  # dense: no group offsets
         if cutlass.const_expr(self.grouped):
             offsets = t.mOffsets
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
@@ -325,7 +326,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 tma_c, gD = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), t.mD,
                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
-        work = (t.mAlpha, t.mAlpha) if self.grouped else (t.mWork, t.mCount)
+        work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)
         params = Sm90Params(tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB, tma_c, gD,
                             t.mAlpha, units, m, n, offsets, *work)
         self.kernel(params).launch(grid=[units.grid(self.persistent, max_ctas), 1, 1],
@@ -346,14 +347,14 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 tma_sfb, gSFB = loads.sf_tma_atom(
                     loads.sf_global_view(t.mSFB, n, t.mB.shape[1]),
                     self.sSFB_layout)
-                return tma_a, gA, tma_b, gB, tma_sfb, t.mSFA, tma_sfb, gSFB
+                return tma_a, gA, tma_b, gB, None, t.mSFA, tma_sfb, gSFB
         else:
             tma_b, gB = cpasync.make_tiled_tma_atom(
                 g2s, t.mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
         half_k = t.mB.shape[1]
         tma_sfb, gSFB = loads.sf_tma_atom(loads.sf_global_view(t.mSFB, n, half_k),
                                           self.sSFB_layout)
-        tma_sfa, gSFA = tma_sfb, gSFB
+        tma_sfa, gSFA = None, None  # W4A16: no activation scales
         if cutlass.const_expr(not self.w4a16):
             tma_sfa, gSFA = loads.sf_tma_atom(loads.sf_global_view(t.mSFA, m, half_k),
                                               self.sSFA_layout)

@@ -45,6 +45,7 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
+from cute_fp4.kernels.scheduler import this_unit
 from cute_fp4.kernels.sm90_convert import convert_pairs, permute_bytes, scale_word
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, sf_atom_offset
 
@@ -77,8 +78,7 @@ class RegisterSourcedMainloop:
         wg_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_GROUP) + wg,
                                        num_threads=WARPGROUP)
         bf16 = self.mma_dtype is cutlass.BFloat16
-        unit, _ = p.units.first_unit()
-        w = p.units.coords(unit)
+        unit, w = this_unit(p.units)  # one CTA per unit
         nt, mt = w.m, w.n
 
         # 32-bit offsets of this thread's four scales (one word) for its two weight rows

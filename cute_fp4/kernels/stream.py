@@ -54,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync
 from cute_fp4.kernels import roles
 from cute_fp4.kernels.epilogue import store_direct, store_split_k
 from cute_fp4.kernels.launch import GemmLaunch, GemmTensors, PointerTypes, out_dtype
-from cute_fp4.kernels.scheduler import TileScheduler
+from cute_fp4.kernels.scheduler import TileScheduler, this_unit
 from cute_fp4.kernels.sm90_rs_wide import decode_fragment, decode_tables, scale_halves
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 from cute_fp4.plan import plan
@@ -103,8 +103,8 @@ class StreamParams(NamedTuple):
     units: TileScheduler  # (row blocks, activation tiles, 64-element K units, split_k)
     m: cutlass.Int32
     n: cutlass.Int32
-    mWork: cute.Tensor  # split-K workspace: FP32 partials (without split-K: unused)
-    mCount: cute.Tensor  # split-K header and arrival counters (without: unused)
+    mWork: cute.Tensor | None  # split-K workspace: FP32 partials (without split-K: None)
+    mCount: cute.Tensor | None  # split-K header and arrival counters (without: None)
 
 
 class StreamGemm(GemmLaunch):
@@ -174,7 +174,8 @@ class StreamGemm(GemmLaunch):
             (n, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
         units = TileScheduler.create(n, m, half_k * 2, (UNIT_ROWS, self.tile_m, UNIT_K),
                                      self.split_k)
-        params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, t.mWork, t.mCount)
+        work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)  # absent: None
+        params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work)
         self.kernel(params).launch(grid=[units.total, 1, 1], block=[self.threads, 1, 1],
                                    smem=self.smem_bytes, stream=stream, use_pdl=roles.PDL)
 
@@ -183,7 +184,6 @@ class StreamGemm(GemmLaunch):
     def kernel(self, p: StreamParams):
         self._setup()
         tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -202,7 +202,7 @@ class StreamGemm(GemmLaunch):
             a.fill(0.0)
             accs.append(a)
         tables = decode_tables(self.mma_dtype is cutlass.BFloat16)
-        w = p.units.coords(bid)
+        unit, w = this_unit(p.units)  # one CTA per unit
         k_units = p.units.k_tiles
         # this warp's units of the CTA's range: k_begin + warp + 4 t, t < mine
         mine = (w.k_count - warp + WARPS - 1) // WARPS
@@ -228,7 +228,7 @@ class StreamGemm(GemmLaunch):
         cute.arch.cp_async_wait_group(0)
         acc = self._reduce(sQ_all, accs, warp, lane)
         tiled_mma = self._tiled_mma()
-        self._store(p, tiled_mma.get_slice(tidx), acc, w, bid, tidx)
+        self._store(p, tiled_mma.get_slice(tidx), acc, w, unit, tidx)
 
     def _warp_mma(self):
         op = cute.nvgpu.warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16))
