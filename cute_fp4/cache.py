@@ -20,9 +20,9 @@ directory; the tests and CI set it to ``.cache/builds``) keeps what a cross-comp
 (cubin, PTX), so compile-only work (``compile_report``, the tests, ``cute-fp4 compile``)
 builds each kernel once. Its entries are :class:`DiskCache` entries (the files in one
 archive), keyed by the kernel class, its schedule or spec, the problem, the compile options
-(target) and :func:`kernel_fingerprint` (the kernel modules' sources, the DSL and CUDA
-tool wheels, Python), under a folder per fingerprint; the outputs of ``cuobjdump`` on a
-cubin are kept beside them by content (:func:`tool_output`).
+(target) and :func:`kernel_fingerprint` (the sources of the kernel's module and of what it
+imports, the DSL and CUDA tool wheels, Python), under a folder per fingerprint; the
+outputs of ``cuobjdump`` on a cubin are kept beside them by content (:func:`tool_output`).
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def _locked(f):
 # ----------------------------------------------------------------------------- build cache
 
 BUILD_CACHE_ENV = "CUTE_FP4_BUILD_CACHE"  # a directory; unset, "" or "0": no build cache
-KEEP_FINGERPRINTS = 4  # folders of other fingerprints kept (the most recently used)
+KEEP_FINGERPRINTS = 32  # fingerprint folders kept at most (the most recently used) ...
+KEEP_DAYS = 7  # ... and only those used within this many days
 BUILD_STATS: collections.Counter = collections.Counter()  # this process's fetches by outcome
 FACTS = "facts.json"  # in an entry's archive, beside files/<the products>
 
@@ -199,13 +200,15 @@ def build_cache_dir() -> Path | None:
 
 
 @functools.cache
-def kernel_sources() -> tuple[Path, ...]:
-    """The package files generated code depends on: ``cute_fp4/kernels`` and every
-    ``cute_fp4`` module they import, transitively, at any depth of a function (read from
+def kernel_sources(module: str | None = None) -> tuple[Path, ...]:
+    """The package files generated code depends on: the kernel module ``module`` (dotted,
+    e.g. ``cute_fp4.kernels.sm120``; None: every module of ``cute_fp4/kernels``) and every
+    ``cute_fp4`` module it imports, transitively, at any depth of a function (read from
     the import statements, so a new import is followed without a list to update). The
     package facade (``cute_fp4/__init__.py``, lazy exports) decides no code: not followed."""
     root = Path(__file__).resolve().parent
-    todo = sorted((root / "kernels").rglob("*.py"))
+    todo = (_module_files(root, module) if module is not None
+            else sorted((root / "kernels").rglob("*.py")))
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
@@ -261,12 +264,13 @@ def toolchain() -> str:
 
 
 @functools.cache
-def kernel_fingerprint() -> str:
-    """SHA-256 over :func:`kernel_sources` (paths inside the package and contents) and
-    :func:`toolchain`: the same in a checkout and in an installed wheel of it."""
+def kernel_fingerprint(module: str | None = None) -> str:
+    """SHA-256 over :func:`kernel_sources` of ``module`` (paths inside the package and
+    contents) and :func:`toolchain`: the same in a checkout and in an installed wheel of it;
+    an edit to one kernel module leaves the other kernels' fingerprints alone."""
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for path in kernel_sources():
+    for path in kernel_sources(module):
         h.update(str(path.relative_to(root).as_posix()).encode() + b"\0")
         h.update(path.read_bytes())
     h.update(toolchain().encode())
@@ -276,13 +280,15 @@ def kernel_fingerprint() -> str:
 class BuildCache(DiskCache):
     """Cross-compile products by key: :meth:`fetch` puts the files a build wrote (cubin,
     PTX) into a directory, building them only on a miss. One folder per
-    :func:`kernel_fingerprint` under the root; folders of other fingerprints beyond the
-    :data:`KEEP_FINGERPRINTS` most recently used are removed."""
+    :func:`kernel_fingerprint` (of ``module``, the kernel's) under the root; a folder
+    unused for :data:`KEEP_DAYS`, or beyond the :data:`KEEP_FINGERPRINTS` most recently
+    used, is removed."""
 
     object_name = "products.zip"
 
-    def __init__(self, root: Path | None = None, fingerprint: str | None = None):
-        fp = fingerprint or kernel_fingerprint()
+    def __init__(self, root: Path | None = None, fingerprint: str | None = None,
+                 module: str | None = None):
+        fp = fingerprint or kernel_fingerprint(module)
         self.base = Path(root) if root is not None else build_cache_dir()
         if self.base is None:
             raise ValueError(f"no build cache: {BUILD_CACHE_ENV} is not set")
@@ -324,22 +330,32 @@ class BuildCache(DiskCache):
         return result, facts, how
 
     def _prune(self) -> None:
-        """Remove the folders of other fingerprints but the most recently used ones."""
+        """Remove the fingerprint folders not used lately (see the class docstring)."""
+        import time
+
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             os.utime(self.root)
-            others = sorted((p for p in self.base.iterdir() if p.is_dir() and p != self.root),
-                            key=lambda p: p.stat().st_mtime, reverse=True)
+            folders = sorted((p for p in self.base.iterdir()
+                              if p.is_dir() and p.name != "tools"),
+                             key=lambda p: p.stat().st_mtime, reverse=True)
         except OSError:
             return  # get_or_build says so once, and runs uncached
-        for old in others[KEEP_FINGERPRINTS:]:
-            shutil.rmtree(old, ignore_errors=True)
+        old = time.time() - KEEP_DAYS * 86400
+        for i, folder in enumerate(folders):
+            try:
+                stale = i >= KEEP_FINGERPRINTS or folder.stat().st_mtime < old
+            except OSError:
+                continue
+            if stale and folder != self.root:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
-def build_cache() -> BuildCache | None:
-    """The build cache ``CUTE_FP4_BUILD_CACHE`` names, or None."""
+def build_cache(module: str | None = None) -> BuildCache | None:
+    """The build cache ``CUTE_FP4_BUILD_CACHE`` names, for the kernels of ``module`` (None:
+    fingerprinted by every kernel module), or None when it is off."""
     root = build_cache_dir()
-    return None if root is None else BuildCache(root)
+    return None if root is None else BuildCache(root, module=module)
 
 
 def tool_output(tool: str, args: tuple[str, ...], path: str | Path,
@@ -347,18 +363,21 @@ def tool_output(tool: str, args: tuple[str, ...], path: str | Path,
     """``run()`` (a tool's text output on the file ``path``), kept in the build cache by the
     tool, its arguments and the file's content: the same cubin is disassembled once.
     Without a build cache, just ``run()``."""
-    cache = build_cache()
-    if cache is None:
+    base = build_cache_dir()
+    if base is None:
         return run()
-    h = hashlib.sha256("\x1f".join((tool, *args)).encode())
+    h = hashlib.sha256("\x1f".join((toolchain(), tool, *args)).encode())
     h.update(Path(path).read_bytes())
-    memo = cache.root / "tools" / f"{h.hexdigest()[:32]}.txt.gz"
+    memo = base / "tools" / f"{h.hexdigest()[:32]}.txt.gz"
     try:
-        return gzip.decompress(memo.read_bytes()).decode()
+        text = gzip.decompress(memo.read_bytes()).decode()
+        os.utime(memo)  # used: kept another KEEP_DAYS
+        return text
     except (OSError, EOFError, UnicodeDecodeError, zlib.error):  # absent or damaged: run it
         pass
     text = run()
     try:
+        _prune_tools(memo.parent)
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_bytes(gzip.compress(text.encode(), 6))
@@ -366,3 +385,20 @@ def tool_output(tool: str, args: tuple[str, ...], path: str | Path,
     except OSError:
         pass  # an unwritable cache: the text is still right
     return text
+
+
+def _prune_tools(folder: Path) -> None:
+    """Remove kept tool outputs unused for :data:`KEEP_DAYS` (they are keyed by content and
+    never go stale, only old), at most once a day."""
+    import time
+
+    stamp = folder / ".pruned"
+    try:
+        if stamp.exists() and time.time() - stamp.stat().st_mtime < 86400:
+            return
+        for p in folder.glob("*.txt.gz"):
+            if time.time() - p.stat().st_mtime > KEEP_DAYS * 86400:
+                p.unlink(missing_ok=True)
+        stamp.touch()
+    except OSError:
+        pass

@@ -92,14 +92,15 @@ def cross_build(kernel, compile_fn, target: str, dump_dir: str | Path | None, *k
     With ``dump_dir`` and the build cache on (:func:`cute_fp4.cache.build_cache`; the tests
     and CI turn it on), the products are looked up by the kernel's class (+ ``tag``),
     ``key`` (its schedule or spec and problem: what decides the code, as for the runtime
-    cache), the options and the kernel modules' fingerprint. A hit copies them to
+    cache), the options and the fingerprint of the kernel's module and what it imports
+    (``cache.kernel_fingerprint``). A hit copies them to
     ``dump_dir``, sets the attributes tracing set on the kernel (numbers and strings, e.g.
     ``smem_bytes``) from the entry, and returns None for the compiled object: nothing is
     compiled twice."""
     from cute_fp4 import cache
 
     t0 = time.perf_counter()
-    bc = cache.build_cache() if dump_dir is not None else None
+    bc = cache.build_cache(type(kernel).__module__) if dump_dir is not None else None
     if bc is None:
         compiled = compile_fn(_options(target, str(dump_dir) if dump_dir else None))
         return compiled, time.perf_counter() - t0

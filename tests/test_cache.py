@@ -182,14 +182,17 @@ def test_build_cache_rebuilds_a_damaged_entry(tmp_path):
     assert how == "built" and b.built == 2 and _files(tmp_path / "d2")["k.sm_120a.ptx"]
 
 
-def test_build_cache_keeps_the_latest_fingerprints(tmp_path):
-    base = tmp_path / "c"
-    for i in range(cache.KEEP_FINGERPRINTS + 3):
-        cache.BuildCache(base, f"fp{i:02d}").fetch("k", tmp_path / "out", Builds())
-        os.utime(base / f"fp{i:02d}", (1000 + i, 1000 + i))
+def test_build_cache_keeps_the_latest_fingerprints(monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setattr(cache, "KEEP_FINGERPRINTS", 4)
+    base, now = tmp_path / "c", time.time()
+    for i in range(6):
+        cache.BuildCache(base, f"fp{i}").fetch("k", tmp_path / "out", Builds())
+        os.utime(base / f"fp{i}", (now - 60 * (10 - i),) * 2)  # fp5 the most recent
+    os.utime(base / "fp4", (now - 8 * 86400,) * 2)  # unused for 8 days: gone, though recent
     cache.BuildCache(base, "now").fetch("k", tmp_path / "out", Builds())
-    kept = sorted(p.name for p in base.iterdir())
-    assert kept == sorted(["now"] + [f"fp{i:02d}" for i in range(3, cache.KEEP_FINGERPRINTS + 3)])
+    assert sorted(p.name for p in base.iterdir()) == ["fp2", "fp3", "fp5", "now"]
 
 
 def test_build_cache_env(monkeypatch, tmp_path):
@@ -209,6 +212,16 @@ def test_kernel_sources_follow_the_kernels_imports():
     # no code generation there (the facade, the host and API layers above the kernels)
     assert not {"__init__.py", "compile.py", "cache.py", "api.py", "cli.py"} & names
     assert len(cache.kernel_fingerprint()) == 64
+    # per kernel module: its own imports only, so editing one kernel keeps the others' builds
+    def files(module):
+        return {p.relative_to(root).as_posix() for p in cache.kernel_sources(module)}
+
+    quant, sm120 = files("cute_fp4.kernels.quantize"), files("cute_fp4.kernels.sm120")
+    assert "kernels/quantize.py" in quant and "kernels/sm120.py" not in quant
+    assert {"kernels/sm120.py", "kernels/scheduler.py", "plan.py"} <= sm120
+    assert "kernels/quantize.py" not in sm120
+    assert (cache.kernel_fingerprint("cute_fp4.kernels.quantize")
+            != cache.kernel_fingerprint("cute_fp4.kernels.sm120"))
     rel = Path("kernels/sm120.py")
     import ast
 
