@@ -5,10 +5,13 @@ and their trace-time check, the named pingpong turns.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
-from cute_fp4.kernels import roles
-from cute_fp4.kernels.scheduler import WorkTile, for_each_unit, this_unit, unit_coords
+from cute_fp4.kernels import roles, scheduler
+from cute_fp4.kernels.scheduler import WorkTile, this_unit, unit_coords
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Schedule, WarpRoles, Warps
 
@@ -29,9 +32,20 @@ class _Units:
         return unit_coords(unit, *self.args)
 
 
+def _undecorated(module, name):
+    """``module.name`` as written, without its decorators (the source the DSL traces), so
+    it runs on Python ints whatever the DSL did to the decorated function."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    fn.decorator_list = []
+    namespace = dict(vars(module))
+    exec(compile(ast.Module([fn], type_ignores=[]), module.__file__, "exec"), namespace)
+    return namespace[name]
+
+
 @pytest.mark.parametrize("nctas", [1, 3, 7, 24, 40])
 def test_for_each_unit_walks_every_unit_once_with_its_carry(nctas):
-    loop = for_each_unit.__wrapped__  # the traced body, run on Python ints
+    loop = _undecorated(scheduler, "for_each_unit")
     seen = []
     for bid in range(nctas):
         units = _Units(3, 4, 5, 2, bid, nctas)
@@ -92,6 +106,9 @@ def test_the_kernels_counts_agree_with_the_roles():
         k = Sm120Gemm(s)
         derived = roles.stage_arrivals(k.warps, k.groups, k.sf_cp_async)
         assert derived.consumer == k.group_warps
+        assert roles.turn_arrivals(k.warps, k.groups, k.group_threads) == k.group_threads
+    with pytest.raises(AssertionError, match="pingpong turn: the kernel counts 128 arrivals"):
+        roles.turn_arrivals(_layout(16, True, 640), 2, 128)
 
 
 def test_pingpong_turns_are_named_pairs():

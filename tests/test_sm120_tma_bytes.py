@@ -124,7 +124,9 @@ def test_check_catches_a_different_swizzle(layouts):
 
 
 def _kernel_schedules():
-    out = [s for s in catalogue.all_schedules("sm120") if not s.name.startswith("sm100")]
+    # Sm120Gemm's schedules (the stream kernel has no A/B TMA stages: kernels/stream.py)
+    out = [s for s in catalogue.all_schedules("sm120") if not s.name.startswith("sm100")
+           and s.mainloop.value != "stream"]
     out.append(Schedule(tile=Tile(64, 128, 192), warps=Warps(mma=(2, 4)), name="k192"))
     return out
 

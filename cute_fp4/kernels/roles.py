@@ -180,6 +180,16 @@ def mainloop_pipeline(layout: WarpLayout, stages: int, tx_bytes: int, barriers,
 
 # ----------------------------------------------------------------------------- pingpong
 
+def turn_arrivals(layout: WarpLayout, groups: int, group_threads: int) -> int:
+    """Arrivals a turn mbarrier expects: every thread of the group handing the turn over
+    (:func:`turn_arrive`), from the roles; ``group_threads``, the kernel's own count of a
+    group's threads, is checked against it at trace time."""
+    derived = layout.mma_threads // groups
+    check_arrivals("pingpong turn", group_threads, derived,
+                   f"{layout.mma_threads} MMA threads in {groups} groups")
+    return derived
+
+
 class Turn(enum.IntEnum):
     """Pingpong turns, each a pair of mbarriers in the ``TURN_BARRIERS`` region: mbarrier
     ``turn + g`` says that group ``g`` may take its next ``turn`` (the other group
@@ -194,7 +204,8 @@ TURN_BARRIERS = 4  # mbarriers of the pingpong turns
 
 @cute.jit
 def init_turns(enabled: cutlass.Constexpr, bars, group_threads: cutlass.Constexpr, warp_idx):
-    """Pingpong: the :data:`TURN_BARRIERS` mbarriers at ``bars`` (see :class:`Turn`)."""
+    """Pingpong: the :data:`TURN_BARRIERS` mbarriers at ``bars`` (see :class:`Turn`), each
+    expecting ``group_threads`` arrivals (:func:`turn_arrivals`)."""
     if cutlass.const_expr(enabled):
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -236,5 +247,6 @@ def skip_stages(state, count):
 
 __all__ = ["TURN_BARRIERS", "WARP", "WARPGROUP", "Arrivals", "Barrier", "Turn", "WarpLayout",
            "check_arrivals", "consumer_registers", "init_turns", "mainloop_pipeline",
-           "producer_registers", "skip_stages", "stage_arrivals", "turn_arrive", "turn_wait",
+           "producer_registers", "skip_stages", "stage_arrivals", "turn_arrivals", "turn_arrive",
+           "turn_wait",
            "warp_layout"]

@@ -94,8 +94,12 @@ def for_each_unit(units: UnitScheduler, body: cutlass.Constexpr, carry):
     each unit of this CTA (``first_unit()``, then by the stride, while below ``total``);
     returns the last ``carry``. ``carry`` holds every DSL value the body changes from one
     unit to the next (pipeline states, counters): the body must return what it advanced,
-    a value it only mutated in place would not leave the loop. ``body`` is traced inline
-    (a ``cute.jit`` function or a method of the kernel)."""
+    a value it only mutated in place would not leave the loop. ``body`` is traced inline:
+    a ``cute.jit`` function or method bound to what it reads with ``functools.partial``
+    (a nested closure with a DSL loop inside loses the closure's values when the DSL
+    rewrites that loop, DSL 4.8.1). The carry's order is the loop's carried values'
+    order, which ptxas' scheduling can depend on (the SM90 consumers keep their
+    hand-written loops' (release, read) and their SASS)."""
     unit, nctas = units.first_unit()
     while unit < units.total:
         carry = body(units.coords(unit), unit, carry)

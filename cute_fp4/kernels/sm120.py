@@ -347,7 +347,9 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         mainloop = self._make_mainloop_pipeline(storage.mainloop_bars.data_ptr())
         turn_bars = storage.turn_bars.data_ptr()
-        roles.init_turns(self.pingpong, turn_bars, self.group_threads, warp_idx)
+        roles.init_turns(self.pingpong, turn_bars,
+                         roles.turn_arrivals(self.warps, self.groups, self.group_threads),
+                         warp_idx)
         cute.arch.sync_threads()
         roles.wait_for_inputs()  # nothing above touches global memory
         p = p._replace(units=p.units.prepare(p.mOffsets))
