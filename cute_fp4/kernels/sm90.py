@@ -115,14 +115,16 @@ class Sm90Params(NamedTuple):
 
 
 class SmemTensors(NamedTuple):
-    sA: object  # packed A stages (W4A4) or 16-bit A stages (W4A16)
-    sA16: object  # converted A (W4A4), A itself (W4A16), or swap-AB's activation buffers
-    sB: object  # packed B stages
-    sB16: object  # converted B (shared-memory sourced mainloop)
-    sSFA: object
-    sSFB: object
-    sC: object  # staged epilogue tiles, None when D is stored from registers
-    red_ptr: object  # swap-AB: FP32 view of the activation buffers for the reduction
+    """The shared-memory stages and buffers of one CTA (None where a mainloop has none)."""
+
+    sA: cute.Tensor  # packed A stages (W4A4) or 16-bit A stages (W4A16)
+    sA16: cute.Tensor  # converted A (W4A4), A itself (W4A16), or swap-AB's activation buffers
+    sB: cute.Tensor  # packed B stages
+    sB16: cute.Tensor | None  # converted B (shared-memory sourced mainloop)
+    sSFA: cute.Tensor | None  # W4A16: None
+    sSFB: cute.Tensor
+    sC: cute.Tensor | None  # staged epilogue tiles, None when D is stored from registers
+    red_ptr: cute.Pointer | None  # swap-AB: FP32 view of the activation buffers
 
 
 class SsConsumer(NamedTuple):

@@ -46,7 +46,7 @@ Correct but not overlapped across the stage boundary (W4A16 is the target of thi
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -58,6 +58,9 @@ from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.scheduler import WorkTile, for_each_unit
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
+
+if TYPE_CHECKING:  # sm90 imports this module
+    from cute_fp4.kernels.sm90 import SmemTensors
 
 GROUP_K_BLOCKS = 2  # K blocks (16 elements) decoded and issued per WGMMA commit group...
 WIDE_GROUP_K_BLOCKS = 4  # ... or this many with one M block per warpgroup and K tiles of 128
@@ -207,11 +210,11 @@ class PackedConsumer(NamedTuple):
     """What a consumer thread's units share (:meth:`PackedRegisterMainloop.consume_rs_packed`)."""
 
     mainloop: pipeline.PipelineTmaAsync
-    smem: object  # sm90.SmemTensors
+    smem: SmemTensors
     ctid: cutlass.Int32  # this thread among the consumers
     t: cutlass.Int32  # this thread in its warpgroup
     wg: cutlass.Int32  # this warpgroup
-    thr_mma: object  # this thread's slice of the WGMMA
+    thr_mma: cute.ThrMma  # this thread's slice of the WGMMA
     tCrB: cute.Tensor  # (V, N, kb, stage) WGMMA B descriptors of the activation stages
     gD_t: cute.Tensor  # D^T cut into (64, tile.m) tiles
     accs: list  # [M block] FP32 accumulators
