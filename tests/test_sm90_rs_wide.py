@@ -368,12 +368,14 @@ def test_key_changes_with_the_mainloop():
 def test_packed_heuristic_and_resolution():
     from cute_fp4.api import _resolve_packed, heuristic
 
-    for m in (1, 64, 65, 512, 513, 8192):
+    for m in (1, 8, 9, 64, 65, 512, 513, 8192):
         s = heuristic("sm90", m, 8192, 8192, packed=True)
-        assert s.mainloop is Mainloop.RS_PACKED and cf.plan(s, (m, 8192, 8192, "bf16")).ok
+        want = Mainloop.STREAM if m <= 8 else Mainloop.RS_PACKED  # the decode kernel
+        assert s.mainloop is want and cf.plan(s, (m, 8192, 8192, "bf16")).ok
     assert heuristic("sm90", 4096, 8192, 8192).mainloop is Mainloop.STANDARD
-    with pytest.raises(InputError, match="sm_90a only"):
-        heuristic("sm120", 1, 8192, 8192, packed=True)
+    assert heuristic("sm120", 1, 8192, 8192, packed=True).mainloop is Mainloop.STREAM
+    with pytest.raises(InputError, match="16-bit activations"):
+        heuristic("sm120", 1, 8192, 8192, packed=True, a_format="nvfp4")
     with pytest.raises(InputError, match="plain weight layout"):
         _resolve_packed("sm90_default", 16, 4096, 4096, "bf16", torch.bfloat16)
 
