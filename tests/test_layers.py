@@ -50,9 +50,16 @@ def module_name(path: Path, root: Path) -> str:
 def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
     """Package modules ``source`` imports anywhere (module level, functions, branches):
     ``import x``, ``from x import y`` (``x.y`` when that is a module), relative imports
-    and ``importlib.import_module("literal")``."""
+    and ``importlib.import_module("literal")``; not the imports under ``if TYPE_CHECKING:``
+    (for annotations only: they never run)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", getattr(block.test, "attr", "")) ==
+                   "TYPE_CHECKING" for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):

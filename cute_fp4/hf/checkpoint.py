@@ -97,9 +97,13 @@ class QuantFormat:
 
 
 def _version() -> str:
-    from cute_fp4 import __version__
+    """The installed package's version (its metadata: the front module is a layer above)."""
+    from importlib import metadata
 
-    return __version__
+    try:
+        return metadata.version("cute-fp4")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
 
 def parse_quant_config(d: Mapping, source: str = CONFIG_FILE,
