@@ -449,7 +449,6 @@ def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
     dt = _torch_out(out_dtype)
     dims = check_grouped_operands(a, b, offsets, out, alpha, dt, require_cuda=False)
     if via_values(schedule, dims):
-        _require_cuda(b)
         result, kern = _w4a4_via_values(a, b, offsets, out, dt, alpha, dims,
                                         check or validate_offsets)
         if check and dims.total_m and not kern.validated:
