@@ -99,7 +99,8 @@ def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
                 raise InputError("on sm_120a/sm_121a a PackedNVFP4Weight takes 16-bit "
                                  "activations (the stream kernel); W4A4 runs on the plain "
                                  "weight: use weight.unpack()")
-            # the stream kernel is SM120's only W4A16 kernel: every M, tiles of 16 rows
+            # the stream kernel is SM120's only W4A16 kernel: every M (activation tiles of
+            # 8 rows up to M = 8, else of 16, as many as M needs)
             return stream_decode_schedule(target, min(m, 16), n, k)
         if family != "sm90":
             raise InputError(f"a PackedNVFP4Weight runs on sm_90a and sm_120a/sm_121a, not "
