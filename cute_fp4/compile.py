@@ -28,9 +28,9 @@ def kernel_class(schedule: Schedule) -> type:
     every family it plans for), else its target family's."""
     grouped = schedule.scheduler.grouped
     if schedule.mainloop is Mainloop.STREAM:
-        from cute_fp4.kernels.stream import StreamGemm
+        from cute_fp4.kernels.stream import StreamGemm, StreamGroupedGemm
 
-        return StreamGemm
+        return StreamGroupedGemm if grouped else StreamGemm
     if schedule.arch.family == "sm120":
         from cute_fp4.kernels.sm120 import Sm120Gemm, Sm120GroupedGemm
 

@@ -4,7 +4,8 @@ custom op (its plain-tensor form :func:`grouped_mm`).
 ``out[offsets[e]:offsets[e+1]] = alpha[e] * a[offsets[e]:offsets[e+1]] @ b[e]^T`` (TN, like
 ``gemm``), with ``a`` the tokens sorted by expert, ``[total_M, K]`` NVFP4 (W4A4, one global
 scale) or bf16/fp16 (W4A16); ``b`` the experts' weights, an NVFP4Tensor with a leading expert
-mode ``[E, N, K]`` (a PackedNVFP4Weight stack for the sm_90a ``rs_packed`` schedules);
+mode ``[E, N, K]`` (a PackedNVFP4Weight stack for the sm_90a ``rs_packed`` schedules and
+the ``stream`` ones, sm_90a and SM12x);
 ``offsets`` int32 ``[E + 1]`` on the GPU (``offsets[0] = 0``, non-decreasing,
 ``offsets[E] = total_M``; empty experts allowed); ``alpha`` float32 ``[E]``, default
 ``a.global_scale * b.global_scale`` (W4A16: ``b.global_scale``). W4A4 on a packed stack with
@@ -63,6 +64,11 @@ AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_dec
 # ... and this one when they average at least this many (large prefill: 256-row tiles;
 # 0.93-0.97x torch grouped_mm at 256 rows per expert against 0.86-0.90x for 192 rows)
 AUTO_LARGE = {"sm90": ("sm90_grouped_large", 192)}
+# 16-bit activations on a packed stack, the experts averaging at most this many rows: the
+# grouped weight-streaming kernel (one CTA per routed expert's 64 weight rows, 8 activation
+# rows). On SM12x it is the only W4A16 grouped kernel, so every size takes it there.
+AUTO_STREAM = {"sm90": ("sm90_stream_grouped_decode", 4),
+               "sm120": ("sm120_stream_grouped_decode", float("inf"))}
 N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
@@ -231,9 +237,11 @@ def _require_cuda(b) -> None:
 # ----------------------------------------------------------------------------- schedules
 
 def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
-    """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the decode
-    one of :data:`AUTO_DECODE` when the experts average few rows, the large one of
-    :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s; of those,
+    """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the
+    grouped stream kernel of :data:`AUTO_STREAM` for 16-bit activations on a packed stack
+    when the experts average few rows; the decode one of :data:`AUTO_DECODE` when they
+    average few rows, the large one of :data:`AUTO_LARGE` when they average many, else
+    :data:`AUTO_SCHEDULES`'s; of those,
     the first that ``plan()`` accepts for the activation format (sm_90a's decode and
     192-row tiles take 16-bit activations only: W4A4 needs 128-row activation tiles)."""
     if dims is None:
@@ -242,6 +250,9 @@ def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
     from cute_fp4.plan import plan
 
     per_expert = dims.total_m / max(dims.experts, 1)
+    stream, most = AUTO_STREAM.get(family, (None, 0))
+    if stream is not None and dims.packed and dims.a_format != "nvfp4" and per_expert <= most:
+        return stream
     decode, few = AUTO_DECODE[family]
     large, many = AUTO_LARGE.get(family, (None, float("inf")))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
@@ -279,16 +290,21 @@ def resolve_grouped(schedule, out_dtype=torch.bfloat16,
 def check_schedule(s: Schedule, dims: GroupedDims) -> None:
     """The operands' layout and A format against what the schedule's kernel reads."""
     name = s.name or s.label()
-    rs_packed = s.mainloop is Mainloop.RS_PACKED
-    if rs_packed and not dims.packed:
+    reads_packed = s.mainloop.reads_packed
+    stream = s.mainloop is Mainloop.STREAM
+    if reads_packed and not dims.packed:
         raise InputError(f"schedule {name} reads the fragment-order packed weight "
-                         "(mainloop=rs_packed) but b is a plain NVFP4Tensor: repack it once "
-                         "with cute_fp4.packed.repack(b)")
-    if dims.packed and not rs_packed:
+                         f"(mainloop={s.mainloop.value}) but b is a plain NVFP4Tensor: "
+                         "repack it once with cute_fp4.packed.repack(b)")
+    if dims.packed and not reads_packed:
         raise InputError(f"schedule {name} reads the plain weight layout but b is a "
-                         "PackedNVFP4Weight: use an rs_packed grouped schedule, 'auto' on "
-                         "sm_90a, or b.unpack()")
-    if s.arch.family == "sm120" and dims.a_format != "nvfp4":
+                         "PackedNVFP4Weight: use an rs_packed or stream grouped schedule, "
+                         "'auto', or b.unpack()")
+    if stream and dims.a_format == "nvfp4":
+        raise InputError(f"schedule {name} (mainloop=stream) takes 16-bit activations "
+                         "(W4A16); NVFP4 activations on a packed stack: schedule='auto' runs "
+                         "it on their exact BF16 block values")
+    if s.arch.family == "sm120" and not stream and dims.a_format != "nvfp4":
         raise InputError(f"schedule {name} ({s.target}) takes NVFP4 activations (W4A4), a is "
                          f"{dims.a_format} (W4A16): quantize them first "
                          "(cute_fp4.quant.quantize_activation)")
@@ -312,9 +328,10 @@ def _auto_regime(schedule, dims: GroupedDims | None):
     if schedule != "auto" or dims is None:
         return None
     experts = max(dims.experts, 1)
-    few = tuple(dims.total_m <= limit * experts for _, limit in AUTO_DECODE.values())
+    few = tuple(dims.total_m <= limit * experts for _, limit in
+                (*AUTO_DECODE.values(), *AUTO_STREAM.values()))
     many = tuple(dims.total_m >= limit * experts for _, limit in AUTO_LARGE.values())
-    return few, many, dims.a_format
+    return few, many, dims.a_format, dims.packed
 
 
 def _schedule_for(schedule, out_dtype: torch.dtype, device_index: int,
@@ -553,7 +570,7 @@ def _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, sched
     if b_scale.numel() == n_exp * rp * cp and b_scale.is_contiguous():
         b_scale = b_scale.view(n_exp, rp, cp)
     gs = alpha.reshape(-1)
-    if s.mainloop is Mainloop.RS_PACKED:
+    if s.mainloop.reads_packed:
         bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n_exp, n, k))
     else:
         if n != rows:
@@ -610,7 +627,7 @@ def validate_grouped(kern: CompiledGemm, a_format: str, seed: int = 0
     what ``cute_fp4.api.validate`` reports for a grouped schedule."""
     from cute_fp4.operands import make_operands
 
-    rs_packed = kern.schedule.mainloop is Mainloop.RS_PACKED
+    rs_packed = kern.schedule.mainloop.reads_packed
     n, k = 136, (384 if rs_packed else 352)
     results, poison_ok = [], True
     for i, (_, counts) in enumerate(VALIDATION_ROUTINGS):

@@ -27,8 +27,9 @@ Conventions:
   (:func:`silu_and_mul`: two roundings), the same function in :func:`moe_bf16`.
 
 :class:`NVFP4MoE` stores both weights once, quantized (one global scale per expert), in
-the layout the present GPU's grouped kernels read: sm_90a the fragment-order packed bytes
-of ``cute_fp4.packed`` (``mainloop=rs_packed``), otherwise the plain ``[E, N, K/2]`` bytes.
+the layout the present GPU's grouped kernels read: the fragment-order packed bytes of
+``cute_fp4.packed`` on sm_90a (``mainloop=rs_packed`` and ``stream``) and for W4A16 on
+SM12x (``stream``), otherwise the plain ``[E, N, K/2]`` bytes.
 A forward reads no GPU value on the host and allocates only its intermediate and final
 outputs; modes "w4a16" (BF16/FP16 activations) and "w4a4" (activations quantized by the
 fused kernel, ``cute_fp4.quant``, with a calibrated static scale per GEMM or a dynamic
@@ -205,9 +206,9 @@ class NVFP4MoE(torch.nn.Module):
     ``cute_fp4.packed.repack`` are stored as given, shared); ``mode``: "w4a16" or "w4a4";
     ``schedule``: passed to the grouped GEMM ("auto", a catalogue name); ``input_scales``:
     W4A4's calibrated activation global scales ``(gate_up, down)`` (decode form,
-    ``amax / 2688``; None: dynamic, per call); ``layout``: "packed" (sm_90a's rs_packed
-    grouped kernels), "plain", or "auto" (packed when the weights are on an SM90 GPU and
-    H and I are multiples of 64). Moving the layer (``.to``) keeps its layout.
+    ``amax / 2688``; None: dynamic, per call); ``layout``: "packed" (the rs_packed and
+    stream grouped kernels), "plain", or "auto" (packed when the weights are on an SM90 GPU,
+    or on SM12x for W4A16, and H and I are multiples of 64). Moving the layer (``.to``) keeps its layout.
     """
 
     def __init__(self, w13, w2, mode: str = "w4a16", schedule="auto",
@@ -219,7 +220,8 @@ class NVFP4MoE(torch.nn.Module):
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.num_experts, self.hidden, self.intermediate = _check_weights(w13, w2)
         dev = w13.data.device
-        self.layout = _pick_layout(layout, w13, w2, self.hidden, self.intermediate, dev)
+        self.layout = _pick_layout(layout, w13, w2, self.hidden, self.intermediate, dev,
+                                   mode)
         if self.layout == "packed":
             w13 = w13 if isinstance(w13, PackedNVFP4Weight) else repack(w13)
             w2 = w2 if isinstance(w2, PackedNVFP4Weight) else repack(w2)
@@ -261,7 +263,7 @@ class NVFP4MoE(torch.nn.Module):
         e, h, i = _check_weights(*stacks)
         if layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if _pick_layout(layout, *stacks, h, i, stacks[0].device) == "packed":
+        if _pick_layout(layout, *stacks, h, i, stacks[0].device, mode) == "packed":
             stacks = [_pack_by_expert(w) for w in stacks]
         return cls(*stacks, mode, schedule, input_scales, layout)
 
@@ -450,7 +452,10 @@ def _pack_by_expert(w: NVFP4Tensor) -> PackedNVFP4Weight:
     return PackedNVFP4Weight(data, w.scale, w.global_scale, w.shape)
 
 
-def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device) -> str:
+def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
+                 mode: str = "w4a4") -> str:
+    """"auto": packed on sm_90a (its grouped kernels read it) and for W4A16 on SM12x (the
+    grouped stream kernel, its only W4A16 one), when H and I allow it; else plain."""
     packed_in = [isinstance(w, PackedNVFP4Weight) for w in (w13, w2)]
     if any(packed_in):
         if not all(packed_in) or layout == "plain":
@@ -458,8 +463,9 @@ def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device) -> str
                              "weight takes layout 'packed' or 'auto'")
         return "packed"
     if layout == "auto":
-        sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
-        layout = "packed" if sm90 and h % 64 == 0 and i % 64 == 0 else "plain"
+        major = torch.cuda.get_device_capability(dev)[0] if dev.type == "cuda" else 0
+        wants = major == 9 or (major == 12 and mode == "w4a16")
+        layout = "packed" if wants and h % 64 == 0 and i % 64 == 0 else "plain"
     if layout == "packed" and (h % 64 or i % 64):
         raise FormatError(f"the packed layout needs hidden ({h}) and intermediate ({i}) "
                           "multiples of 64")

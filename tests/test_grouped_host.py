@@ -712,7 +712,10 @@ def test_import_registers_nothing_and_exports_lazily():
 
 
 @pytest.mark.parametrize("family, rows, fmt, want", [
-    ("sm90", 128 * 1, "bf16", "sm90_grouped_decode"),  # decode: ~1 row per expert
+    ("sm90", 128 * 1, "bf16", "sm90_stream_grouped_decode"),  # decode: ~1 row per expert
+    ("sm90", 8, "bf16", "sm90_stream_grouped_decode"),  # one token x top-8
+    ("sm90", 128 * 4, "fp16", "sm90_stream_grouped_decode"),
+    ("sm90", 128 * 4 + 1, "bf16", "sm90_grouped_decode"),
     ("sm90", 128 * 16, "bf16", "sm90_grouped_decode"),
     ("sm90", 128 * 1, "nvfp4", "sm90_grouped_large"),  # W4A4 needs 128-row tiles there
     ("sm90", 128 * 64, "nvfp4", "sm90_grouped_large"),
@@ -723,9 +726,12 @@ def test_import_registers_nothing_and_exports_lazily():
     ("sm120", 128 * 32, "nvfp4", "sm120_grouped_decode"),
     ("sm120", 128 * 33, "nvfp4", "sm120_grouped"),
     ("sm120", 128 * 4096, "nvfp4", "sm120_grouped"),
+    ("sm120", 8, "bf16", "sm120_stream_grouped_decode"),  # SM12x W4A16: a packed stack
+    ("sm120", 128 * 4096, "bf16", "sm120_stream_grouped_decode"),
 ])
 def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
-    dims = grouped.GroupedDims(rows, 1536, 2048, 128, fmt, family == "sm90")
+    packed_stack = family == "sm90" or fmt != "nvfp4"
+    dims = grouped.GroupedDims(rows, 1536, 2048, 128, fmt, packed_stack)
     assert grouped.auto_schedule_name(family, dims) == want
     assert want in catalogue.names()
     assert grouped.auto_schedule_name(family) == grouped.AUTO_SCHEDULES[family]

@@ -11,7 +11,12 @@ import torch
 
 from cute_fp4 import packed
 from cute_fp4.api import heuristic, stream_decode_schedule
-from cute_fp4.kernels.stream import scale_pair_index, scale_word_of, unit_word_index
+from cute_fp4.kernels.stream import (
+    grouped_bound,
+    scale_pair_index,
+    scale_word_of,
+    unit_word_index,
+)
 from cute_fp4.nvfp4 import sf_offset
 from cute_fp4.plan import plan
 from cute_fp4.planning.stream import stream_schedule
@@ -57,8 +62,65 @@ def test_plan_refuses_bad_problems_with_numbers():
                for r in plan(s, Problem(1, 4096, 4128, "bf16")).reasons)
     assert any("split_k 8 exceeds the 4 K units of K = 256" in r
                for r in plan(s, Problem(1, 4096, 256, "bf16")).reasons)
-    grouped = stream_schedule("sm_90a").replace(grouped=True)
-    assert any("one dense GEMM" in r for r in plan(grouped, Problem(a_format="bf16")).reasons)
+    dense = stream_schedule("sm_90a")
+    assert any("needs a grouped schedule" in r
+               for r in plan(dense, Problem(1, 4096, 4096, "bf16", groups=8)).reasons)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_plan_accepts_the_grouped_stream_kernel(target):
+    s = stream_schedule(target, 8, grouped=True)
+    pl = plan(s, Problem(8, 1536, 2048, "bf16", groups=128))
+    assert pl.ok, pl.reasons
+    assert pl.smem_bytes == 2 * 4 * 2 * (2048 + 256)
+    assert plan(s, Problem(16 * 8, 4096, 7168, "fp16", groups=256)).ok
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(split_k=2), "grouped schedules do not split K"),
+    (dict(persistent=True), "grouped=True"),
+    (dict(raster="along_n"), "default raster"),
+])
+def test_plan_refuses_what_the_grouped_kernel_does_not_do(change, words):
+    s = stream_schedule("sm_90a", 8, grouped=True).replace(**change)
+    pl = plan(s, Problem(8, 1536, 2048, "bf16", groups=128))
+    assert not pl.ok and any(words in r for r in pl.reasons), pl.reasons
+    (r,) = plan(stream_schedule("sm_120a", 8, grouped=True),
+                Problem(8, 1536, 2048, "nvfp4", groups=128)).reasons
+    assert "16-bit activations" in r
+    assert any("257 groups exceed" in r for r in plan(
+        stream_schedule("sm_90a", 8, grouped=True),
+        Problem(8, 1536, 2048, "bf16", groups=257)).reasons)
+
+
+def _row_tiles(counts, tile_m):
+    return sum(-(-c // tile_m) for c in counts)
+
+
+@pytest.mark.parametrize("tile_m", [8, 16])
+def test_grouped_grid_covers_every_valid_routing(tile_m):
+    """grouped_bound: at least the units of every valid offset table (random routings,
+    all rows to one expert, one row each, rows just past a tile), and exactly the routed
+    units for top-8 of one token, one row per expert."""
+    gen = torch.Generator().manual_seed(0)
+    tiles_n = 24
+    for experts in (1, 8, 128, 256):
+        for m in (1, 7, 8, 9, 16, 17, 64, 128, 300):
+            routings = [[m] + [0] * (experts - 1)]
+            if m <= experts:
+                routings.append([1] * m + [0] * (experts - m))
+            if experts >= 2:
+                routings.append([tile_m + 1, m - tile_m - 1] + [0] * (experts - 2)
+                                if m > tile_m + 1 else [m] + [0] * (experts - 1))
+            for _ in range(20):
+                ids = torch.randint(0, experts, (m,), generator=gen)
+                routings.append(torch.bincount(ids, minlength=experts).tolist())
+            bound = grouped_bound(m, experts, tile_m, tiles_n)
+            for counts in routings:
+                assert sum(counts) == m
+                assert _row_tiles(counts, tile_m) * tiles_n <= bound, (experts, m, counts)
+    assert grouped_bound(8, 128, 8, tiles_n) == 8 * tiles_n  # 1 token x top-8
+    assert grouped_bound(8, 256, 8, 64) == 8 * 64
 
 
 @pytest.mark.parametrize("row_block", [0, 1, 2, 5])

@@ -40,7 +40,16 @@ Constraints:
   four warps; 1 <= ``stages`` (K units per batch of a warp's ring) <= 8; shared memory
   ``2 x 4 x stages x 2,304`` bytes (at least the 8 KiB per N block the final sum uses).
 * Scale factors: UE4M3 (sign bit ignored) in the 128x4 blocked layout.
-* One CTA per (64 rows, activation tile, split): not persistent, not grouped.
+* One CTA per (64 rows, activation tile, split): not persistent.
+* Grouped (``Scheduler(grouped=True)``, :class:`StreamGroupedGemm`, MoE experts at decode):
+  the units are a :class:`~cute_fp4.kernels.scheduler.GroupedScheduler`'s, row tiles of
+  ``tile.m`` rows of each expert that has rows (offsets clamped to ``[0, M_total]`` and
+  monotone, ``scheduler.group_rows``) times the 64-row blocks of that expert's weight, so
+  an expert without rows costs nothing but a CTA that reads the offsets and exits (the grid
+  is the most units a valid table can make, :func:`grouped_bound`); activation rows are
+  read from the expert's first row, rows past its last are never stored; alpha per
+  expert; no split of K. An expert with more rows than ``tile.m`` gets one row tile per
+  ``tile.m`` rows (each streams its weight block again).
 """
 
 
@@ -53,8 +62,15 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_fp4.kernels import roles
 from cute_fp4.kernels.epilogue import store_direct, store_split_k
-from cute_fp4.kernels.launch import GemmLaunch, GemmTensors, PointerTypes, out_dtype
-from cute_fp4.kernels.scheduler import TileScheduler, this_unit
+from cute_fp4.kernels.launch import (
+    GemmLaunch,
+    GemmTensors,
+    GroupedLaunch,
+    GroupedTensors,
+    PointerTypes,
+    out_dtype,
+)
+from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler, this_unit
 from cute_fp4.kernels.sm90_rs_wide import decode_fragment, decode_tables, scale_halves
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 from cute_fp4.plan import plan
@@ -100,11 +116,31 @@ class StreamParams(NamedTuple):
     mS: cute.Tensor  # B's blocked scales as flat 32-bit words
     gD: cute.Tensor  # D^T: (N, M, 1)
     mAlpha: cute.Tensor
-    units: TileScheduler  # (row blocks, activation tiles, 64-element K units, split_k)
+    units: TileScheduler | GroupedScheduler  # dense: (row blocks, activation tiles, K
+    # units, split_k); grouped: (expert row tiles x row blocks) from the offsets
     m: cutlass.Int32
     n: cutlass.Int32
     mWork: cute.Tensor | None  # split-K workspace: FP32 partials (without split-K: None)
     mCount: cute.Tensor | None  # split-K header and arrival counters (without: None)
+    mOffsets: cute.Tensor | None = None  # grouped: int32 [experts + 1]; dense: None
+
+
+class Block(NamedTuple):
+    """What one CTA computes, dense or grouped: 64-row block ``blk`` of expert ``g``'s
+    packed weight (``mQ``, ``mS``: that expert's words), its K units ``[k_begin, k_begin
+    + k_count)``, activation rows ``row0 .. row0 + rows`` (rows >= 1; a tile's rows past
+    them read row ``row0 + rows - 1`` and are never stored), and where D^T's tile is."""
+
+    mQ: cute.Tensor
+    mS: cute.Tensor
+    blk: cutlass.Int32
+    g: cutlass.Int32
+    k_begin: cutlass.Int32
+    k_count: cutlass.Int32
+    row0: cutlass.Int32
+    rows: cutlass.Int32
+    unit: cutlass.Int32
+    split: cutlass.Int32
 
 
 class StreamGemm(GemmLaunch):
@@ -117,6 +153,7 @@ class StreamGemm(GemmLaunch):
         self.n_blocks = self.tile_m // 8  # m16n8k16 N blocks per activation tile
         self.batch = pl.stages  # K units per batch of a warp's ring
         self.w4a16 = True
+        self.grouped = schedule.scheduler.grouped
         self.mma_dtype = cutlass.BFloat16 if problem.a_format == "bf16" else cutlass.Float16
         self.split_k = schedule.split_k
         self.out_dtype = out_dtype(schedule)
@@ -157,32 +194,69 @@ class StreamGemm(GemmLaunch):
 
     # ------------------------------------------------------------------ host launcher
     @cute.jit
-    def _launch(self, t: GemmTensors, max_ctas: cutlass.Int32, stream):
+    def _launch(self, t: GemmTensors | GroupedTensors, max_ctas: cutlass.Int32, stream):
         self._setup()
-        m, n = t.mD.shape[0], t.mD.shape[1]
+        m, n = t.mD.shape[0], t.mB.shape[0]  # n: the weight's rows (the GEMM's N)
         half_k = t.mB.shape[1]
         k_units = half_k // (UNIT_K // 2)
         rows = (n + UNIT_ROWS - 1) // UNIT_ROWS * UNIT_ROWS
+        # grouped: one expert's words (the kernel offsets the pointers by the expert)
         mQ = cute.make_tensor(cute.recast_ptr(t.mB.iterator, dtype=cutlass.Uint32),
                               cute.make_layout(rows * k_units * UNIT_WORDS))
         mS = cute.make_tensor(cute.recast_ptr(t.mSFB.iterator, dtype=cutlass.Uint32),
-                              cute.make_layout(cute.size(t.mSFB) // 4))
+                              cute.make_layout(t.mSFB.shape[0] // 4))
         ld_a = cute.assume(cutlass.Int64(half_k), divby=16)
         mA32 = cute.make_tensor(cute.recast_ptr(t.mA.iterator, dtype=cutlass.Uint32),
                                 cute.make_layout((m, half_k), stride=(ld_a, 1)))
-        gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
-            (n, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
-        units = TileScheduler.create(n, m, half_k * 2, (UNIT_ROWS, self.tile_m, UNIT_K),
-                                     self.split_k)
-        work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)  # absent: None
-        params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work)
-        self.kernel(params).launch(grid=[units.total, 1, 1], block=[self.threads, 1, 1],
-                                   smem=self.smem_bytes, stream=stream, use_pdl=roles.PDL)
+        if cutlass.const_expr(self.grouped):
+            gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
+                (n, m, 1), stride=(1, t.mD.stride[0], 0)))
+            groups = t.mOffsets.shape[0] - 1
+            tiles_n = (n + UNIT_ROWS - 1) // UNIT_ROWS
+            units = GroupedScheduler(groups, tiles_n, k_units, self.tile_m, m,
+                                     grouped_bound(m, groups, self.tile_m, tiles_n,
+                                                   cutlass.min))
+            params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, None, None,
+                                  t.mOffsets)
+        else:
+            gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
+                (n, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
+            units = TileScheduler.create(n, m, half_k * 2, (UNIT_ROWS, self.tile_m, UNIT_K),
+                                         self.split_k)
+            work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)  # absent: None
+            params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work)
+        self.kernel(params).launch(grid=[units.grid(False, max_ctas), 1, 1],
+                                   block=[self.threads, 1, 1], smem=self.smem_bytes,
+                                   stream=stream, use_pdl=roles.PDL)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(self, p: StreamParams):
         self._setup()
+        if cutlass.const_expr(self.grouped):
+            roles.wait_for_inputs()  # the offsets may come from the kernel before
+            units = p.units.prepare(p.mOffsets)
+            unit, _ = units.first_unit()
+            if unit < units.total:  # CTAs past the routed units exit at once
+                w = units.coords(unit)
+                g = w.l
+                # whole units (512 words) and scale atoms (128 words) per expert
+                q_off = cute.assume(cutlass.Int64(g) * cute.size(p.mQ), divby=UNIT_WORDS)
+                s_off = cute.assume(cutlass.Int64(g) * cute.size(p.mS), divby=SF_ATOM_WORDS)
+                mQ = cute.make_tensor(p.mQ.iterator + q_off, p.mQ.layout)
+                mS = cute.make_tensor(p.mS.iterator + s_off, p.mS.layout)
+                self._block(p, Block(mQ, mS, w.n, g, 0, units.k_tiles, w.row0, w.rows,
+                                     unit, 0))
+        else:
+            unit, w = this_unit(p.units)  # one CTA per unit
+            row0 = w.n * self.tile_m
+            self._block(p, Block(p.mQ, p.mS, w.m, 0, w.k_begin, w.k_count, row0, p.m - row0,
+                                 unit, w.split))
+
+    @cute.jit
+    def _block(self, p: StreamParams, blk: Block):
+        """One 64-row block of the weight times one activation tile over the block's K
+        units: the warps' rings, their partial sums, the store."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = tidx // 32
         lane = tidx % 32
@@ -202,15 +276,15 @@ class StreamGemm(GemmLaunch):
             a.fill(0.0)
             accs.append(a)
         tables = decode_tables(self.mma_dtype is cutlass.BFloat16)
-        unit, w = this_unit(p.units)  # one CTA per unit
         k_units = p.units.k_tiles
         # this warp's units of the CTA's range: k_begin + warp + 4 t, t < mine
-        mine = (w.k_count - warp + WARPS - 1) // WARPS
-        x_rows = []  # each N block's activation row (rows past M read row M - 1)
+        mine = (blk.k_count - warp + WARPS - 1) // WARPS
+        x_rows = []  # each N block's activation row (rows past the block's read its last)
         for nb in cutlass.range_constexpr(self.n_blocks):
-            x_rows.append(cutlass.min(w.n * tm + nb * 8 + lane // 4, p.m - 1))
-        ring = (p, sQ, sS, w, k_units, warp, lane, mine)
-        roles.wait_for_inputs()
+            x_rows.append(blk.row0 + cutlass.min(nb * 8 + lane // 4, blk.rows - 1))
+        ring = (blk, sQ, sS, k_units, warp, lane, mine)
+        if cutlass.const_expr(not self.grouped):
+            roles.wait_for_inputs()
         n_batches = (mine + self.batch - 1) // self.batch
         self._issue(ring, 0)
         cute.arch.cp_async_commit_group()
@@ -223,12 +297,12 @@ class StreamGemm(GemmLaunch):
             for i in cutlass.range_constexpr(self.batch):
                 t = b * self.batch + i
                 if t < mine:
-                    self._unit(ring, b % RING, i, w.k_begin + warp + WARPS * t, x_rows,
+                    self._unit(p, ring, b % RING, i, blk.k_begin + warp + WARPS * t, x_rows,
                                tables, mma1, frA, frB, accs)
         cute.arch.cp_async_wait_group(0)
         acc = self._reduce(sQ_all, accs, warp, lane)
         tiled_mma = self._tiled_mma()
-        self._store(p, tiled_mma.get_slice(tidx), acc, w, unit, tidx)
+        self._store(p, tiled_mma.get_slice(tidx), acc, blk, tidx)
 
     def _warp_mma(self):
         op = cute.nvgpu.warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16))
@@ -239,7 +313,7 @@ class StreamGemm(GemmLaunch):
         """cp.async of batch ``b`` of this warp's units (those that exist) into ring slot
         ``b % RING``: per lane and unit its 16 bytes of each row group and its quad's scale
         pair ``lane % 4``."""
-        p, sQ, sS, w, k_units, warp, lane, mine = ring
+        blk, sQ, sS, k_units, warp, lane, mine = ring
         q_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint32,
             num_bits_per_copy=128)
@@ -248,24 +322,24 @@ class StreamGemm(GemmLaunch):
         for i in cutlass.range_constexpr(self.batch):
             t = b * self.batch + i
             if t < mine:
-                ku = w.k_begin + warp + WARPS * t
-                base = unit_word_index(w.m, ku, k_units) + lane * LANE_WORDS
+                ku = blk.k_begin + warp + WARPS * t
+                base = unit_word_index(blk.blk, ku, k_units) + lane * LANE_WORDS
                 for j in cutlass.range_constexpr(GROUPS):
                     at = cute.assume(base + j * CHUNK_WORDS, divby=LANE_WORDS)
-                    cute.copy(q_atom, cute.make_tensor(p.mQ.iterator + at,
+                    cute.copy(q_atom, cute.make_tensor(blk.mQ.iterator + at,
                                                        cute.make_layout(LANE_WORDS)),
                               sQ[(None, j, i, slot)])
-                at = cute.assume(scale_pair_index(w.m, ku, k_units, lane % 4, lane // 4),
+                at = cute.assume(scale_pair_index(blk.blk, ku, k_units, lane % 4, lane // 4),
                                  divby=2)
-                cute.copy(s_atom, cute.make_tensor(p.mS.iterator + at, cute.make_layout(2)),
+                cute.copy(s_atom, cute.make_tensor(blk.mS.iterator + at, cute.make_layout(2)),
                           sS[(None, lane % 4, lane // 4, i, slot)])
 
     @cute.jit
-    def _unit(self, ring, slot, i, ku, x_rows, tables, mma1, frA, frB, accs):
+    def _unit(self, p: StreamParams, ring, slot, i, ku, x_rows, tables, mma1, frA, frB, accs):
         """One K unit (ring ``slot``, position ``i``) of all four row groups: per K block of
         16, the activation fragment once, then each group's A fragment decoded and
         multiplied into its accumulator."""
-        p, sQ, sS, w, k_units, warp, lane, mine = ring
+        blk, sQ, sS, k_units, warp, lane, mine = ring
         bf16 = self.mma_dtype is cutlass.BFloat16
         q = []
         for j in cutlass.range_constexpr(GROUPS):
@@ -310,23 +384,48 @@ class StreamGemm(GemmLaunch):
         return acc
 
     @cute.jit
-    def _store(self, p: StreamParams, thr_mma, acc, w, unit, tidx):
-        """D^T tile (row block, activation tile) from registers, times alpha; split-K: this
-        thread's partial, the tile's last split storing the sum."""
+    def _store(self, p: StreamParams, thr_mma, acc, blk: Block, tidx):
+        """D^T tile (row block, activation rows) from registers, times alpha (grouped: the
+        expert's); split-K: this thread's partial, the tile's last split storing the sum."""
         tile = (UNIT_ROWS, self.tile_m)
-        gD_t = cute.local_tile(p.gD, tile, (None, None, None))
-        rows = p.n - w.m * UNIT_ROWS
-        cols = p.m - w.n * self.tile_m
-        dst = gD_t[(None, None, w.m, w.n, 0)]
-        alpha = p.mAlpha[0]
+        rows = p.n - blk.blk * UNIT_ROWS
+        if cutlass.const_expr(self.grouped):
+            gD_t = cute.local_tile(cute.domain_offset((0, blk.row0, 0), p.gD), tile,
+                                   (None, None, None))
+            dst = gD_t[(None, None, blk.blk, 0, 0)]
+            alpha = p.mAlpha[blk.g]
+        else:
+            gD_t = cute.local_tile(p.gD, tile, (None, None, None))
+            dst = gD_t[(None, None, blk.blk, blk.row0 // self.tile_m, 0)]
+            alpha = p.mAlpha[0]
         if cutlass.const_expr(self.split_k > 1):
             store_split_k(thr_mma, acc, alpha, p.mWork, p.mCount,
-                          p.units.total // self.split_k, unit // self.split_k, tidx,
-                          self.split_slots, w.split, self.split_k, dst, tile, rows, cols,
+                          p.units.total // self.split_k, blk.unit // self.split_k, tidx,
+                          self.split_slots, blk.split, self.split_k, dst, tile, rows, blk.rows,
                           self.out_dtype)
         else:
-            store_direct(thr_mma, acc, alpha, dst, tile, rows, cols, self.out_dtype)
+            store_direct(thr_mma, acc, alpha, dst, tile, rows, blk.rows, self.out_dtype)
 
 
-__all__ = ["StreamGemm", "StreamParams", "scale_pair_index", "scale_word_of",
-           "unit_word_index"]
+class StreamGroupedGemm(GroupedLaunch, StreamGemm):
+    """Grouped (MoE) W4A16 decode GEMM on a packed expert stack (``mainloop=stream``,
+    ``Scheduler(grouped=True)``): :class:`StreamGemm`'s kernel with its units from a
+    :class:`~cute_fp4.kernels.scheduler.GroupedScheduler` (row tiles of ``tile.m`` rows of
+    each expert that has rows, times the 64-row blocks of its weight), launched through the
+    grouped signature (kernels/launch.py ``GroupedLaunch``)."""
+
+    b_row_align = UNIT_ROWS  # each expert's packed weight has packed_rows(N) rows
+
+
+def grouped_bound(m_total, groups, tile_m: int, tiles_n, minimum=min):
+    """CTAs of a grouped launch: the most units a valid offset table can make. At most
+    ``min(groups, m_total)`` experts have rows, and ``sum ceil(r_e / tile_m) <= (m_total +
+    e (tile_m - 1)) / tile_m`` over ``e`` such experts; times the row blocks. (With 8
+    routed experts of one row each and ``tile_m`` 8: exactly the 8 x row blocks units.)
+    Plain integer arithmetic: the launcher (DSL integers) and the CPU tests run it."""
+    busy = minimum(groups, m_total)
+    return tiles_n * ((m_total + busy * (tile_m - 1)) // tile_m)
+
+
+__all__ = ["Block", "StreamGemm", "StreamGroupedGemm", "StreamParams", "grouped_bound",
+           "scale_pair_index", "scale_word_of", "unit_word_index"]

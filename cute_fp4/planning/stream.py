@@ -11,9 +11,15 @@ batch of a warp's ring (between one and two batches in flight per warp); ``None`
 per 8 activation rows). K is split over ``split_k`` CTAs per output tile and reduced in
 the kernel.
 
+Grouped (``Scheduler(grouped=True, persistent=False)``, MoE experts at decode): one CTA
+per (expert row tile of ``tile.m`` rows, 64-row block of that expert's weight) for the
+experts that have rows, no split of K (the grouped launch has no split-K workspace;
+``planning.common.check_grouped``); an expert with more rows than ``tile.m`` gets more row
+tiles (each streams its weight block again: the grouped rs_packed kernels serve those).
+
 Refused: 4-bit activations (W4A4 runs on the activation's exact BF16 block values, see
-``cute_fp4.quant``), other tiles and warp layouts, grouped and persistent schedulers, an
-epilogue tile (results are stored from registers), K not a multiple of 64.
+``cute_fp4.quant``), other tiles and warp layouts, persistent schedulers, an epilogue tile
+(results are stored from registers), K not a multiple of 64.
 """
 
 from __future__ import annotations
@@ -118,11 +124,10 @@ def check_split(s: Schedule, p: Problem) -> list[str]:
 def check_fixed_choices(s: Schedule, p: Problem) -> list[str]:
     """Settings the kernel has no use for: refused rather than silently ignored."""
     out = []
-    if s.scheduler.grouped:
-        out.append("mainloop=stream computes one dense GEMM (grouped: rs_packed)")
-    if s.scheduler != Scheduler(persistent=False):
+    if s.scheduler != Scheduler(persistent=False, grouped=s.scheduler.grouped):
         out.append("mainloop=stream launches one CTA per (64 rows, activation tile, split): "
-                   "use Scheduler(persistent=False) with the default raster and group size")
+                   "use Scheduler(persistent=False) (grouped: Scheduler(persistent=False, "
+                   "grouped=True)) with the default raster and group size")
     if s.epilogue.tile is not None:
         out.append("mainloop=stream stores results from registers: leave the epilogue tile "
                    "unset")
@@ -138,9 +143,12 @@ RULES = FamilyRules(stage_bytes=stage_bytes, regions=regions, threads=threads,
                     registers=registers, checks=CHECKS, auto_stages=auto_stages)
 
 def stream_schedule(target: str = "sm_90a", tile_m: int = 16, split_k: int = 1,
-                    stages: int | None = None, name: str = "", doc: str = "") -> Schedule:
-    """A ``stream`` schedule for ``target`` (any family of :data:`FAMILIES`)."""
+                    stages: int | None = None, name: str = "", doc: str = "",
+                    grouped: bool = False) -> Schedule:
+    """A ``stream`` schedule for ``target`` (any family of :data:`FAMILIES`); ``grouped``:
+    the MoE variant (experts' rows from device offsets, no split of K)."""
     return Schedule(target=target, tile=Tile(tile_m, ROWS, UNIT_K),
                     warps=Warps(roles=WarpRoles.COOPERATIVE, mma=(WARPS, 1)),
-                    scheduler=Scheduler(persistent=False), mainloop=Mainloop.STREAM,
-                    split_k=split_k, stages=stages, name=name, doc=doc)
+                    scheduler=Scheduler(persistent=False, grouped=grouped),
+                    mainloop=Mainloop.STREAM, split_k=split_k, stages=stages, name=name,
+                    doc=doc)
