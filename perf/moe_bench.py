@@ -4,12 +4,13 @@
 process, on the same weights and routing.
 
     python perf/moe_bench.py [--out perf/results/] [--quick] [--budget-s 200] [--reps 20]
-        [--models qwen3-30b-a3b,deepseek-v3] [--tokens 16,64,4096,16384]
-        [--routings uniform,skewed] [--stem NAME]
+        [--models qwen3-30b-a3b,deepseek-v3] [--tokens 1,4,16,64,4096,16384]
+        [--routings uniform,skewed] [--ops gate_up,down,layer]
+        [--providers torch_bf16,cute_w4a16,cute_w4a4,loop] [--warm] [--stem NAME]
 
 Shapes: a Qwen3-30B-A3B-like layer (hidden 2048, expert intermediate 768, 128 experts,
 top-8) and a DeepSeek-V3-like layer (hidden 7168, intermediate 2048, 256 experts, top-8);
-tokens 16 and 64 (decode), 4096 and 16384 (prefill). Routing: a seeded random router
+tokens 1, 4, 16 and 64 (decode), 4096 and 16384 (prefill). Routing: a seeded random router
 (:func:`router`: N(0, 1) logits, top-k, softmax over the chosen), "uniform", and "skewed"
 (a Zipf-like popularity bias: a few hot experts, many empty ones at decode); the seed of
 every case is in the JSON. Weights: N(0, std_e) per expert (std_e in 0.01..0.03, seeded),
@@ -17,20 +18,23 @@ quantized per expert with a power-of-two global scale, so the BF16 weights torch
 (the dequantized NVFP4 values) are exact and every provider computes the same products.
 
 Providers per GEMM: ``cute_w4a16[<schedule>]`` (``grouped_gemm`` on BF16 activations;
-``auto`` and, at decode, the family's decode schedule), ``cute_w4a4[auto]`` (activations
+``auto`` and, at decode, each of the family's decode schedules: the grouped rs_packed
+decode tile and the grouped stream kernel), ``cute_w4a4[auto]`` (activations
 quantized beforehand, outside the timing), ``torch_bf16`` (``torch._grouped_mm``), and at
 decode ``loop_w4a16`` (``cute_fp4.gemm`` per non-empty expert, one fixed decode schedule;
 the loop needs the offsets on the host, read once before timing). Per layer: the same four
 as ``NVFP4MoE``/``moe_bf16``/a loop layer, routing included in every one.
 
 Timing: ``cute_fp4.bench.Timer`` (the call captured in a CUDA graph, its replay timed with
-CUDA events, L2 flushed before each repetition, median). Checks, in the same run, on the
-output the last replay wrote (NaN-poisoned beforehand for the GEMMs): every GEMM output on
-a sample of experts (first, last, largest, one seeded; at most 64 rows each) against the
-exact reference (``cute_fp4.reference.check``, the error rule); every layer against the
-float64 layer (``moe.moe_reference``) on 8 sampled tokens (relative Frobenius error within
-:data:`LAYER_TOL`), and each cute_fp4 layer's stages of one eager call against the rule
-(``moe.check_stages``) with the graph's output equal to that eager output bit for bit.
+CUDA events, L2 flushed before each repetition, median); ``--warm`` also times every row
+without the flush (``us_warm``: the weights may sit in L2 from the replay before).
+Checks, in the same run, on the output the last replay wrote (NaN-poisoned beforehand for
+the GEMMs): every GEMM output on a sample of experts (first, last, largest, one seeded; at
+most 64 rows each) against the exact reference (``cute_fp4.reference.check``, the error
+rule); every layer against the float64 layer (``moe.moe_reference``) on 8 sampled tokens
+(relative Frobenius error within :data:`LAYER_TOL`), and each cute_fp4 layer's stages of
+one eager call against the rule (``moe.check_stages``) with the graph's output equal to
+that eager output bit for bit.
 
 Order (so that ``--budget-s``, wall clock including compiles, cuts the least useful part):
 1. uniform routing: torch, W4A16 ``auto`` and the loop (decode), GEMMs and layers;
@@ -69,17 +73,20 @@ class MoEShape:
 
 MODELS = (MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8),
           MoEShape("deepseek-v3", 7168, 2048, 256, 8))
-DECODE_TOKENS = (16, 64)
+DECODE_TOKENS = (1, 4, 16, 64)
 PREFILL_TOKENS = (4096, 16384)
 ROUTINGS = {"uniform": 0.0, "skewed": 1.5}  # skew: popularity bias -skew * ln(1 + rank)
 WEIGHT_SEED, X_SEED, ROUTING_SEED = 0, 1, 2
-DECODE_MAX = 64  # tokens up to which a case is "decode" (loop, decode schedule, bars)
-DECODE_SCHEDULES = {"sm90": "sm90_grouped_decode", "sm120": "sm120_grouped_decode"}
+DECODE_MAX = 128  # tokens up to which a case is "decode" (loop, decode schedule, bars)
+DECODE_SCHEDULES = {"sm90": ("sm90_grouped_decode", "sm90_stream_grouped_decode"),
+                    "sm120": ("sm120_grouped_decode", "sm120_stream_grouped_decode")}
 OPS = ("gate_up", "down", "layer")
 CHECK_ROWS = 64  # rows per sampled expert checked against the exact reference
 CHECK_TOKENS = 8  # tokens of the layer checks (8 x top-8 pairs: up to 64 experts)
 LAYER_TOL = {"bf16": 2.0**-6, "w4a16": 2.0**-6, "w4a4": 2.0**-3}
 BARS = {"decode_vs_torch": 2.0, "prefill_vs_torch": 0.95, "decode_vs_loop": 3.0}
+# issue 27 (grouped decode at HBM speed): at 1, 4 and 16 tokens x top-8
+STREAM_BARS = {"tokens": (1, 4, 16), "w4a16_vs_torch": 3.5, "w4a4_vs_w4a16": 0.9}
 
 METHOD = ("each call captured in a CUDA graph (cute_fp4.bench.Timer), its replay timed with "
           "CUDA events (device time), L2 flushed before each repetition by reading 256 MiB, "
@@ -585,9 +592,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(prepare: Callable[[], Prepared], timer, budget: Budget) -> dict:
+def measure(prepare: Callable[[], Prepared], timer, budget: Budget, warm=None) -> dict:
     """One row: prepared and called once (``setup_s``: compiles included), timed, its output
-    checked. Unavailable, an exception or the budget give a row saying so, never a crash."""
+    checked (``warm``: a Timer without the L2 flush, timed too: ``us_warm``). Unavailable,
+    an exception or the budget give a row saying so, never a crash."""
     if budget.left() <= 0:
         return {"status": "skipped: time budget"}
     t0 = time.perf_counter()
@@ -599,6 +607,8 @@ def measure(prepare: Callable[[], Prepared], timer, budget: Budget) -> dict:
         us, out = timer.timed(prep.call)
         row = {"status": "ok", "us": round(us, 2), "setup_s": round(setup, 1), **prep.info}
         row.update(prep.check(out))
+        if warm is not None:
+            row["us_warm"] = round(warm.timed(prep.call)[0], 2)
         return row
     except Unavailable as e:
         return {"status": f"unavailable: {e}"}
@@ -638,11 +648,14 @@ def summary(case_res: dict) -> list[dict]:
         w16, w16r = _ok_us(case_res["rows"], op, "cute_w4a16")
         w4, _ = _ok_us(case_res["rows"], op, "cute_w4a4")
         lp, _ = _ok_us(case_res["rows"], op, "loop_w4a16")
+        auto, _ = _ok_us(case_res["rows"], op, "cute_w4a16[auto]")
+        rs, _ = _ok_us(case_res["rows"], op, "cute_w4a16[sm90_grouped_decode]")
         out.append({"op": op, "torch_us": t, "w4a16_us": w16,
                     "w4a16_schedule": w16r.get("schedule") if w16r else None,
-                    "w4a4_us": w4, "loop_us": lp,
+                    "w4a4_us": w4, "loop_us": lp, "auto_us": auto, "rs_decode_us": rs,
                     "w4a16_x_torch": _ratio(t, w16), "w4a4_x_torch": _ratio(t, w4),
-                    "w4a16_x_loop": _ratio(lp, w16),
+                    "w4a16_x_loop": _ratio(lp, w16), "auto_x_torch": _ratio(t, auto),
+                    "auto_x_rs_decode": _ratio(rs, auto), "w4a4_x_auto": _ratio(auto, w4),
                     "w4a16_weight_TB/s": w16r.get("weight_TB/s") if w16r else None,
                     "torch_weight_TB/s": tr.get("weight_TB/s") if tr else None})
     return out
@@ -670,6 +683,11 @@ def bars(cases: list[dict]) -> list[dict]:
             else:
                 out.append(_bar("W4A16 >= 0.95x torch._grouped_mm (prefill)", where,
                                 s["w4a16_x_torch"], BARS["prefill_vs_torch"]))
+            if c["tokens"] in STREAM_BARS["tokens"]:
+                out.append(_bar("W4A16 auto >= 3.5x torch._grouped_mm (decode, issue 27)",
+                                where, s["auto_x_torch"], STREAM_BARS["w4a16_vs_torch"]))
+                out.append(_bar("W4A4 auto >= 0.9x W4A16 auto (decode, issue 27)", where,
+                                s["w4a4_x_auto"], STREAM_BARS["w4a4_vs_w4a16"]))
     return out
 
 
@@ -709,8 +727,9 @@ def render_md(res: dict) -> str:
         lines += [f"## {m.name}: hidden {m.hidden}, intermediate {m.inter}, {m.experts} "
                   f"experts, top-{m.top_k}", "",
                   "| routing | tokens | active | op | torch BF16 | W4A16 | schedule | x torch "
-                  "| W4A4 | x torch | loop | x loop | W4A16 wTB/s | torch wTB/s | checks |",
-                  "|" + "---|" * 15]
+                  "| W4A4 | x torch | loop | x loop | W4A16 wTB/s | torch wTB/s | auto | auto "
+                  "x torch | rs decode | auto x rs decode | W4A4 / auto | checks |",
+                  "|" + "---|" * 20]
         for c in res["cases"]:
             if c["model"] != model:
                 continue
@@ -722,7 +741,9 @@ def render_md(res: dict) -> str:
                     f"{_f(s['w4a4_us'])} | {_f(s['w4a4_x_torch'], '.2f', 'x')} | "
                     f"{_f(s['loop_us'])} | {_f(s['w4a16_x_loop'], '.2f', 'x')} | "
                     f"{_f(s['w4a16_weight_TB/s'], '.2f')} | {_f(s['torch_weight_TB/s'], '.2f')}"
-                    f" | {_cell_status(c['rows'], s['op'])} |")
+                    f" | {_f(s['auto_us'])} | {_f(s['auto_x_torch'], '.2f', 'x')} | "
+                    f"{_f(s['rs_decode_us'])} | {_f(s['auto_x_rs_decode'], '.2f', 'x')} | "
+                    f"{_f(s['w4a4_x_auto'], '.2f', 'x')} | {_cell_status(c['rows'], s['op'])} |")
         lines.append("")
     lines += ["## Bars (issue 13, uniform routing)", ""]
     lines += [f"* {b['bar']}: {b['model']} {b['tokens']} tokens {b['op']}: "
@@ -765,6 +786,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--routings", default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--ops", default=None, help="GEMMs / layer to run (default all)")
+    ap.add_argument("--providers", default=None,
+                    help="provider name prefixes to run (default all)")
+    ap.add_argument("--warm", action="store_true",
+                    help="also time every row with L2 warm (no flush): us_warm")
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="wall-clock budget, compiles included; later measurements are "
                          "skipped (default 200)")
@@ -776,6 +802,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.routings = (args.routings.split(",") if args.routings else
                      ["uniform"] if args.quick else list(ROUTINGS))
     args.reps = args.reps or (10 if args.quick else 20)
+    args.ops = args.ops.split(",") if args.ops else list(OPS)
+    args.providers = args.providers.split(",") if args.providers else None
     unknown = set(args.models) - {m.name for m in MODELS}
     if unknown or set(args.routings) - set(ROUTINGS):
         ap.error(f"unknown models/routings: {sorted(unknown)} {args.routings}")
@@ -791,22 +819,23 @@ def _stem(env: dict) -> str:
 
 def plan_passes(args, family: str) -> list[tuple]:
     """(pass, routing, op, provider, fmt, a_fmt, what) in run order (module docstring)."""
-    decode_s = DECODE_SCHEDULES.get(family)
+    decode_s = DECODE_SCHEDULES.get(family, ())
     out = []
     for op in OPS:
         out += [(1, "uniform", op, "torch_bf16", "bf16", "bf16", None),
                 (1, "uniform", op, "cute_w4a16[auto]", "nvfp4", "bf16", "auto")]
         if op != "layer":
             out.append((1, "uniform", op, "loop_w4a16", "nvfp4", "bf16", "decode"))
-    if decode_s:
-        out += [(2, "uniform", op, f"cute_w4a16[{decode_s}]", "nvfp4", "bf16", decode_s)
-                for op in OPS]
+    out += [(2, "uniform", op, f"cute_w4a16[{d}]", "nvfp4", "bf16", d)
+            for d in decode_s for op in OPS]
     out += [(3, "uniform", op, "cute_w4a4[auto]", "nvfp4", "nvfp4", "auto") for op in OPS]
     for op in OPS:
         out += [(4, "skewed", op, "torch_bf16", "bf16", "bf16", None),
                 (4, "skewed", op, "cute_w4a16[auto]", "nvfp4", "bf16", "auto")]
     out.append((5, "uniform", "layer", "loop_w4a16", "nvfp4", "bf16", "decode"))
-    return [p for p in out if p[1] in args.routings]
+    keep = args.providers
+    return [p for p in out if p[1] in args.routings and p[2] in args.ops
+            and (keep is None or any(p[3].startswith(k) for k in keep))]
 
 
 def _prepare(case: Case, wts: Weights, op: str, provider: str, what, family: str):
@@ -851,6 +880,8 @@ def main(argv=None) -> int:
     res = {"env": env, "config": {"models": args.models, "tokens": args.tokens,
                                   "routings": args.routings, "reps": args.reps,
                                   "quick": args.quick, "budget_s": args.budget_s,
+                                  "ops": args.ops, "providers": args.providers,
+                                  "warm": args.warm,
                                   "weight_seed": WEIGHT_SEED, "x_seed": X_SEED,
                                   "routing_seed": ROUTING_SEED, "family": family,
                                   "layer_tol": LAYER_TOL, "check_rows": CHECK_ROWS,
@@ -858,6 +889,7 @@ def main(argv=None) -> int:
            "method": METHOD, "formulas": FORMULAS, "cases": [],
            "skipped": [], "build_s": {}}
     timer = Timer(args.reps)
+    warm = Timer(args.reps, flush=False) if args.warm else None
     dev = torch.device("cuda")
     weights, cases = {}, {}
     for i, name in enumerate(args.models):
@@ -881,7 +913,7 @@ def main(argv=None) -> int:
             if prep is None:
                 continue
             label = f"{name} {t} {routing} {op} {provider}"
-            row = measure(prep, timer, budget)
+            row = measure(prep, timer, budget, warm)
             if row["status"].startswith("skipped"):
                 res["skipped"].append(label)
             record(by_key[(name, t, routing)], op, provider, row, case, fmt, a_fmt)
