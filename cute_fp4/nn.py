@@ -46,8 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from cute_fp4 import quant
-from cute_fp4.api import mm, mm_packed, packed_kernel_for, quantize_op, resolve_schedule
-from cute_fp4.compile import kernel_for, resolution_deadline
+from cute_fp4.api import gemm_kernel, mm, mm_packed, quantize_op
 from cute_fp4.errors import CuteFp4Warning, FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.operands import alpha_tensor
@@ -70,19 +69,16 @@ _CHECKPOINT_KEYS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
                 device_index: int, packed: bool = False):
-    """The compiled kernel of a call of this shape: ``gemm``'s memo (``compile.kernel_for``:
+    """The compiled kernel of a call of this shape: ``gemm``'s (``run.GemmPath.kernel``:
     "auto" is resolved again every second, so a new tuning is picked up); ``packed``: for a
     fragment-order weight (``gemm``'s packed resolution)."""
-    if packed:
-        return packed_kernel_for(schedule, (m, n, k, a_format), out_dtype, device_index)
-    return kernel_for(schedule, (m, n, k, a_format), out_dtype, device_index,
-                      resolve_schedule)
+    return gemm_kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed)
 
 
 def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor, schedule="auto") -> str:
     """"auto" -> "packed" when K allows it and the schedule reads that layout ("auto" or an
     rs_packed or stream schedule): on an SM90 GPU (W4A4 then decodes the activation once
-    and runs the W4A16 kernel: ``api._w4a4_via_bf16``) and for W4A16 on SM12x (the stream
+    and runs the W4A16 kernel: ``run.GemmPath._w4a4_via_bf16``) and for W4A16 on SM12x (the stream
     kernel, its W4A16 kernel); else "plain" (SM12x W4A4: the block-scaled MMA)."""
     if layout not in LAYOUTS:
         raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -428,7 +424,7 @@ class NVFP4Linear(torch.nn.Module):
     def _launch_w4a16(self, x, w, m: int, dev: int, out: torch.Tensor) -> None:
         """The full launch (kernel lookup, checks, workspace), then a binding of it that
         the next calls at this M and dtype launch through (``run.bind``)."""
-        from cute_fp4.run import bind
+        from cute_fp4.run import bind, resolution_deadline
 
         k, n = self.in_features, self.out_features
         fmt, alpha = _ACT_FORMATS[x.dtype], self.weight_scale_2
@@ -478,7 +474,7 @@ class NVFP4Linear(torch.nn.Module):
 
     def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
         """The full W4A4 launches, then their binding."""
-        from cute_fp4.run import bind
+        from cute_fp4.run import bind, resolution_deadline
 
         k, n = self.in_features, self.out_features
         alpha, dynamic = self.alpha, self.input_scale is None  # static: alpha made once

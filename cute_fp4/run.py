@@ -1,16 +1,30 @@
-"""Host side: run a compiled kernel on torch tensors.
+"""The launch path: everything a GEMM call does between ``cute_fp4.gemm`` (``mm``,
+``mm_packed``) and the kernel's TVM-FFI entry, in the order a call takes it:
 
-:func:`run_compiled` checks the operands (``cute_fp4.operands``), checks the plan for the
-shape, allocates the output, finds the split-K workspace (:func:`split_workspace`) and
-launches (split-K partials are reduced by the kernel itself); :func:`poisoned_check`
-runs into a NaN-filled output and compares with the exact reference.
-``CompiledGemm.__call__`` is :func:`run_compiled`; the API layer (``gemm``, ``validate``,
-``bench``, ``tune``) builds on these and nothing here imports it.
+1. a binding an earlier call like this one left (:func:`bound_gemm`, :func:`bound_op`):
+   one validity test, then the launch;
+2. else the operand checks (``operands.check_operands``), the schedule (:func:`resolve_schedule`:
+   a Schedule, a catalogue name, or "auto": the tuning store, else the heuristic of
+   ``cute_fp4.tuning``; :func:`_resolve_packed` for a packed weight) and its compiled
+   kernel (:meth:`GemmPath.kernel`, through ``compile.kernel_for``'s memo);
+3. the checked launch (:func:`run_checked`: the plan check per shape, the output, the
+   split-K workspace of :func:`split_workspace`, the arguments of :func:`launch_args`);
+4. then the first call's validation (``check=True``) or a binding for the next call
+   (:func:`bind`, kept under :func:`gemm_key` or :func:`op_key`).
+
+:class:`GemmPath` runs these steps for ``gemm`` and the custom ops' bodies; the API layer
+holds one (``cute_fp4.api``) and calls it once per call. ``compile`` imports this module
+(``CompiledGemm.__call__`` is :func:`run_compiled`; ``compile.clear_cache`` drops the
+bindings), so the two services above it that the path uses, the compiled-kernel memo
+(``compile.kernel_for``) and the activation decoder (``quant.w4a16_operands``), are given
+to :class:`GemmPath` instead of imported. A new launch operand (a fused epilogue's bias)
+goes into :func:`launch_args` and the binding keys, :func:`gemm_key` and :func:`op_key`.
+:func:`poisoned_check` runs into a NaN-filled output and compares with the exact reference.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 import threading
 import time
 import weakref
@@ -18,11 +32,293 @@ import weakref
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.errors import InputError
+from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor
-from cute_fp4.operands import alpha_tensor, check_operands, out_dtype_of
+from cute_fp4.operands import alpha_tensor, as_e4m3, check_operands, out_dtype_of
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.schedule import Problem, Schedule
+from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.tuning import heuristic
+
+# ----------------------------------------------------------------------------- the schedule
+
+AUTO_RECHECK_S = 1.0  # how often "auto" is resolved again (a tuning stored meanwhile)
+
+
+def resolution_deadline(schedule) -> float:
+    """Until when (``time.monotonic()``) what ``schedule`` resolved to holds:
+    :data:`AUTO_RECHECK_S` from now for "auto" (a tuning stored meanwhile is picked up),
+    forever for a catalogue name or a Schedule. A binding expires then; ``compile.kernel_for``'s
+    memo keeps the same period (``compile.AUTO_RECHECK_S``)."""
+    if isinstance(schedule, str) and schedule == "auto":
+        return time.monotonic() + AUTO_RECHECK_S
+    return math.inf
+
+
+def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
+                     out_dtype: torch.dtype) -> Schedule:
+    """A Schedule from a Schedule, a catalogue name, or "auto" (tuned, else heuristic)."""
+    from cute_fp4 import catalogue
+    from cute_fp4.targets import require_device
+
+    if isinstance(schedule, str) and schedule != "auto":
+        schedule = catalogue.get(schedule)
+    if schedule == "auto":
+        from cute_fp4.tuning import lookup
+
+        dev = require_device()
+        if dev.target.family == "sm120" and a_format != "nvfp4":
+            raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
+                             "stream kernel, which reads the fragment-order packed weight: "
+                             "pass cute_fp4.packed.repack(w) once (NVFP4Linear holds it so), "
+                             "or quantize the activations (W4A4)")
+        schedule = lookup(dev, m, n, k, a_format) or heuristic(dev.target.family, m, n, k)
+    if not isinstance(schedule, Schedule):
+        raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
+                             f"got {type(schedule).__name__}")
+    return _with_out_dtype(schedule, out_dtype)
+
+
+def _with_out_dtype(s: Schedule, out_dtype: torch.dtype) -> Schedule:
+    want = OutDtype.of(out_dtype)
+    return s if s.epilogue.out_dtype is want else s.replace(out_dtype=want)
+
+
+_AUTO_PACKED = "auto:packed"  # kernel_for's memo key of "auto" with a packed weight
+
+
+def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
+                    out_dtype: torch.dtype) -> Schedule:
+    """resolve_schedule for a PackedNVFP4Weight: "auto" is the packed heuristic (the tuning
+    store holds plain-weight schedules), anything else must be ``mainloop=rs_packed``."""
+    from cute_fp4.targets import require_device
+
+    if schedule == _AUTO_PACKED:
+        t = require_device().target
+        s = heuristic(t.family, m, n, k, packed=True, a_format=a_format, target=t.name)
+        return _with_out_dtype(s, out_dtype)
+    s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
+    if not s.mainloop.reads_packed:
+        raise InputError(f"schedule {s.name or s.label()} reads the plain weight layout, but "
+                         "b is a PackedNVFP4Weight: use a mainloop=rs_packed or stream "
+                         "schedule, 'auto', or b.unpack()")
+    return s
+
+
+# ----------------------------------------------------------------------------- a call
+
+class GemmPath:
+    """The eager bodies of ``gemm`` and of the custom ops ``cute_fp4::mm`` /
+    ``mm_packed``, each one call from ``cute_fp4.api``: the binding, else checks, schedule,
+    kernel, checked launch, then validation or a binding (the module docstring's steps).
+    ``kernel_for``: ``compile.kernel_for``; ``w4a16_operands``: ``quant.w4a16_operands``
+    (both above this module, so given, not imported)."""
+
+    __slots__ = ("_kernel_for", "_w4a16_operands")
+
+    def __init__(self, kernel_for, w4a16_operands):
+        self._kernel_for, self._w4a16_operands = kernel_for, w4a16_operands
+
+    def kernel(self, schedule, dims: tuple[int, int, int, str], out_dtype: torch.dtype,
+               device_index: int, packed: bool = False):
+        """The compiled kernel for ``schedule`` at ``dims`` = (M, N, K, a_format), memoised
+        per (schedule argument, dims, out dtype, device) by ``compile.kernel_for`` ("auto"
+        resolved again every :data:`AUTO_RECHECK_S`); ``packed``: for a fragment-order
+        weight ("auto" memoised under its own key, resolved by the packed heuristic)."""
+        if not packed:
+            return self._kernel_for(schedule, dims, out_dtype, device_index, resolve_schedule)
+        key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
+        return self._kernel_for(key, dims, out_dtype, device_index, _resolve_packed)
+
+    def run_gemm(self, a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check: bool,
+                 bind: bool = True, key: tuple | None = None) -> torch.Tensor:
+        """``gemm``'s eager body. ``bind``: launch through (and keep) a binding for calls
+        like this one on the same weight object (:func:`bound_gemm`); the custom ops'
+        bodies, which wrap fresh weight objects per call, pass False and their ``key``
+        (:func:`op_key`)."""
+        if bind and not check:  # a W4A16 call like an earlier one on this weight
+            result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
+            if result is not None:
+                return result
+        if isinstance(b, PackedNVFP4Weight):
+            return self._gemm_packed(a, b, schedule, out, out_dtype, alpha, check, bind, key)
+        dims = check_operands(a, b, out, alpha, out_dtype)
+        kern = self.kernel(schedule, dims, out_dtype, b.data.get_device())
+        result = run_checked(kern, a, b, out, alpha, dims)  # checked once, above
+        _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, b, bind, key)
+        return result
+
+    def _gemm_packed(self, a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check,
+                     bind: bool, key: tuple | None) -> torch.Tensor:
+        """gemm with a fragment-order packed weight: the plain checks on a view of its
+        first N rows (same bytes count per row, same scales), then an rs_packed or stream
+        kernel (W4A4 with ``schedule="auto"``: :meth:`_w4a4_via_bf16`)."""
+        if len(b.shape) != 2:
+            raise InputError(f"b is a stack of {b.shape[0]} packed experts {list(b.shape)}: "
+                             "gemm takes one [N, K] weight; cute_fp4.grouped_gemm runs stacks")
+        n, k = b.shape
+        view = NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
+        dims = check_operands(a, view, out, alpha, out_dtype)
+        if dims[3] == "nvfp4" and isinstance(schedule, str) and schedule == "auto":
+            result = self._w4a4_via_bf16(a, b, view, out, out_dtype, alpha, dims)
+            if check:
+                reference.assert_close(result, a, b.unpack(), alpha)
+            return result
+        kern = self.kernel(schedule, dims, out_dtype, b.data.get_device(), packed=True)
+        result = run_checked(kern, a, b, out, alpha, dims)
+        _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check,
+               b.unpack() if check and not kern.validated else None, bind, key)
+        return result
+
+    def _w4a4_via_bf16(self, a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
+                       out_dtype, alpha, dims) -> torch.Tensor:
+        """W4A4 on a fragment-order weight with ``schedule="auto"``: the activation decoded
+        to its exact BF16 block values (one pass, ``quant.dequantize_activation``), then
+        the W4A16 kernel with alpha = the two global scales' product (written by the same
+        launch: no multiply kernel) or the given alpha. The same exact products as a W4A4
+        kernel; measured faster than the rs_packed mainloop's own W4A4 route, which
+        converts each activation stage without overlap, and than the plain-layout W4A4
+        kernels (perf/results/2026-12-01-h200-bound.md)."""
+        m, n, k, _ = dims
+        kern = self.kernel("auto", (m, n, k, "bf16"), out_dtype, b.data.get_device(),
+                           packed=True)
+        given = None if alpha is None else alpha_tensor(a, view, alpha)
+        a16, alpha_t = self._w4a16_operands(a, b.global_scale, given)
+        return run_checked(kern, a16, b, out, alpha_t, (m, n, k, "bf16"))
+
+    def run_mm(self, a, a_scale, b, b_scale, alpha, k, out_dtype, schedule) -> torch.Tensor:
+        """The ``cute_fp4::mm`` op's body. The operands are wrapped without
+        ``NVFP4Tensor``'s checks: its global-scale check reads the value back from the
+        GPU, and that sync inside a CUDA-graph capture (torch.compile's
+        ``mode="reduce-overhead"``) invalidates the capture
+        (``cudaErrorStreamCaptureInvalidated``). ``alpha`` is explicit, so the global
+        scales the wrappers carry (alpha itself, a placeholder) are never read."""
+        key = None
+        if isinstance(b, torch.Tensor) and b.dim() == 2:
+            key = _op_bound_key("mm", a, a_scale, b, b_scale, alpha, b.shape[0], k,
+                                out_dtype, schedule)
+        if key is not None:
+            result = bound_op(key, a, b)
+            if result is not None:
+                return result
+        at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
+        if b.dim() != 2:
+            raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
+                                 f"{tuple(b.shape)}")
+        bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (b.shape[0], k))
+        return self.run_gemm(at, bt, schedule, None, out_dtype, alpha, False, bind=False,
+                             key=key)
+
+    def run_mm_packed(self, a, a_scale, b, b_scale, alpha, n, k, out_dtype,
+                      schedule) -> torch.Tensor:
+        """The ``cute_fp4::mm_packed`` op's body: as :meth:`run_mm` (no value checks, no
+        sync)."""
+        key = _op_bound_key("mm_packed", a, a_scale, b, b_scale, alpha, n, k, out_dtype,
+                            schedule)
+        if key is not None:
+            result = bound_op(key, a, b)
+            if result is not None:
+                return result
+        at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
+        bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
+        return self._gemm_packed(at, bt, schedule, None, out_dtype, alpha, False, False, key)
+
+
+def _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, plain,
+           bind: bool, key: tuple | None = None) -> None:
+    """Validate the first call of ``kern`` (``check``: against ``plain``, the weight in the
+    plain layout) or, with ``bind`` (or an op's ``key``), keep this call's launch for the
+    next like it."""
+    if check:
+        if not kern.validated:
+            reference.assert_close(result, a, plain, alpha)
+            kern.validated = True
+        return
+    if key is not None:
+        remember_op(key, kern, a, b, result, alpha, dims, resolution_deadline(schedule))
+    elif bind:
+        remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims,
+                      resolution_deadline(schedule))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the ops' bindings accept
+
+
+def _op_bound_key(kind, a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule):
+    """:func:`op_key` of a W4A16 op call whose operands are all tensors (else None: the
+    full path, which raises on bad types). The ops' bodies get fresh weight wrappers every
+    call, so their bindings are keyed by the weight's buffers instead (:func:`bound_op`)."""
+    if (a_scale is not None or not isinstance(schedule, str)
+            or not all(type(t) in _PLAIN for t in (a, b, b_scale, alpha))):
+        return None
+    return op_key(kind, a, b, b_scale, alpha, n, k, out_dtype, schedule)
+
+
+def _op_activation(a, a_scale, b, b_scale, alpha, k):
+    """The ops' common part: the tensor-type checks, and ``(A, alpha as a scalar)`` with
+    A wrapped without checks when it is NVFP4 (see :meth:`GemmPath.run_mm`)."""
+    for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    gs = alpha.reshape(())
+    if a_scale is None:
+        return a, gs
+    return NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs, (a.shape[0], k)), gs
+
+
+# ----------------------------------------------------------------------------- the launch
+
+def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
+    """Validate, allocate, launch ``kernel`` (a CompiledGemm).
+
+    A kernel whose mainloop reads the packed weight (rs_packed, stream) takes a
+    fragment-order PackedNVFP4Weight: a plain NVFP4Tensor ``b`` is packed here on every
+    call (so validation harnesses run those
+    schedules unchanged; ``gemm`` users pack once, cute_fp4.packed.repack)."""
+    check_b = b
+    if isinstance(b, PackedNVFP4Weight):
+        check_b = NVFP4Tensor._unchecked(b.data[:b.shape[0]], b.scale, b.global_scale, b.shape)
+    elif kernel.schedule.mainloop.reads_packed and isinstance(b, NVFP4Tensor):
+        b = PackedNVFP4Weight.from_tensor(b)
+    dims = check_operands(a, check_b, out, alpha, kernel.out_dtype)
+    return run_checked(kernel, a, b, out, alpha, dims)
+
+
+def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
+    """:func:`run_compiled` after :func:`check_operands` returned ``dims``. The plan check
+    is remembered per kernel and shape (``CompiledGemm.check_plan``)."""
+    m, n, k, a_format = dims
+    if kernel.schedule.scheduler.grouped:
+        raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} is a "
+                         "grouped (MoE) schedule: call cute_fp4.grouped_gemm(a, b, offsets)")
+    if kernel.schedule.mainloop.reads_packed != isinstance(b, PackedNVFP4Weight):
+        raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} reads "
+                         f"{'a packed' if isinstance(b, NVFP4Tensor) else 'the plain'} weight "
+                         f"layout but b is a {type(b).__name__}: rs_packed schedules take "
+                         "cute_fp4.packed.repack(w) (so do stream schedules), the others "
+                         "the plain NVFP4Tensor")
+    if a_format != kernel.signature.a_format:
+        raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
+                         f"got {a_format}")
+    kernel.check_plan(dims)
+    alpha_t = alpha_tensor(a, b, alpha)
+    dev = b.data.device
+    result = out if out is not None else torch.empty((m, n), dtype=kernel.out_dtype, device=dev)
+    ws = split_workspace(kernel, m, n, dev) if kernel.schedule.split_k > 1 else None
+    kernel.launch(*launch_args(a, b, result, alpha_t, ws, a_format))
+    return result
+
+
+def launch_args(a, b, out, alpha_t: torch.Tensor, workspace, a_format: str) -> tuple:
+    """The tensors a launch passes, in the order of ``CompiledGemm.launch`` and
+    ``raw_args``: A's data and block scales (None for W4A16), B's data and block scales,
+    the output, alpha (a float32 device scalar), the split-K workspace (or None). The one
+    place for a new operand: :func:`run_checked` launches these and :func:`bind` fixes
+    them."""
+    a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
+    return a_data, a_scale, b.data, b.scale, out, alpha_t, workspace
+
+
+# ----------------------------------------------------------------------------- workspaces
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
 # (device, counter capacity) -> zeroed counter blocks ready for captured launches, and the
@@ -172,47 +468,7 @@ def _new_workspace(counters: int, partials: int, device) -> tuple[torch.Tensor, 
     return ws, counters, partials
 
 
-def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
-    """Validate, allocate, launch ``kernel`` (a CompiledGemm).
-
-    A kernel whose mainloop reads the packed weight (rs_packed, stream) takes a
-    fragment-order PackedNVFP4Weight: a plain NVFP4Tensor ``b`` is packed here on every
-    call (so validation harnesses run those
-    schedules unchanged; ``gemm`` users pack once, cute_fp4.packed.repack)."""
-    check_b = b
-    if isinstance(b, PackedNVFP4Weight):
-        check_b = NVFP4Tensor._unchecked(b.data[:b.shape[0]], b.scale, b.global_scale, b.shape)
-    elif kernel.schedule.mainloop.reads_packed and isinstance(b, NVFP4Tensor):
-        b = PackedNVFP4Weight.from_tensor(b)
-    dims = check_operands(a, check_b, out, alpha, kernel.out_dtype)
-    return run_checked(kernel, a, b, out, alpha, dims)
-
-
-def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
-    """:func:`run_compiled` after :func:`check_operands` returned ``dims``. The plan check
-    is remembered per kernel and shape (``CompiledGemm.check_plan``)."""
-    m, n, k, a_format = dims
-    if kernel.schedule.scheduler.grouped:
-        raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} is a "
-                         "grouped (MoE) schedule: call cute_fp4.grouped_gemm(a, b, offsets)")
-    if kernel.schedule.mainloop.reads_packed != isinstance(b, PackedNVFP4Weight):
-        raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} reads "
-                         f"{'a packed' if isinstance(b, NVFP4Tensor) else 'the plain'} weight "
-                         f"layout but b is a {type(b).__name__}: rs_packed schedules take "
-                         "cute_fp4.packed.repack(w) (so do stream schedules), the others "
-                         "the plain NVFP4Tensor")
-    if a_format != kernel.signature.a_format:
-        raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
-                         f"got {a_format}")
-    kernel.check_plan(dims)
-    alpha_t = alpha_tensor(a, b, alpha)
-    dev = b.data.device
-    result = out if out is not None else torch.empty((m, n), dtype=kernel.out_dtype, device=dev)
-    a_data, a_scale = (a, None) if a_format != "nvfp4" else (a.data, a.scale)
-    ws = split_workspace(kernel, m, n, dev) if kernel.schedule.split_k > 1 else None
-    kernel.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, ws)
-    return result
-
+# ----------------------------------------------------------------------------- bindings
 
 class BoundLaunch:
     """A GEMM kernel's launch with its weight, alpha, sizes and split-K workspace fixed
@@ -324,8 +580,7 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float,
     if alpha_t is not alpha and alpha_t is not b.global_scale:
         return None  # a converted copy: the binding would not see the scale change
     ws = split_workspace(kernel, dims[0], dims[1], dev) if split else None
-    a_data, a_scale = (a.data, a.scale) if w4a4 else (a, None)
-    args = kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha_t, ws)
+    args = kernel.raw_args(*launch_args(a, b, out, alpha_t, ws, dims[3]))
     return BoundLaunch(kernel, key, args, dev.index, expires)
 
 
@@ -338,26 +593,21 @@ def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
     """``gemm(a, b, schedule=..., out=..., out_dtype=..., alpha=...)`` through the binding an
     earlier W4A16 call on the same weight object left (:func:`remember_gemm`), or None:
     nothing launched and nothing written, and the caller takes the full path, which raises
-    on bad input. Tested here: what the binding fixed (the weight's shape, scale and alpha
-    buffers, the schedule, alpha); for A and the output, what can differ between
-    calls that the full path's memo would pass (shape, dtype, contiguity, 16-byte
-    alignment, device). The rest (B's data, split-K's stream and workspace, a capture,
-    expiry) is :meth:`BoundLaunch.launch`'s."""
+    on bad input. Tested here: what the binding fixed (:func:`gemm_key`: the schedule,
+    alpha, the weight's shape, scale and alpha buffers); for A and the output, what can
+    differ between calls that the full path's memo would pass (shape, dtype, contiguity,
+    16-byte alignment, device). The rest (B's data, split-K's stream and workspace, a
+    capture, expiry) is :meth:`BoundLaunch.launch`'s."""
     table = _GEMM_BOUND.get(b)
     if table is None or type(a) is not torch.Tensor or a.dim() != 2:
         return None
     m, k = a.shape
     bound = table.get((m, a.dtype, out_dtype))
-    if bound is None:
+    key = gemm_key(schedule, alpha, b)
+    if bound is None or bound.key != key:
         return None
-    sched, alpha0, scale_p, alpha_p, shape = bound.key
-    if alpha is not alpha0 or not (sched is schedule or (
-            isinstance(schedule, str) and sched == schedule)):
-        return None
-    n, dev = shape[0], b.data.get_device()
-    if (k != shape[1] or tuple(b.shape) != shape or b.scale.data_ptr() != scale_p
-            or (b.global_scale if alpha is None else alpha).data_ptr() != alpha_p
-            or not a.is_contiguous() or a.data_ptr() % 16 or a.get_device() != dev):
+    (n, kb), dev = key[4], b.data.get_device()
+    if k != kb or not a.is_contiguous() or a.data_ptr() % 16 or a.get_device() != dev:
         return None
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -365,6 +615,21 @@ def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
           or not out.is_contiguous() or out.data_ptr() % 16 or out.get_device() != dev):
         return None
     return out if bound.launch(a, b, out) else None
+
+
+def gemm_key(schedule, alpha, b) -> tuple | None:
+    """What a ``gemm`` binding on the weight ``b`` is matched on besides M and the dtypes
+    (its table's keys): the schedule argument (a name by value, a Schedule by identity),
+    alpha (by identity), the addresses of the weight's block scales and of the alpha buffer
+    (alpha, else the weight's global scale) and the weight's shape; None where that buffer
+    is not a tensor (never bound). The objects follow their ids at the end: the binding
+    keeps them alive, so a comparison reaches them only where the ids matched, and
+    there finds the same object (a tensor is never compared by value)."""
+    src = b.global_scale if alpha is None else alpha
+    if not isinstance(src, torch.Tensor):
+        return None
+    return (schedule if type(schedule) is str else id(schedule), id(alpha),
+            b.scale.data_ptr(), src.data_ptr(), tuple(b.shape), schedule, alpha)
 
 
 def clear_gemm_bindings() -> None:
@@ -424,10 +689,9 @@ def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims,
     """After ``run_checked(kernel, a, b, out, alpha, dims)`` ran a W4A16 ``gemm``: keep its
     binding for :func:`bound_gemm` (nothing for W4A4 or an alpha :func:`bind` cannot
     fix)."""
-    src = b.global_scale if alpha is None else alpha
-    if type(a) is not torch.Tensor or not isinstance(src, torch.Tensor):
+    key = gemm_key(schedule, alpha, b)
+    if type(a) is not torch.Tensor or key is None:
         return
-    key = (schedule, alpha, b.scale.data_ptr(), src.data_ptr(), tuple(b.shape))
     bound = bind(kernel, a, b, out, alpha, dims, key, expires)
     if bound is None:
         return
@@ -437,17 +701,6 @@ def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims,
     if len(table) >= _GEMM_BOUND_MAX:
         table.clear()
     table[(dims[0], a.dtype, out_dtype)] = bound
-
-
-@functools.lru_cache(maxsize=4096)
-def check_plan(s: Schedule, p: Problem) -> None:
-    """``plan(s, p).raise_if_invalid()``, memoised: plan() is pure but costs ~150 us of
-    Python, which at decode sizes is several times the kernel. Refusals are not cached
-    (the exception propagates), so they are re-raised with their message every call.
-    (The launch path uses the cheaper per-kernel ``CompiledGemm.check_plan``.)"""
-    from cute_fp4.plan import plan
-
-    plan(s, p).raise_if_invalid()
 
 
 def poisoned_check(kernel, a, b: NVFP4Tensor) -> reference.CheckResult:

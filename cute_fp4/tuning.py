@@ -1,6 +1,10 @@
-"""The tuning store: which schedule won for a GPU, an A format and a shape bucket.
+"""What ``schedule="auto"`` picks: the tuning store (which schedule won for a GPU, an A
+format and a shape bucket), else the heuristic (:func:`heuristic`: a catalogue schedule by
+family and shape, split-K and the decode tiles derived from the shape and the SM count).
+Both are pure choices; the launch path (``cute_fp4.run.resolve_schedule``) asks them.
 
-``cute_fp4.tune.tune`` writes it, ``schedule="auto"`` reads it (before the heuristic).
+``cute_fp4.tune.tune`` writes the store, ``schedule="auto"`` reads it (before the
+heuristic).
 
 * File: ``$CUTE_FP4_TUNING`` or ``~/.cache/cute_fp4/tuning.json``; JSON, written
   atomically (temporary file + rename); a missing or corrupt file reads as empty.
@@ -24,6 +28,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from cute_fp4.errors import InputError
 from cute_fp4.schedule import OutDtype, Schedule
 
 
@@ -134,7 +139,6 @@ def lookup(device, m: int, n: int, k: int, a_format: str) -> Schedule | None:
 def _find(entry, key: str) -> Schedule | None:
     from cute_fp4 import catalogue
     from cute_fp4.cache import source_fingerprint
-    from cute_fp4.errors import InputError
 
     if not isinstance(entry, dict) or "schedule" not in entry:
         return None  # absent, or written by an older version (a bare name)
@@ -151,3 +155,158 @@ def _find(entry, key: str) -> Schedule | None:
                   "gone or changed since it was tuned")
         return None
     return s
+
+
+# ----------------------------------------------------------------------------- heuristic
+
+SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
+
+
+def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
+              a_format: str = "bf16", target: str | None = None) -> Schedule:
+    """The catalogue schedule a shape gets when nothing was tuned for it (``packed``: the
+    weight is a fragment-order PackedNVFP4Weight, which the ``rs_packed`` and ``stream``
+    mainloops read; the schedule depends on the activation format, ``a_format``;
+    ``target``: the GPU's target name, default the family's first)."""
+    from cute_fp4 import catalogue
+
+    if packed:
+        target = target or _family_target(family)
+        if family == "sm120":
+            if a_format == "nvfp4":
+                raise InputError("on sm_120a/sm_121a a PackedNVFP4Weight takes 16-bit "
+                                 "activations (the stream kernel); W4A4 runs on the plain "
+                                 "weight: use weight.unpack()")
+            # the stream kernel is SM120's only W4A16 kernel: every M (activation tiles of
+            # 8 rows up to M = 8, else of 16, as many as M needs)
+            return stream_decode_schedule(target, min(m, 16), n, k)
+        if family != "sm90":
+            raise InputError(f"a PackedNVFP4Weight runs on sm_90a and sm_120a/sm_121a, not "
+                             f"on {family}; use weight.unpack()")
+        return _packed_heuristic(m, n, k, a_format, target)
+    if family == "sm90":
+        if m <= SWAPAB_MAX_M:
+            # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
+            tm = 8 if m <= 8 else 16 if m <= 16 else 32
+            s = catalogue.get("sm90_decode_swapab")
+            if s.tile.m != tm:
+                s = s.replace(tile=(tm, s.tile.n, s.tile.k))
+            # one CTA per 64 weight rows; split-K (reduced in the kernel) where that leaves
+            # SMs idle: measured on H200 (perf/results/2026-12-01-h200-decode.md), M = 1:
+            # N x K = 1024 x 4096 17.0 -> 10.2 us (split 4), 4096 x 4096 16.3 -> 13.5 (2)
+            split = decode_split(-(-n // s.tile.n), -(-k // s.tile.k), s.arch.sm_count)[1]
+            return s.replace(split_k=split) if split > 1 else s
+        # measured on H200, N = K = 8192 (perf/results/2026-11-30-h200.md): at M = 256
+        # 128x128x64 takes 96 us vs 138 us for 128x256x64 (twice the tiles); from M = 1024
+        # the 128x256x64 default is fastest
+        name = ("sm90_decode" if m <= 64 else "sm90_128x128x64" if m <= 512
+                else "sm90_default")
+    else:
+        name = "sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default"
+    return catalogue.get(name)
+
+
+DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 16)
+DECODE_MIN_K_TILES = 4  # K tiles per split at least
+# what a work unit costs besides its K tiles, in K tiles: its partials (a 16-column tile
+# even at M = 1), arrival and epilogue. Fitted to H200 runs of one 256 x 128 tile at
+# N x K = 28672 x 4096, M = 1, split 1/2/4/8: 40.4/44.1/50.2/61.5 us -> 2.8-3.8
+DECODE_UNIT_COST = 3
+
+
+def decode_split(tiles: int, k_tiles: int, sms: int) -> tuple[int, int, int]:
+    """(cost, split, waves) of the best split-K for a weight-streaming decode GEMM of
+    ``tiles`` output tiles x ``k_tiles`` K tiles on ``sms`` SMs: cost = what the busiest
+    CTA does (waves x (K tiles per split + ``DECODE_UNIT_COST``)), fewest waves on a tie.
+    Each split keeps ``DECODE_MIN_K_TILES``; the split-K reduction is the kernel's own."""
+    best = None
+    for sk in DECODE_SPLITS:
+        if sk > 1 and k_tiles // sk < DECODE_MIN_K_TILES:
+            break
+        waves = -(-tiles * sk // sms)
+        cand = (waves * (-(-k_tiles // sk) + DECODE_UNIT_COST), waves, sk)
+        if best is None or cand[:2] < best[:2]:
+            best = cand
+    return best[0], best[2], best[1]
+
+
+def packed_decode_schedule(n: int, k: int) -> Schedule:
+    """W4A16 at M <= 16 on the packed weight: 256 weight rows over four warpgroups or 128
+    over two, and the split, by :func:`decode_split` with a tile's cost weighted by its
+    rows (equal cost: fewer waves, then the taller tile, which has the more warps).
+    Measured on H200 at M = 1 (perf/results/2026-12-01-h200-decode.md): 28672 x 4096 d4
+    40.4 us vs d2 45.2 (2 waves); 1024 x 4096 d2 split 8 10.5 us vs d4 split 8 12.6."""
+    from cute_fp4 import catalogue
+
+    best = None
+    for s in (catalogue.get("sm90_rs_packed_decode"), catalogue.get("sm90_rs_packed_decode_128")):
+        cost, split, waves = decode_split(-(-n // s.tile.n), -(-k // s.tile.k),
+                                          s.arch.sm_count)
+        cand = (cost * s.tile.n, waves, -s.tile.n, split, s)
+        if best is None or cand[:3] < best[:3]:
+            best = cand
+    split, s = best[3], best[4]
+    return s.replace(split_k=split) if split > 1 else s
+
+
+STREAM_MIN_UNITS = 16  # 64-element K units per split at least
+STREAM_CTAS_PER_SM = 2  # the grid split-K grows to, at most
+STREAM_MAX_M = 8  # sm_90a: the stream kernel up to this M; rs_packed's decode tile above
+# H200, 2026-12-03 (perf/results/2026-12-03-h200-decode.md): the best split of each shape
+# at M = 1 gave ~2 CTAs per SM with >= 16 K units each (8192^2: 2; 28672 x 4096: 1;
+# 4096 x 14336 and 4096^2: 4); at M = 16 the rs_packed decode tile was faster on every
+# shape but 1024 x 4096
+
+
+def stream_decode_schedule(target: str, m: int, n: int, k: int) -> Schedule:
+    """The weight-streaming decode kernel (``mainloop=stream``): an 8- or 16-row activation
+    tile, the default batch of a warp's ring, and split-K doubled (16 at most) while
+    the grid stays within :data:`STREAM_CTAS_PER_SM` CTAs per SM (the splits' partial sums
+    cost traffic, a second wave a tail) and each split keeps :data:`STREAM_MIN_UNITS` K
+    units."""
+    from cute_fp4.planning.common import MAX_SPLIT_K
+    from cute_fp4.planning.stream import stream_schedule
+
+    tm = 8 if m <= 8 else 16
+    s = stream_schedule(target, tm, name="stream_decode")
+    tiles = -(-n // 64) * -(-m // tm)
+    units = k // 64
+    wave = STREAM_CTAS_PER_SM * s.arch.sm_count
+    split = 1
+    while (tiles * split * 2 <= wave and split * 2 <= MAX_SPLIT_K
+           and units // (split * 2) >= STREAM_MIN_UNITS):
+        split *= 2
+    return s.replace(split_k=split, name="stream_decode") if split > 1 else s
+
+
+def _family_target(family: str) -> str:
+    from cute_fp4.targets import TARGETS
+
+    return next(t.name for t in TARGETS.values() if t.family == family)
+
+
+def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16",
+                      target: str = "sm_90a") -> Schedule:
+    """rs_packed tiles by M: 256 activation rows x 128 weight rows at large M; at M <= 16
+    with 16-bit activations :func:`stream_decode_schedule` (W4A4 needs 64-row activation
+    tiles);
+    at small M a grid of ~one CTA per SM made up by split-K while each split keeps >= 16
+    K tiles."""
+    from cute_fp4 import catalogue
+
+    if m > 128:
+        s = catalogue.get("sm90_rs_packed")
+    elif m <= STREAM_MAX_M and a_format != "nvfp4":
+        return stream_decode_schedule(target, m, n, k)
+    elif m <= 16 and a_format != "nvfp4":
+        return packed_decode_schedule(n, k)
+    else:
+        s = catalogue.get("sm90_rs_packed_m64")
+        if m > 64:
+            s = s.replace(tile=(128, s.tile.n, s.tile.k))
+    ctas = -(-n // s.tile.n) * -(-m // s.tile.m)
+    k_tiles = -(-k // s.tile.k)
+    split = 1
+    while ctas * split * 2 <= s.arch.sm_count and k_tiles // (split * 2) >= 16:
+        split *= 2
+    return s.replace(split_k=split) if split > 1 else s

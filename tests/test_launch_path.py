@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import time
 
 import cutlass
 import cutlass.cute as cute
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import api, catalogue, operands
+from cute_fp4 import api, catalogue, operands, run
 from cute_fp4.errors import InputError, ScheduleError
 from cute_fp4.kernels.launch import NoopLaunch
 from cute_fp4.nvfp4 import NVFP4Tensor
@@ -63,14 +64,15 @@ def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
         catalogue.get("sm90_decode_swapab").replace(split_k=2), Problem(a_format="bf16"))
     raw = kern.raw_args(a, None, b.data, b.scale, out, alpha, ws, 132, 0xABC0)
     dsl = kern.runtime_args(a, None, b.data, b.scale, out, alpha, ws, "stream")
-    assert len(raw) == len(dsl) == 13 and all(type(x) is int for x in raw)
-    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:8]] == list(raw[:8])
-    assert [int(x) for x in dsl[8:11]] == list(raw[8:11]) == [M, N, K]
-    assert raw[11:] == (132, 0xABC0) and dsl[12] == "stream"
+    assert len(raw) == len(dsl) == 14 and all(type(x) is int for x in raw)
+    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:9]] == list(raw[:9])
+    assert [int(x) for x in dsl[9:12]] == list(raw[9:12]) == [M, N, K]
+    assert raw[12:] == (132, 0xABC0) and dsl[13] == "stream"
     sfb, pal = b.scale.data_ptr(), alpha.data_ptr()
     assert raw[:6] == (a.data_ptr(), sfb, b.data.data_ptr(), sfb, out.data_ptr(), pal)
-    # pWork = the partials, pCount = the header and counters
+    # pWork = the partials, pCount = the header and counters; pBias: alpha (no bias)
     assert raw[6:8] == ((ws[1].data_ptr(), ws[0].data_ptr()) if split_k > 1 else (pal, pal))
+    assert raw[8] == pal
 
 
 def test_raw_args_of_an_n_d_input_and_output(kernel):
@@ -80,7 +82,7 @@ def test_raw_args_of_an_n_d_input_and_output(kernel):
     lead = (M // 2, 2) if M % 2 == 0 else (M, 1)
     a3, out3 = a.reshape(*lead, K), torch.empty(*lead, N, dtype=torch.bfloat16)
     raw = kernel.raw_args(a3, None, b.data, b.scale, out3, torch.ones(1), None, 8, 0)
-    assert raw[8:11] == (M, N, K) and raw[0] == a3.data_ptr() and raw[4] == out3.data_ptr()
+    assert raw[9:12] == (M, N, K) and raw[0] == a3.data_ptr() and raw[4] == out3.data_ptr()
 
 
 def test_w4a4_raw_args_carry_both_scales(kernel):
@@ -128,11 +130,11 @@ def test_without_tvm_ffi_the_dsl_call_path_gets_its_objects(kernel):
 
     assert int(args[0].__tvm_ffi_opaque_ptr__()) == a.data_ptr()
     assert int(args[4].__tvm_ffi_opaque_ptr__()) == out.data_ptr()
-    assert isinstance(args[12], driver.CUstream) and int(args[12]) == 0x5000
-    assert [int(x) for x in args[8:12]] == [M, N, K, 7]  # max_ctas of compiled_gemm
+    assert isinstance(args[13], driver.CUstream) and int(args[13]) == 0x5000
+    assert [int(x) for x in args[9:13]] == [M, N, K, 7]  # max_ctas of compiled_gemm
     # the same types and alignments as runtime_args makes (what fake_args compiled)
     ref = kernel.runtime_args(a, None, b.data, b.scale, out, torch.ones(1), None, None)
-    for got, want in zip(args[:8], ref[:8]):
+    for got, want in zip(args[:9], ref[:9]):
         assert (got.dtype, got._assumed_align) == (want.dtype, want._assumed_align)
     kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
     assert rec.calls[1][:5] == args[:5]  # made once per address, then reused
@@ -377,7 +379,7 @@ def test_gemm_on_the_stubbed_path_still_checks(monkeypatch, kernel):
 
     h200 = targets.Device(0, "H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"), 4800.)
     monkeypatch.setattr(targets, "require_device", lambda family=None: h200)
-    monkeypatch.setattr(api, "check_operands", lambda a, b, out, alpha, dt: check(
+    monkeypatch.setattr(run, "check_operands", lambda a, b, out, alpha, dt: check(
         a, b, out, alpha))
     rec = Recorder()
     monkeypatch.setattr(host, "_build", lambda s, sig, k=None, tag="": compiled_gemm(
@@ -536,7 +538,7 @@ def stub_gemm_path(stub_layer_path, monkeypatch):
     checks without the device-type check)."""
     from cute_fp4 import run
 
-    monkeypatch.setattr(api, "check_operands", lambda a, b, out, alpha, dt: operands.
+    monkeypatch.setattr(run, "check_operands", lambda a, b, out, alpha, dt: operands.
                         check_operands(a, b, out, alpha, dt, require_cuda=False))
     run._GEMM_BOUND.clear()
     yield stub_layer_path
@@ -555,7 +557,7 @@ def test_gemm_binds_and_passes_the_arguments_of_the_full_path(stub_gemm_path, mo
 
     rec, built, _ = stub_gemm_path
     full = []
-    monkeypatch.setattr(api, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or run_checked(*args))
     b = cf.quantize(torch.randn(N, K))
     xs = [torch.randn(3, K).to(torch.bfloat16) for _ in range(3)]
     outs = [torch.empty(3, N, dtype=torch.bfloat16) if given_out else None for _ in xs]
@@ -623,6 +625,30 @@ def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
     assert copy.deepcopy(b) not in run._GEMM_BOUND
 
 
+def test_gemm_binding_matches_a_schedule_object_by_identity(stub_gemm_path):
+    """A Schedule argument binds as the object it is: the same object launches through
+    the binding, an equal copy takes the full path (and binds anew); a binding made for
+    "auto" expires when "auto" is resolved again (run's period is the kernel memo's)."""
+    rec, _, _ = stub_gemm_path
+    b = cf.quantize(torch.randn(N, K))
+    x = torch.randn(2, K).to(torch.bfloat16)
+    s = catalogue.get("sm90_decode_swapab")
+    key = (2, torch.bfloat16, torch.bfloat16)
+    cf.gemm(x, b, schedule=s)
+    b0 = run._GEMM_BOUND[b][key]
+    cf.gemm(x, b, schedule=s)
+    assert run._GEMM_BOUND[b][key] is b0 and len(rec.calls) == 2
+    twin = s.replace(stages=s.stages)
+    assert twin == s and twin is not s
+    cf.gemm(x, b, schedule=twin)
+    assert run._GEMM_BOUND[b][key] is not b0
+    assert run.gemm_key(s, None, b) != run.gemm_key(twin, None, b)
+    assert run.gemm_key("auto", 0.5, b) is None  # a Python alpha: never bound
+    assert run.AUTO_RECHECK_S == host.AUTO_RECHECK_S
+    assert run.resolution_deadline(s) == math.inf
+    assert run.resolution_deadline("auto") <= time.monotonic() + run.AUTO_RECHECK_S
+
+
 def test_the_custom_op_bodies_do_not_bind(stub_gemm_path):
     """The ops' bodies wrap a fresh weight object per call: a binding there would never be
     used again, so they keep none."""
@@ -632,8 +658,8 @@ def test_the_custom_op_bodies_do_not_bind(stub_gemm_path):
     b = cf.quantize(torch.randn(N, K))
     x = torch.randn(2, K).to(torch.bfloat16)
     for _ in range(2):
-        api._mm_impl(x, None, b.data, b.scale, b.global_scale, K, torch.bfloat16,
-                     "sm90_decode_swapab")
+        api._PATH.run_mm(x, None, b.data, b.scale, b.global_scale, K, torch.bfloat16,
+                         "sm90_decode_swapab")
     assert len(rec.calls) == 2 and len(run._GEMM_BOUND) == 0
     cf.gemm(x, b, schedule="sm90_decode_swapab")  # gemm itself does
     assert len(run._GEMM_BOUND) == 1
@@ -691,7 +717,7 @@ def test_op_bodies_bind_by_the_weight_buffers(stub_gemm_path, monkeypatch, kind,
     rec, built, stream = stub_gemm_path
     stream[0] = stream_handle
     full = []
-    monkeypatch.setattr(api, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or run_checked(*args))
     run._OP_BOUND.clear()
     w = cf.quantize(torch.randn(N, K))
     b = w if kind == "mm" else NVFP4Linear(w, mode="w4a16", layout="packed")
@@ -718,7 +744,7 @@ def test_op_bindings_yield_to_anything_they_did_not_fix(stub_gemm_path, monkeypa
     from cute_fp4.run import run_checked
 
     full = []
-    monkeypatch.setattr(api, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or run_checked(*args))
     run._OP_BOUND.clear()
     b = cf.quantize(torch.randn(N, K))
     x = torch.randn(2, K).to(torch.bfloat16)

@@ -443,7 +443,7 @@ def test_op_body_wraps_operands_without_the_checked_constructor(monkeypatch):
     monkeypatch.setattr(NVFP4Tensor, "__init__", boom)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(DeviceError, match="CUDA device"):
-        api._mm_impl(x, None, w.data, w.scale, w.global_scale, 64, torch.bfloat16, "auto")
+        api._PATH.run_mm(x, None, w.data, w.scale, w.global_scale, 64, torch.bfloat16, "auto")
     with pytest.raises(InputTypeError, match="alpha must be a torch.Tensor, got NoneType"):
         api.mm(x, None, w.data, w.scale, None, 64)
 

@@ -366,7 +366,8 @@ def test_key_changes_with_the_mainloop():
 
 
 def test_packed_heuristic_and_resolution():
-    from cute_fp4.api import _resolve_packed, heuristic
+    from cute_fp4.api import heuristic
+    from cute_fp4.run import _resolve_packed
 
     for m in (1, 8, 9, 64, 65, 512, 513, 8192):
         s = heuristic("sm90", m, 8192, 8192, packed=True)
