@@ -436,7 +436,7 @@ def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims) ->
 def via_values(schedule, dims: GroupedDims) -> bool:
     """Whether a call runs W4A4 as the W4A16 kernel on the activation's exact BF16 block
     values: NVFP4 activations, a fragment-order packed weight (sm_90a) and "auto", as
-    ``gemm`` does for a dense W4A4 product there (``api._w4a4_via_bf16``: the rs_packed
+    ``gemm`` does for a dense W4A4 product there (``run.GemmPath._w4a4_via_bf16``: the rs_packed
     mainloop's own W4A4 route converts each activation stage without overlap and ran at
     0.56-0.90x torch BF16 grouped at every size, H200 2026-12-02)."""
     return (dims.a_format == "nvfp4" and dims.packed and isinstance(schedule, str)
