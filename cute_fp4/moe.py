@@ -208,7 +208,8 @@ class NVFP4MoE(torch.nn.Module):
     W4A4's calibrated activation global scales ``(gate_up, down)`` (decode form,
     ``amax / 2688``; None: dynamic, per call); ``layout``: "packed" (the rs_packed and
     stream grouped kernels), "plain", or "auto" (packed when the weights are on an SM90 GPU,
-    or on SM12x for W4A16, and H and I are multiples of 64). Moving the layer (``.to``) keeps its layout.
+    or on SM12x for W4A16, and H and I are multiples of 64). Moving the layer (``.to``)
+    keeps its layout.
     """
 
     def __init__(self, w13, w2, mode: str = "w4a16", schedule="auto",

@@ -12,6 +12,7 @@ import torch
 from cute_fp4 import packed
 from cute_fp4.api import heuristic, stream_decode_schedule
 from cute_fp4.kernels.stream import (
+    expert_words,
     grouped_bound,
     scale_pair_index,
     scale_word_of,
@@ -91,6 +92,20 @@ def test_plan_refuses_what_the_grouped_kernel_does_not_do(change, words):
     assert any("257 groups exceed" in r for r in plan(
         stream_schedule("sm_90a", 8, grouped=True),
         Problem(8, 1536, 2048, "bf16", groups=257)).reasons)
+
+
+@pytest.mark.parametrize("n, k", [(8, 64), (136, 192), (1536, 2048), (2048, 768)])
+def test_expert_strides_are_the_packed_stack(n, k):
+    """The grouped kernel's stride between experts (weight words, scale bytes) is the
+    packed stack's: expert e's bytes start where the kernel points."""
+    import cute_fp4 as cf
+
+    pw = packed.repack(cf.quantize(torch.randn(3, n, k)))
+    assert pw.data[1].data_ptr() - pw.data[0].data_ptr() == 4 * expert_words(n, k // 2)
+    assert pw.data[0].numel() == 4 * expert_words(n, k // 2)
+    sf_bytes = (n + 127) // 128 * ((k // 2 + 31) // 32) * 512  # launch.grouped_tensors'
+    assert pw.scale[0].numel() == sf_bytes
+    assert pw.scale[1].data_ptr() - pw.scale[0].data_ptr() == sf_bytes
 
 
 def _row_tiles(counts, tile_m):

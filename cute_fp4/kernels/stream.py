@@ -46,13 +46,15 @@ Constraints:
   ``tile.m`` rows of each expert that has rows (offsets clamped to ``[0, M_total]`` and
   monotone, ``scheduler.group_rows``) times the 64-row blocks of that expert's weight, so
   an expert without rows costs nothing but a CTA that reads the offsets and exits (the grid
-  is the most units a valid table can make, :func:`grouped_bound`); activation rows are
+  is the most units a valid table can make, :func:`grouped_bound`; an invalid table that
+  counts more is walked to its end by :func:`~cute_fp4.kernels.scheduler.for_each_unit`,
+  each CTA striding by the grid); activation rows are
   read from the expert's first row, rows past its last are never stored; alpha per
   expert; no split of K. An expert with more rows than ``tile.m`` gets one row tile per
   ``tile.m`` rows (each streams its weight block again).
 """
 
-
+import functools
 from typing import NamedTuple
 
 import cutlass
@@ -70,7 +72,13 @@ from cute_fp4.kernels.launch import (
     PointerTypes,
     out_dtype,
 )
-from cute_fp4.kernels.scheduler import GroupedScheduler, TileScheduler, this_unit
+from cute_fp4.kernels.scheduler import (
+    GroupedScheduler,
+    TileScheduler,
+    WorkTile,
+    for_each_unit,
+    this_unit,
+)
 from cute_fp4.kernels.sm90_rs_wide import decode_fragment, decode_tables, scale_halves
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 from cute_fp4.plan import plan
@@ -199,10 +207,10 @@ class StreamGemm(GemmLaunch):
         m, n = t.mD.shape[0], t.mB.shape[0]  # n: the weight's rows (the GEMM's N)
         half_k = t.mB.shape[1]
         k_units = half_k // (UNIT_K // 2)
-        rows = (n + UNIT_ROWS - 1) // UNIT_ROWS * UNIT_ROWS
-        # grouped: one expert's words (the kernel offsets the pointers by the expert)
+        row_blocks = (n + UNIT_ROWS - 1) // UNIT_ROWS
+        # one expert's words (grouped: the kernel offsets the pointers by the expert)
         mQ = cute.make_tensor(cute.recast_ptr(t.mB.iterator, dtype=cutlass.Uint32),
-                              cute.make_layout(rows * k_units * UNIT_WORDS))
+                              cute.make_layout(expert_words(n, half_k)))
         mS = cute.make_tensor(cute.recast_ptr(t.mSFB.iterator, dtype=cutlass.Uint32),
                               cute.make_layout(t.mSFB.shape[0] // 4))
         ld_a = cute.assume(cutlass.Int64(half_k), divby=16)
@@ -212,9 +220,8 @@ class StreamGemm(GemmLaunch):
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
                 (n, m, 1), stride=(1, t.mD.stride[0], 0)))
             groups = t.mOffsets.shape[0] - 1
-            tiles_n = (n + UNIT_ROWS - 1) // UNIT_ROWS
-            units = GroupedScheduler(groups, tiles_n, k_units, self.tile_m, m,
-                                     grouped_bound(m, groups, self.tile_m, tiles_n,
+            units = GroupedScheduler(groups, row_blocks, k_units, self.tile_m, m,
+                                     grouped_bound(m, groups, self.tile_m, row_blocks,
                                                    cutlass.min))
             params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, None, None,
                                   t.mOffsets)
@@ -235,23 +242,30 @@ class StreamGemm(GemmLaunch):
         self._setup()
         if cutlass.const_expr(self.grouped):
             roles.wait_for_inputs()  # the offsets may come from the kernel before
-            units = p.units.prepare(p.mOffsets)
-            unit, _ = units.first_unit()
-            if unit < units.total:  # CTAs past the routed units exit at once
-                w = units.coords(unit)
-                g = w.l
-                # whole units (512 words) and scale atoms (128 words) per expert
-                q_off = cute.assume(cutlass.Int64(g) * cute.size(p.mQ), divby=UNIT_WORDS)
-                s_off = cute.assume(cutlass.Int64(g) * cute.size(p.mS), divby=SF_ATOM_WORDS)
-                mQ = cute.make_tensor(p.mQ.iterator + q_off, p.mQ.layout)
-                mS = cute.make_tensor(p.mS.iterator + s_off, p.mS.layout)
-                self._block(p, Block(mQ, mS, w.n, g, 0, units.k_tiles, w.row0, w.rows,
-                                     unit, 0))
+            # one unit per CTA from a valid table (the grid is its most units; CTAs past
+            # the routed ones exit at once); an invalid one that counts more (overlapping
+            # experts) is walked to its end, every CTA striding by the grid
+            for_each_unit(p.units.prepare(p.mOffsets),
+                          functools.partial(self._grouped_unit, p), cutlass.Int32(0))
         else:
             unit, w = this_unit(p.units)  # one CTA per unit
             row0 = w.n * self.tile_m
             self._block(p, Block(p.mQ, p.mS, w.m, 0, w.k_begin, w.k_count, row0, p.m - row0,
                                  unit, w.split))
+
+    @cute.jit
+    def _grouped_unit(self, p: StreamParams, w: WorkTile, unit, carry):
+        """Grouped: unit ``unit``, row tile ``w.m`` of expert ``w.l`` times its weight's
+        64-row block ``w.n``; ``carry`` is unused (nothing passes between units)."""
+        g = w.l
+        # whole units (512 words) and scale atoms (128 words) per expert
+        q_off = cute.assume(cutlass.Int64(g) * cute.size(p.mQ), divby=UNIT_WORDS)
+        s_off = cute.assume(cutlass.Int64(g) * cute.size(p.mS), divby=SF_ATOM_WORDS)
+        mQ = cute.make_tensor(p.mQ.iterator + q_off, p.mQ.layout)
+        mS = cute.make_tensor(p.mS.iterator + s_off, p.mS.layout)
+        self._block(p, Block(mQ, mS, w.n, g, 0, p.units.k_tiles, w.row0, w.rows, unit, 0))
+        cute.arch.barrier()  # a next unit's rings overwrite the partial sums just read
+        return carry
 
     @cute.jit
     def _block(self, p: StreamParams, blk: Block):
@@ -417,6 +431,13 @@ class StreamGroupedGemm(GroupedLaunch, StreamGemm):
     b_row_align = UNIT_ROWS  # each expert's packed weight has packed_rows(N) rows
 
 
+def expert_words(n, half_k):
+    """32-bit words of one expert's packed weight (``n`` rows padded to whole 64-row
+    blocks, ``half_k`` bytes per row): the stride between experts in a packed stack.
+    Plain integer arithmetic: the launcher and the CPU tests run it."""
+    return (n + UNIT_ROWS - 1) // UNIT_ROWS * (half_k // (UNIT_K // 2)) * UNIT_WORDS
+
+
 def grouped_bound(m_total, groups, tile_m: int, tiles_n, minimum=min):
     """CTAs of a grouped launch: the most units a valid offset table can make. At most
     ``min(groups, m_total)`` experts have rows, and ``sum ceil(r_e / tile_m) <= (m_total +
@@ -427,5 +448,6 @@ def grouped_bound(m_total, groups, tile_m: int, tiles_n, minimum=min):
     return tiles_n * ((m_total + busy * (tile_m - 1)) // tile_m)
 
 
-__all__ = ["Block", "StreamGemm", "StreamGroupedGemm", "StreamParams", "grouped_bound",
+__all__ = ["Block", "StreamGemm", "StreamGroupedGemm", "StreamParams", "expert_words",
+           "grouped_bound",
            "scale_pair_index", "scale_word_of", "unit_word_index"]

@@ -33,7 +33,7 @@ counts = torch.bincount(ids.flatten(), minlength=experts)
 offs = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int().cuda()
 s = catalogue.get(name)
 w = quantize(torch.randn(experts, n, k, device="cuda"))
-b = repack(w) if s.mainloop.value == "rs_packed" else w
+b = repack(w) if s.mainloop.reads_packed else w
 x = torch.randn(int(counts.sum()), k, device="cuda")
 a = quantize(x) if fmt == "nvfp4" else x.to(torch.bfloat16)
 kern = compile(s, Signature(fmt))
