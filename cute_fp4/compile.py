@@ -313,10 +313,12 @@ class CompiledGemm:
                 self._planned.clear()
             self._planned.add(dims)
 
-    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> None:
+    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace,
+               bias=None) -> None:
         """Launch on prepared, validated tensors (the API layer's job), on torch's current
-        stream of ``out``'s device (so CUDA-graph capture records it)."""
-        args = self.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace)
+        stream of ``out``'s device (so CUDA-graph capture records it). ``bias``: the fused
+        epilogue's float32 bias (schedules whose ``Epilogue.ops`` has ``"bias"``)."""
+        args = self.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace, bias)
         ffi = self._ffi
         if ffi is None:
             args = self._dsl_args(args)
@@ -326,15 +328,16 @@ class CompiledGemm:
             if self.source != "loaded" or self._rebuild is None:
                 raise
             self._recompile(e)
-            self.launch(a_data, a_scale, b_data, b_scale, out, alpha, workspace)
+            self.launch(a_data, a_scale, b_data, b_scale, out, alpha, workspace, bias)
 
-    def raw_args(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace) -> tuple:
+    def raw_args(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace,
+                 bias=None) -> tuple:
         """The launch's arguments as ints (``kernels.launch.raw_args``: addresses, sizes,
         the SM count, the raw handle of torch's current stream on ``out``'s device)."""
         dev = out.get_device()
         ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
         return self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
-                                     ctas, self._stream_of(dev))
+                                     ctas, self._stream_of(dev), bias)
 
     @property
     def split_slots(self) -> int:

@@ -192,17 +192,49 @@ class Scheduler:
         _positive("Scheduler.group_size", self.group_size)
 
 
+# Fused epilogue operations, in the order they apply (kernels/epilogue.py):
+# * "bias": D[:, n] += bias[n] in FP32, before the conversion (one rounding);
+# * "silu_mul": the weight's rows are gate and up interleaved in groups of G rows (rows
+#   2Gj .. 2Gj + G - 1 gate, the next G up: cute_fp4.ops.interleave_gate_up; G is
+#   plan.silu_group(schedule), the width at which the kernel's MMA gives one thread both);
+#   D has N / 2 columns, h = silu(g) * u with g and u rounded to the output type first and
+#   silu(g) rounded again: the bits of the unfused ``gemm -> F.silu(g) * u`` in that type.
+EPILOGUE_OPS = ("bias", "silu_mul")
+
+
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
-    """Alpha, conversion and the store. ``tile=None`` stores the whole CTA tile at once."""
+    """Alpha, fused operations, conversion and the store. ``tile=None`` stores the whole CTA
+    tile at once. ``ops``: the fused operations (:data:`EPILOGUE_OPS`, in that order);
+    with any, the tile is stored from registers."""
 
     out_dtype: OutDtype = OutDtype.BF16
     tile: tuple[int, int] | None = None
+    ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _set(self, "out_dtype", OutDtype.of(self.out_dtype, "Epilogue.out_dtype"))
         if self.tile is not None:
             _set(self, "tile", _pair("Epilogue.tile (m, n)", self.tile))
+        _set(self, "ops", _ops(self.ops))
+
+    def has(self, op: str) -> bool:
+        return op in self.ops
+
+
+def _ops(ops: object) -> tuple[str, ...]:
+    """``ops`` as a tuple of known operations in their order of application."""
+    if isinstance(ops, str):
+        ops = tuple(o for o in ops.replace("+", ",").split(",") if o)
+    if not isinstance(ops, (tuple, list)) or not all(isinstance(o, str) for o in ops):
+        raise InputTypeError(f"Epilogue.ops must be a tuple of operation names, got {ops!r}")
+    unknown = [o for o in ops if o not in EPILOGUE_OPS]
+    if unknown:
+        raise InputError(f"Epilogue.ops: unknown operation(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(EPILOGUE_OPS)}")
+    if len(set(ops)) != len(ops):
+        raise InputError(f"Epilogue.ops names an operation twice: {tuple(ops)}")
+    return tuple(o for o in EPILOGUE_OPS if o in ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +334,8 @@ class Schedule:
             parts.append("grouped")
         if self.epilogue.tile:
             parts.append(f"epi={self.epilogue.tile[0]}x{self.epilogue.tile[1]}")
+        if self.epilogue.ops:
+            parts.append("+".join(self.epilogue.ops))
         return " ".join(parts)
 
     def key(self) -> str:
@@ -315,6 +349,8 @@ class Schedule:
             d.pop("mainloop")  # likewise
         if not d["scheduler"]["grouped"]:
             d["scheduler"].pop("grouped")  # likewise
+        if not d["epilogue"]["ops"]:
+            d["epilogue"].pop("ops")  # likewise
         return repr(_plain(d))
 
 
@@ -347,6 +383,7 @@ _NESTED = {
     "raster": ("scheduler", "raster"), "persistent": ("scheduler", "persistent"),
     "group_size": ("scheduler", "group_size"), "grouped": ("scheduler", "grouped"),
     "out_dtype": ("epilogue", "out_dtype"), "epi_tile": ("epilogue", "tile"),
+    "ops": ("epilogue", "ops"),
 }
 
 
@@ -362,7 +399,7 @@ def _text(key: str, v: object) -> str:
     if isinstance(v, enum.Enum):
         return str(v.value)
     if isinstance(v, tuple):
-        return "x".join(map(str, v))
+        return ("+" if key == "ops" else "x").join(map(str, v)) or "none"
     if v is None:
         return "auto" if key == "stages" else "none"
     return str(v).lower() if isinstance(v, bool) else str(v)

@@ -2,10 +2,13 @@
 global memory, through shared memory and TMA, or straight from registers (masked).
 
 Both stores take the FP32 accumulator of one output tile and a ``scale`` (alpha, times the
-conversion offset of the SM90 mainloops; 1 for split-K partials, which the host scales),
-then apply the schedule's fused operation (``op``, a traced function of a TensorSSA of FP32
-values; None is the identity: the hook where activations and NVFP4 output with scales
-attach), and convert to the stored element type.
+conversion offset of the SM90 mainloops), then convert to the stored element type.
+:func:`store_direct` (and so split-K) also applies the schedule's fused operations
+(:class:`FusedOps`, ``Epilogue.ops``): a per-column FP32 bias before the conversion, and
+SiLU-and-mul of interleaved gate/up columns (see :func:`silu_mul_pairs` for why the pairs
+are always in one thread's registers, and ``cute_fp4.schedule.EPILOGUE_OPS`` for the
+rounding points, which are the unfused pipeline's). Kernels store from registers whenever
+a schedule has fused operations.
 
 * :class:`SmemEpilogue` (16-bit outputs, and SM120 FP32): the tile is cut into epilogue
   tiles; each is gathered from the accumulator, converted, copied register -> shared
@@ -30,7 +33,7 @@ attach), and convert to the stored element type.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -65,8 +68,77 @@ def subtile_sources(r2s, tiled_mma, tile_mn, epi_tile) -> list:
     return plan
 
 
-def _apply(op, values):
-    return values if op is None else op(values)
+class FusedOps(NamedTuple):
+    """The fused epilogue operations of one output tile (a kernel builds it per tile)."""
+
+    ops: tuple  # Epilogue.ops (static)
+    n_mode: int  # the tile mode that is the GEMM's N: 1, or 0 for a D^T tile (swap-AB, stream)
+    group: int  # "silu_mul": gate/up rows per group (planning.common.silu_group)
+    gBias: Any = None  # "bias": FP32 values indexed by the tile's N coordinate
+
+
+def fused_tile(schedule, n_mode: int, mBias, n0) -> FusedOps | None:
+    """The :class:`FusedOps` of an output tile whose N coordinates start at ``n0`` (``mBias``:
+    the launch's bias, one group's column of it for grouped kernels); None without ops."""
+    from cute_fp4.planning.common import silu_group
+
+    ops = schedule.epilogue.ops
+    if not ops:
+        return None
+    gBias = cute.domain_offset((n0,), mBias) if "bias" in ops else None
+    return FusedOps(ops, n_mode, silu_group(schedule), gBias)
+
+
+def d_tile(tile_shape: tuple, n_mode: int, ops: tuple) -> tuple:
+    """The output's tile for a GEMM tile of ``tile_shape``: half as wide along N with
+    ``"silu_mul"``."""
+    if "silu_mul" not in ops:
+        return tuple(tile_shape)
+    return tuple(v // 2 if m == n_mode else v for m, v in enumerate(tile_shape))
+
+
+def silu_mul_pairs(thr_mma, tile_shape, n_mode: int, group: int) -> list[tuple[int, int]]:
+    """``(gate, up)`` value indices of a thread's accumulator: ``gate`` at N coordinate
+    ``n`` with ``n % (2 group) < group`` and ``up`` at ``n + group`` (the weight's rows
+    interleave gate and up in groups of ``group``, ``planning.common.silu_group``: 8 for
+    WGMMA and D^T tiles, whose threads hold 8-wide groups along N, 32 for the SM120 tiled
+    MMA), so both of a pair are in one thread. Computed while tracing from threads 0 and
+    the last (value indices are the same for every thread; the CPU test checks them all)."""
+    n_thr = thr_mma.size
+    pairs = None
+    for t in sorted({0, n_thr - 1}):
+        part = thr_mma.get_slice(t).partition_C(cute.make_identity_tensor(tile_shape))
+        coords = [tuple(part[i]) for i in range(cute.size(part))]
+        where = {c: i for i, c in enumerate(coords)}
+        mine = []
+        for i, c in enumerate(coords):
+            if c[n_mode] % (2 * group) < group:
+                partner = tuple(v + group if m == n_mode else v for m, v in enumerate(c))
+                if partner not in where:
+                    raise AssertionError(f"silu_mul: thread {t} holds N coordinate "
+                                         f"{c[n_mode]} but not {c[n_mode] + group}")
+                mine.append((i, where[partner]))
+        if pairs is not None and mine != pairs:
+            raise AssertionError(f"silu_mul: thread {t}'s gate/up pairs differ from thread 0's")
+        pairs = mine
+    return pairs
+
+
+def same_n_values(thr_mma, tile_shape, n_mode: int) -> list[tuple[int, list[int]]]:
+    """A thread's accumulator values grouped by their N coordinate: ``[(first, [i, ...])]``
+    (the same for every thread: a value's coordinate is the thread's base plus a fixed
+    offset; computed from thread 0 while tracing)."""
+    part = thr_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_shape))
+    by_n: dict[int, list[int]] = {}
+    for i in range(cute.size(part)):
+        by_n.setdefault(part[i][n_mode], []).append(i)
+    return [(members[0], members) for members in by_n.values()]
+
+
+def silu(x):
+    """``x / (1 + exp(-x))`` in FP32 with the accurate ``expf`` and an IEEE division: the
+    operations of torch's CUDA SiLU, so the rounded result is the same bits."""
+    return x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
 
 
 class SmemEpilogue(NamedTuple):
@@ -93,8 +165,7 @@ def smem_epilogue(r2s, tiled_mma, thread, sC, acc, c_dtype, tile_mn, epi_tile) -
 @cute.jit
 def store_smem_tma(e: SmemEpilogue, tma_c, gC_tile, sC, scale, epi_tile: cutlass.Constexpr,
                    epi_stages: cutlass.Constexpr,
-                   bar: pipeline.NamedBarrier, is_store_warp, c_dtype: cutlass.Constexpr,
-                   op: cutlass.Constexpr = None):
+                   bar: pipeline.NamedBarrier, is_store_warp, c_dtype: cutlass.Constexpr):
     """Store one output tile: epilogue tiles in row-major order through ``epi_stages``
     shared-memory buffers. Returns once every TMA store has read its buffer, so the next
     tile (or another MMA group sharing ``sC``) may overwrite them."""
@@ -106,7 +177,7 @@ def store_smem_tma(e: SmemEpilogue, tma_c, gC_tile, sC, scale, epi_tile: cutlass
         for q in cutlass.range_constexpr(len(pairs)):
             d, a = pairs[q]
             e.tRS_rD[d] = e.tRS_acc[a]
-        e.tRS_out.store(_apply(op, e.tRS_rD.load() * scale).to(c_dtype))
+        e.tRS_out.store((e.tRS_rD.load() * scale).to(c_dtype))
         buf = t % epi_stages
         bar.arrive_and_wait()
         cute.copy(e.r2s, e.tRS_out, e.tRS_sC[(None, None, None, buf)])
@@ -123,17 +194,61 @@ def store_smem_tma(e: SmemEpilogue, tma_c, gC_tile, sC, scale, epi_tile: cutlass
 
 @cute.jit
 def store_direct(thr_mma, acc, scale, gD_tile, tile_shape: cutlass.Constexpr, rows, cols,
-                 d_dtype: cutlass.Constexpr, op: cutlass.Constexpr = None):
+                 d_dtype: cutlass.Constexpr, fused: cutlass.Constexpr = None):
     """Registers -> global memory: the values of this thread's accumulator that fall inside
-    ``rows x cols`` (the tile's valid extent), scaled, ``op``-ed and converted."""
+    ``rows x cols`` (the tile's valid extent), scaled, with the ``fused`` operations
+    (:class:`FusedOps`; with ``"silu_mul"``, ``gD_tile`` is the output's tile, half as wide
+    along N as ``tile_shape``) and converted."""
     tCcD = thr_mma.partition_C(cute.make_identity_tensor(tile_shape))
-    tCgD = thr_mma.partition_C(gD_tile)
-    vals = cute.make_rmem_tensor_like(acc, d_dtype)
-    vals.store(_apply(op, acc.load() * scale).to(d_dtype))
+    if cutlass.const_expr(fused is None or not fused.ops):
+        tCgD = thr_mma.partition_C(gD_tile)
+        vals = cute.make_rmem_tensor_like(acc, d_dtype)
+        vals.store((acc.load() * scale).to(d_dtype))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = tCcD[i]
+            if r < rows and c < cols:
+                tCgD[i] = vals[i]
+    else:
+        _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape, rows, cols, d_dtype,
+                     fused)
+
+
+@cute.jit
+def _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape: cutlass.Constexpr, rows,
+                 cols, d_dtype: cutlass.Constexpr, fused: cutlass.Constexpr):
+    """:func:`store_direct` with fused operations: bias in FP32, then SiLU-and-mul of each
+    gate/up pair, rounded where the unfused pipeline rounds. ``acc`` is overwritten."""
+    nm = fused.n_mode
+    n_valid = (rows, cols)[nm]
+    vals = acc  # in place: the accumulator is dead after its store (and registers are short)
     for i in cutlass.range_constexpr(cute.size(acc)):
-        r, c = tCcD[i]
-        if r < rows and c < cols:
-            tCgD[i] = vals[i]
+        vals[i] = acc[i] * scale
+    if cutlass.const_expr("bias" in fused.ops):
+        # one load per distinct column of the thread (a D^T thread has 2 per 64 x M tile),
+        # then added to each of its values
+        for first, members in same_n_values(thr_mma, tile_shape, nm):
+            b = fused.gBias[cutlass.min(tCcD[first][nm], n_valid - 1)]
+            for i in members:
+                vals[i] = vals[i] + b
+    if cutlass.const_expr("silu_mul" not in fused.ops):
+        tCgD = thr_mma.partition_C(gD_tile)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = tCcD[i]
+            if r < rows and c < cols:
+                tCgD[i] = vals[i].to(d_dtype)
+    else:
+        f32 = cutlass.Float32
+        gr = fused.group
+        for gi, ui in silu_mul_pairs(thr_mma, tile_shape, nm, gr):
+            r, c = tCcD[gi]
+            g = f32(vals[gi].to(d_dtype))
+            s = f32(silu(g).to(d_dtype))
+            h = (s * f32(vals[ui].to(d_dtype))).to(d_dtype)
+            if r < rows and c < cols:
+                if cutlass.const_expr(nm == 1):
+                    gD_tile[r, c // (2 * gr) * gr + c % gr] = h
+                else:
+                    gD_tile[r // (2 * gr) * gr + r % gr, c] = h
 
 
 def split_vector(values: int) -> int:
@@ -163,11 +278,12 @@ def _partial(mWork, first, tiles, tile, slot, slots: int, split, nv: int, vec: i
 def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
                   slots: cutlass.Constexpr, split, split_k: cutlass.Constexpr, gD_tile,
                   tile_shape: cutlass.Constexpr, rows, cols, d_dtype: cutlass.Constexpr,
-                  op: cutlass.Constexpr = None):
+                  fused: cutlass.Constexpr = None):
     """Split ``split`` of output tile ``tile`` (of ``tiles``): store this thread's partial
     into the workspace, arrive on the counter of this tile and thread ``slot`` (of
     ``slots`` per tile); the last of the ``split_k`` arrivals sums the partials in split
-    order and stores ``sum * scale`` (``op``-ed, converted) into ``gD_tile``, masked to
+    order and stores ``sum * scale`` (with the ``fused`` operations, converted) into
+    ``gD_tile``, masked to
     ``rows x cols``. ``acc`` is overwritten (with the sum, in the last split).
 
     Workspace (``mWork`` flat FP32 partials, ``mCount`` flat int32: one buffer for eager
@@ -203,9 +319,9 @@ def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
             for i in cutlass.range_constexpr(nv):
                 acc[i] = acc[i] + flat[i % vec, i // vec]
         counter[0] = cutlass.Int32(0)
-        store_direct(thr_mma, acc, scale, gD_tile, tile_shape, rows, cols, d_dtype, op)
+        store_direct(thr_mma, acc, scale, gD_tile, tile_shape, rows, cols, d_dtype, fused)
 
 
-__all__ = ["SmemEpilogue", "smem_epilogue", "store_direct", "store_smem_tma",
-           "SPLIT_HEADER", "split_partial_offset", "split_vector", "store_split_k",
-           "subtile_sources"]
+__all__ = ["FusedOps", "SmemEpilogue", "d_tile", "fused_tile", "silu", "silu_mul_pairs",
+           "smem_epilogue", "store_direct", "store_smem_tma", "SPLIT_HEADER",
+           "split_partial_offset", "split_vector", "store_split_k", "subtile_sources"]

@@ -2,7 +2,7 @@
 
 Compiled signature (all families)::
 
-    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, pCount, m, n, k, max_ctas, stream)
+    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, pCount, pBias, m, n, k, max_ctas, stream)
 
 raw global pointers and Int32 sizes, so one compile serves every shape and a launch reads
 only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call). Compiled with
@@ -19,6 +19,10 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
   ``pWork`` the FP32 partials (:func:`split_workspace_needs`; the kernel reduces the
   partials itself and stores D, see ``epilogue.store_split_k``). The two are one buffer
   for eager launches and two for a CUDA-graph capture (``cute_fp4.run.split_workspace``);
+* ``pBias``: the fused epilogue's per-column bias, float32 ``[N]`` (``Epilogue.ops`` with
+  ``"bias"``; otherwise ``pAlpha`` again, never read);
+* ``n`` is the GEMM's N (the weight's rows): with ``"silu_mul"`` the output has N / 2
+  columns;
 * ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count).
 
 The caller (``cute_fp4.api.check_operands``) has checked dtypes, shapes, contiguity and
@@ -61,6 +65,7 @@ class GemmTensors(NamedTuple):
     mAlpha: cute.Tensor  # (1,) float32
     mWork: cute.Tensor  # split-K: the workspace as flat FP32 (without split-K: unused)
     mCount: cute.Tensor  # split-K: the header and counters, flat int32 (without: unused)
+    mBias: cute.Tensor  # (N,) float32: the fused bias (without "bias": unused)
 
 
 def out_dtype(schedule: Schedule) -> type:
@@ -86,7 +91,7 @@ def _ptr(dtype, address, align):
     return make_ptr(dtype, address, _GMEM, assumed_align=align)
 
 
-N_POINTERS = 8  # pointer arguments of the launch signature (then m, n, k, max_ctas, stream)
+N_POINTERS = 9  # pointer arguments of the launch signature (then m, n, k, max_ctas, stream)
 
 
 def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], ...]:
@@ -95,7 +100,7 @@ def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], 
     u8, f32, i32 = cutlass.Uint8, cutlass.Float32, cutlass.Int32
     work = 16 if split_k > 1 else 4
     return ((types.a, 16), (u8, 16), (u8, 16), (u8, 16), (types.c, 16), (f32, 4),
-            (f32, work), (i32, work))
+            (f32, work), (i32, work), (f32, 4))
 
 
 def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
@@ -108,33 +113,35 @@ def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
 
 
 def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out, alpha,
-                 workspace, stream) -> tuple:
+                 workspace, stream, bias=None, out_cols: int = 1) -> tuple:
     """The compiled signature's arguments from checked torch tensors (``workspace``: the
     (counters, partials) pair of ``cute_fp4.run.split_workspace``, or None)."""
     raw = raw_args(split_k, a, a_scale, b, b_scale, out, alpha, workspace,
-                   sm_count(out.device.index) if out.is_cuda else 1, 0)
+                   sm_count(out.device.index) if out.is_cuda else 1, 0, bias, out_cols)
     slots = pointer_slots(types, split_k)
     ptrs = tuple(_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw))
     return (*ptrs, *(cutlass.Int32(v) for v in raw[N_POINTERS:-1]), stream)
 
 
-RAW_A, RAW_OUT, RAW_STREAM = 0, 4, 12  # where raw_args puts A's and C's addresses, the stream
+RAW_A, RAW_OUT, RAW_STREAM = 0, 4, 13  # where raw_args puts A's and C's addresses, the stream
 
 
 def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
-             stream: int) -> tuple[int, ...]:
+             stream: int, bias=None, out_cols: int = 1) -> tuple[int, ...]:
     """The compiled signature's arguments as plain ints (addresses, sizes, the raw stream
     handle), for a kernel compiled with ``--enable-tvm-ffi``: its TVM-FFI entry takes ints
     for pointers, Int32s and the stream, so no DSL object is built per launch. Same order
-    and the same aliasing as :func:`runtime_args`."""
+    and the same aliasing as :func:`runtime_args`. ``out_cols``: GEMM columns per output
+    column (2 with ``"silu_mul"``)."""
     sfb = b_scale.data_ptr()
     pal = alpha.data_ptr()
-    n = out.shape[-1]  # out: [M, N], or [..., N] contiguous (NVFP4Linear's N-D outputs)
-    m = out.numel() // n if out.dim() != 2 else out.shape[0]
+    cols = out.shape[-1]  # out: [M, N], or [..., N] contiguous (NVFP4Linear's N-D outputs)
+    m = out.numel() // cols if out.dim() != 2 else out.shape[0]
     count, work = ((workspace[0].data_ptr(), workspace[1].data_ptr()) if split_k > 1
                    else (pal, pal))
     return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(), sfb,
-            out.data_ptr(), pal, work, count, m, n, b.shape[1] * 2, max_ctas, stream)
+            out.data_ptr(), pal, work, count, pal if bias is None else bias.data_ptr(), m,
+            cols * out_cols, b.shape[1] * 2, max_ctas, stream)
 
 
 @functools.cache
@@ -155,8 +162,9 @@ def _sf_bytes(ptr, rows, half_k):
 
 
 def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pWork,
-                   pCount, m, n, k) -> GemmTensors:
-    """The launch's global tensors over the raw pointers (call while tracing)."""
+                   pCount, pBias, m, n, k, ops: tuple = ()) -> GemmTensors:
+    """The launch's global tensors over the raw pointers (call while tracing); ``ops``: the
+    schedule's fused epilogue operations (``"silu_mul"``: D has N / 2 columns)."""
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
     ld_b = cute.assume(cutlass.Int64(half_k), divby=16)
@@ -165,50 +173,65 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
         mA = _rows(pA, m, kk, cute.assume(cutlass.Int64(kk), divby=8))
     else:
         mA = _rows(pA, m, half_k, ld_b)
-    ld_c = cute.assume(cutlass.Int64(n), divby=8)
+    n_d = n // 2 if "silu_mul" in ops else n  # plan(): N % 16 == 0 with silu_mul
+    ld_c = cute.assume(cutlass.Int64(n_d), divby=8)
     plane = cute.assume(ld_c * m, divby=8)
-    mD = cute.make_tensor(pC, cute.make_layout((m, n, 1), stride=(ld_c, 1, plane)))
+    mD = cute.make_tensor(pC, cute.make_layout((m, n_d, 1), stride=(ld_c, 1, plane)))
     mAlpha = cute.make_tensor(pAlpha, cute.make_layout((1,), stride=(1,)))
-    mWork = mCount = mAlpha
+    mWork = mCount = mBias = mAlpha
     if split_k > 1:
         mWork = cute.make_tensor(pWork, cute.make_layout((1 << 30,)))
         mCount = cute.make_tensor(pCount, cute.make_layout((1 << 30,)))
+    if "bias" in ops:
+        mBias = cute.make_tensor(pBias, cute.make_layout((n,)))
     return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
-                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount)
+                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount, mBias)
 
 
 class GemmLaunch:
     """Mixin of every GEMM kernel class: the compiled entry point and its arguments.
 
-    A kernel class sets ``self.ptr_types`` (:class:`PointerTypes`), ``self.w4a16``,
-    ``self.split_k`` and ``self.sm_count`` in ``__init__`` and implements
+    A kernel class sets ``self.schedule``, ``self.ptr_types`` (:class:`PointerTypes`),
+    ``self.w4a16``, ``self.split_k`` and ``self.sm_count`` in ``__init__`` and implements
     ``_launch(tensors: GemmTensors, max_ctas, stream)``.
     """
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The schedule's fused epilogue operations."""
+        return self.schedule.epilogue.ops
+
+    @property
+    def out_cols(self) -> int:
+        """GEMM columns per output column (2 with ``"silu_mul"``)."""
+        return 2 if "silu_mul" in self.ops else 1
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pWork: cute.Pointer, pCount: cute.Pointer, m: cutlass.Int32,
-                 n: cutlass.Int32, k: cutlass.Int32, max_ctas: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 pWork: cute.Pointer, pCount: cute.Pointer, pBias: cute.Pointer,
+                 m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
         """Entry point: raw global pointers and sizes (see the module docstring)."""
         self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
-                                    pAlpha, pWork, pCount, m, n, k), max_ctas, stream)
+                                    pAlpha, pWork, pCount, pBias, m, n, k, self.ops),
+                     max_ctas, stream)
 
     def fake_args(self) -> tuple:
         """Arguments for ``cute.compile`` (M, N, K symbolic)."""
         return fake_args(self.ptr_types, self.split_k, self.sm_count)
 
-    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream) -> tuple:
+    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream,
+                     bias=None) -> tuple:
         """The same arguments from checked torch tensors (pointers and sizes only)."""
         return runtime_args(self.ptr_types, self.split_k, a, a_scale, b, b_scale, out,
-                            alpha, workspace, stream)
+                            alpha, workspace, stream, bias, self.out_cols)
 
     def raw_args(self, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
-                 stream: int) -> tuple[int, ...]:
+                 stream: int, bias=None) -> tuple[int, ...]:
         """The same arguments as ints, for the TVM-FFI entry (:func:`raw_args`)."""
         return raw_args(self.split_k, a, a_scale, b, b_scale, out, alpha, workspace,
-                        max_ctas, stream)
+                        max_ctas, stream, bias, self.out_cols)
 
     def pointer_slots(self) -> tuple[tuple[type, int], ...]:
         """The pointer arguments' element types and alignments (:func:`pointer_slots`)."""
@@ -224,8 +247,9 @@ class NoopLaunch:
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pWork: cute.Pointer, pCount: cute.Pointer, m: cutlass.Int32,
-                 n: cutlass.Int32, k: cutlass.Int32, max_ctas: cutlass.Int32, stream):
+                 pWork: cute.Pointer, pCount: cute.Pointer, pBias: cute.Pointer,
+                 m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 max_ctas: cutlass.Int32, stream):
         pass
 
 
@@ -241,14 +265,16 @@ class GroupedTensors(NamedTuple):
     mD: cute.Tensor  # (M_total, N, 1)
     mAlpha: cute.Tensor  # (groups,) float32
     mOffsets: cute.Tensor  # (groups + 1,) int32: group g owns rows offsets[g] .. [g + 1]
+    mBias: cute.Tensor  # (N, groups) float32: each group's fused bias (without "bias": unused)
 
 
 def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets,
-                    m, n, k, groups) -> GroupedTensors:
+                    pBias, m, n, k, groups, ops: tuple = ()) -> GroupedTensors:
     """The grouped launch's global tensors over the raw pointers (call while tracing).
     ``b_row_align``: the weight's stored rows per group are ``n`` rounded up to it (64 for
     the fragment-order packed weight, 1 for the plain one)."""
-    dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, pAlpha, m, n, k)
+    dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, pAlpha, pAlpha,
+                           m, n, k, ops)
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
     rows = (n + b_row_align - 1) // b_row_align * b_row_align
@@ -259,27 +285,33 @@ def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlph
     sf_bytes = cute.assume((n + 127) // 128 * ((half_k + 31) // 32) * SF_ATOM_BYTES,
                            divby=SF_ATOM_BYTES)
     mSFB = cute.make_tensor(pSFB, cute.make_layout((sf_bytes, groups), stride=(1, sf_bytes)))
-    return GroupedTensors(dense.mA, dense.mSFA, mB, mSFB, dense.mD,
-                          cute.make_tensor(pAlpha, cute.make_layout((groups,))),
-                          cute.make_tensor(pOffsets, cute.make_layout((groups + 1,))))
+    mAlpha = cute.make_tensor(pAlpha, cute.make_layout((groups,)))
+    mBias = mAlpha
+    if "bias" in ops:
+        mBias = cute.make_tensor(pBias, cute.make_layout((n, groups), stride=(1, n)))
+    return GroupedTensors(dense.mA, dense.mSFA, mB, mSFB, dense.mD, mAlpha,
+                          cute.make_tensor(pOffsets, cute.make_layout((groups + 1,))), mBias)
 
 
 class GroupedLaunch(GemmLaunch):
     """Mixin of the grouped kernels: the grouped entry point and its arguments.
 
-    Compiled signature ``(pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets, m, n, k, groups,
+    Compiled signature ``(pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets, pBias, m, n, k, groups,
     max_ctas, stream)``: the dense one with ``pWork`` replaced by the int32 group offsets
-    ``[groups + 1]``, ``pAlpha`` one float32 per group, ``m`` the total rows and ``groups``
-    added. ``self.b_row_align`` as in :func:`grouped_tensors`.
+    ``[groups + 1]``, ``pAlpha`` one float32 per group, ``pBias`` float32 ``[groups, N]``
+    (or ``pAlpha``, unread), ``m`` the total rows and ``groups`` added.
+    ``self.b_row_align`` as in :func:`grouped_tensors`.
     """
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pOffsets: cute.Pointer, m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 groups: cutlass.Int32, max_ctas: cutlass.Int32, stream: cuda.CUstream):
+                 pOffsets: cute.Pointer, pBias: cute.Pointer, m: cutlass.Int32,
+                 n: cutlass.Int32, k: cutlass.Int32, groups: cutlass.Int32,
+                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
         self._launch(grouped_tensors(self.w4a16, self.b_row_align, pA, pSFA, pB, pSFB, pC,
-                                     pAlpha, pOffsets, m, n, k, groups), max_ctas, stream)
+                                     pAlpha, pOffsets, pBias, m, n, k, groups, self.ops),
+                     max_ctas, stream)
 
     def fake_args(self) -> tuple:
         from cutlass.cute.runtime import make_fake_stream
@@ -288,26 +320,29 @@ class GroupedLaunch(GemmLaunch):
         i32 = cutlass.Int32
         return (*ptrs, i32(0), i32(0), i32(0), i32(0), i32(self.sm_count), make_fake_stream())
 
-    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, offsets, stream) -> tuple:
+    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, offsets, stream,
+                     bias=None) -> tuple:
         raw = self.raw_args(a, a_scale, b, b_scale, out, alpha, offsets,
-                            sm_count(out.device.index) if out.is_cuda else 1, stream)
-        ptrs = [_ptr(dtype, v, align) for (dtype, align), v in zip(self.pointer_slots(), raw)]
-        return (*ptrs, *(cutlass.Int32(v) for v in raw[7:12]), stream)
+                            sm_count(out.device.index) if out.is_cuda else 1, stream, bias)
+        slots = self.pointer_slots()
+        ptrs = [_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw)]
+        return (*ptrs, *(cutlass.Int32(v) for v in raw[len(slots):-1]), stream)
 
     def raw_args(self, a, a_scale, b, b_scale, out, alpha, offsets, max_ctas: int,
-                 stream: int) -> tuple[int, ...]:
+                 stream: int, bias=None) -> tuple[int, ...]:
         """``(pointers..., m, n, k, groups, max_ctas, stream)`` as ints (W4A16: ``pSFA``
-        repeats ``pSFB``, never read)."""
-        sfb = b_scale.data_ptr()
-        m, n = out.shape
+        repeats ``pSFB``, never read; no bias: ``pBias`` repeats ``pAlpha``)."""
+        sfb, pal = b_scale.data_ptr(), alpha.data_ptr()
+        m, cols = out.shape
         return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(),
-                sfb, out.data_ptr(), alpha.data_ptr(), offsets.data_ptr(), m, n,
+                sfb, out.data_ptr(), pal, offsets.data_ptr(),
+                pal if bias is None else bias.data_ptr(), m, cols * self.out_cols,
                 b.shape[-1] * 2, offsets.shape[0] - 1, max_ctas, stream)
 
     def pointer_slots(self) -> tuple[tuple[type, int], ...]:
-        u8 = cutlass.Uint8
+        u8, f32 = cutlass.Uint8, cutlass.Float32
         return ((self.ptr_types.a, 16), (u8, 16), (u8, 16), (u8, 16), (self.ptr_types.c, 16),
-                (cutlass.Float32, 4), (cutlass.Int32, 4))
+                (f32, 4), (cutlass.Int32, 4), (f32, 4))
 
 
 __all__ = ["N_POINTERS", "GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors",

@@ -85,6 +85,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
 from cute_fp4.kernels.epilogue import (
     SmemEpilogue,
+    d_tile,
+    fused_tile,
     smem_epilogue,
     store_direct,
     store_smem_tma,
@@ -129,6 +131,7 @@ class Sm120Params(NamedTuple):
     m_rows: cutlass.Int32  # rows of A
     mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors); else None
     mCount: cute.Tensor | None
+    mBias: cute.Tensor | None  # fused "bias": (N,) or (N, groups) FP32; None without it
 
 
 class Sm120Consumer(NamedTuple):
@@ -151,6 +154,7 @@ class Sm120Consumer(NamedTuple):
     mWork: cute.Tensor | None  # split-K only
     mCount: cute.Tensor | None
     units: TileScheduler | GroupedScheduler
+    mBias: cute.Tensor | None  # fused "bias" only
 
 
 class Sm120Gemm(Sm120Mainloop, GemmLaunch):
@@ -189,6 +193,9 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         self.sched = schedule.scheduler
         self.along_m = schedule.scheduler.raster is Raster.ALONG_M
         self.c_dtype = cutlass.Float32 if self.split_k > 1 else out_dtype(schedule)
+        # D staged through shared memory and stored by TMA; from registers when grouped,
+        # split-K (the C buffer is still allocated: plan() counts it) or with fused ops
+        self.staged_c = not self.grouped and not schedule.epilogue.ops
         self.out_dtype = out_dtype(schedule)
         self.split_slots = self.group_threads  # split-K counters per tile (one per thread)
         self.split_values = t.m * t.n // self.group_threads  # accumulator values per thread
@@ -264,7 +271,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
                 u8, cute.cosize(self.sSFA_bytes)], ALIGN]
             sSFB: cute.struct.Align[cute.struct.MemRange[
                 u8, cute.cosize(self.sSFB_bytes)], ALIGN]
-            if not self.grouped:  # grouped tiles are stored from registers
+            if self.staged_c:  # grouped tiles and fused ops are stored from registers
                 sC: cute.struct.Align[cute.struct.MemRange[
                     self.c_dtype, cute.cosize(self.sC_layout)], ALIGN]
 
@@ -304,7 +311,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
             offsets = t.mOffsets
             units = GroupedScheduler.create(offsets.shape[0] - 1, m, n, k, self.tile_mnk)
         else:
-            if cutlass.const_expr(self.split_k == 1):
+            if cutlass.const_expr(self.split_k == 1 and self.staged_c):
                 tma_c, tma_mC = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), t.mD,
                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
@@ -314,7 +321,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
                                          self.sched.group_size, self.along_m)
         params = Sm120Params(tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB,
                              tma_c, tma_mC, t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32,
-                             offsets, m, work, count)
+                             offsets, m, work, count, t.mBias if self.ops else None)
         self.kernel(params).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], cluster=[1, 1, 1],
                                    smem=self.smem_bytes, stream=stream,
@@ -442,7 +449,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         group = mma_warp // self.group_warps
         gtid = (tidx - self.warps.first_mma_thread) % self.group_threads
         frags = self._mma_fragments(storage, gtid)
-        if cutlass.const_expr(not self.grouped):
+        if cutlass.const_expr(self.staged_c):
             sC = storage.sC.get_tensor(self.sC_layout.outer, swizzle=self.sC_layout.inner)
             gC = cute.local_tile(mC, self.tile_mnk[:2], (None, None, None))
             epi = smem_epilogue(self._r2s_copy(), self.tiled_mma, gtid, sC, frags.acc,
@@ -455,7 +462,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         if cutlass.const_expr(not self.grouped):
             scale = alpha[0]
         c = Sm120Consumer(mainloop, frags, turn_bars, group, gtid, mma_warp, bar, scale, epi,
-                          sC, gC, tma_c, mC, alpha, mWork, mCount, units)
+                          sC, gC, tma_c, mC, alpha, mWork, mCount, units, p.mBias)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for_each_unit(units, functools.partial(self._mma_unit, c),
                       (state, cutlass.Int32(0), cutlass.Int32(0)))
@@ -475,10 +482,10 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
             roles.turn_arrive(self.pingpong, c.turn_bars, c.group, Turn.MAINLOOP)
             roles.turn_wait(self.pingpong, c.turn_bars, c.group, turn, Turn.EPILOGUE)
             if cutlass.const_expr(self.grouped):
-                self._store_grouped(c.frags.acc, c.alpha, c.mC, w, c.gtid)
-            elif cutlass.const_expr(self.split_k > 1):
-                self._store_split(c.frags.acc, c.scale, c.mC, c.mWork, c.mCount, c.units, w,
-                                  unit, c.gtid)
+                self._store_grouped(c.frags.acc, c.alpha, c.mC, c.mBias, w, c.gtid)
+            elif cutlass.const_expr(self.split_k > 1 or not self.staged_c):
+                self._store_registers(c.frags.acc, c.scale, c.mC, c.mWork, c.mCount, c.mBias,
+                                  c.units, w, unit, c.gtid)
             else:
                 store_smem_tma(c.epi, c.tma_c, c.gC[(None, None, w.m, w.n, w.split)], c.sC,
                                c.scale, self.epi_tile, self.epi_stages, c.bar,
@@ -491,27 +498,37 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         return state, turn, step
 
     @cute.jit
-    def _store_split(self, acc, scale, mD, mWork, mCount, units, w, unit, gtid):
-        """A split-K partial from registers; the tile's last split stores the sum."""
+    def _store_registers(self, acc, scale, mD, mWork, mCount, mBias, units, w, unit, gtid):
+        """A tile from registers (fused ops), or a split-K partial, of which the tile's last
+        split stores the sum."""
         tm, tn, _ = self.tile_mnk
-        assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
-        gD = cute.local_tile(mD, (tm, tn), (None, None, None))
-        store_split_k(self.tiled_mma.get_slice(gtid), acc, scale, mWork, mCount,
-                      units.total // self.split_k, unit // self.split_k, gtid,
-                      self.split_slots, w.split, self.split_k, gD[(None, None, w.m, w.n, 0)],
-                      (tm, tn), mD.shape[0] - w.m * tm, mD.shape[1] - w.n * tn,
-                      self.out_dtype)
+        gD = cute.local_tile(mD, d_tile((tm, tn), 1, self.ops), (None, None, None))
+        rows, cols = mD.shape[0] - w.m * tm, mD.shape[1] * self.out_cols - w.n * tn
+        fused = fused_tile(self.schedule, 1, mBias, w.n * tn)
+        if cutlass.const_expr(self.split_k > 1):
+            assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
+            store_split_k(self.tiled_mma.get_slice(gtid), acc, scale, mWork, mCount,
+                          units.total // self.split_k, unit // self.split_k, gtid,
+                          self.split_slots, w.split, self.split_k,
+                          gD[(None, None, w.m, w.n, 0)], (tm, tn), rows, cols, self.out_dtype,
+                          fused)
+        else:
+            store_direct(self.tiled_mma.get_slice(gtid), acc, scale,
+                         gD[(None, None, w.m, w.n, 0)], (tm, tn), rows, cols, self.out_dtype,
+                         fused)
 
     @cute.jit
-    def _store_grouped(self, acc, alpha, mD, w, gtid):
+    def _store_grouped(self, acc, alpha, mD, mBias, w, gtid):
         """A grouped tile from registers: rows ``w.row0 ..`` of D, masked at the group's
         last row (the rows after it belong to the next group) and at N."""
         tm, tn, _ = self.tile_mnk
-        gD = cute.local_tile(cute.domain_offset((w.row0, 0, 0), mD), (tm, tn),
-                             (None, None, None))
+        gD = cute.local_tile(cute.domain_offset((w.row0, 0, 0), mD),
+                             d_tile((tm, tn), 1, self.ops), (None, None, None))
+        bias = mBias[(None, w.l)] if cutlass.const_expr("bias" in self.ops) else None
         store_direct(self.tiled_mma.get_slice(gtid), acc, alpha[w.l],
-                     gD[(None, None, 0, w.n, 0)], (tm, tn), w.rows, mD.shape[1] - w.n * tn,
-                     self.c_dtype)
+                     gD[(None, None, 0, w.n, 0)], (tm, tn), w.rows,
+                     mD.shape[1] * self.out_cols - w.n * tn, self.c_dtype,
+                     fused_tile(self.schedule, 1, bias, w.n * tn))
 
     def _r2s_copy(self):
         """Register -> shared copy of the accumulator, matching the tiled MMA's C layout.

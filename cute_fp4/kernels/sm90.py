@@ -63,6 +63,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cute_fp4.kernels import loads, roles, sf_layout
 from cute_fp4.kernels.epilogue import (
     SmemEpilogue,
+    d_tile,
+    fused_tile,
     smem_epilogue,
     store_direct,
     store_smem_tma,
@@ -112,6 +114,7 @@ class Sm90Params(NamedTuple):
     mOffsets: cute.Tensor | None  # grouped: int32 [groups + 1] row offsets; dense: None
     mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors), flat FP32
     mCount: cute.Tensor | None  # split-K: the header and counters, flat int32
+    mBias: cute.Tensor | None  # fused "bias": (N,) or (N, groups) FP32; None without it
 
 
 class SmemTensors(NamedTuple):
@@ -167,8 +170,11 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         self.split_k = schedule.split_k
         self.out_dtype = out_dtype(schedule)
         self.epi_dtype = cutlass.Float32 if self.split_k > 1 else self.out_dtype
-        # 32-bit results (split-K partials, FP32 output) and D^T are stored from registers.
-        self.direct_store = self.epi_dtype.width == 32 or self.transposed
+        # 32-bit results (split-K partials, FP32 output), D^T and fused epilogue operations
+        # are stored from registers.
+        self.direct_store = (self.epi_dtype.width == 32 or self.transposed
+                             or bool(schedule.epilogue.ops))
+        self.n_mode = 0 if self.transposed else 1  # the mode of an output tile that is N
         self.wm, self.wn = schedule.warps.mma
         self.num_wg = self.wn if self.swap_ab else self.wm * self.wn
         self.rs_m_blocks = t.n // self.wm // 64  # rs_packed: 64-row M blocks per warpgroup
@@ -301,7 +307,8 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
     def _launch(self, t: GemmTensors, max_ctas: cutlass.Int32, stream):
         self._setup()
         tm, tn, tk = self.tile_m, self.tile_n, self.tile_k
-        m, n = t.mD.shape[0], t.mD.shape[1]
+        m, n = t.mD.shape[0], t.mB.shape[0]  # N: the weight's rows ("silu_mul": D has N / 2)
+        nd = t.mD.shape[1]
         k = t.mB.shape[1] * 2
         tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB = self._make_load_atoms(t, m, n)
         # absent operands are None (the kernel branches on them with const_expr)
@@ -311,11 +318,11 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         if cutlass.const_expr(self.grouped):
             offsets = t.mOffsets
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
-                (n, m, 1), stride=(1, t.mD.stride[0], 0)))
+                (nd, m, 1), stride=(1, t.mD.stride[0], 0)))
             units = GroupedScheduler.create(t.mOffsets.shape[0] - 1, m, n, k, (tm, tn, tk))
         elif cutlass.const_expr(self.transposed):
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
-                (n, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
+                (nd, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
             if cutlass.const_expr(self.rs_packed):
                 units = TileScheduler.create(n, m, k, (tn, tm, tk), self.split_k,
                                              self.group_size, self.raster_m)
@@ -329,8 +336,9 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                     cpasync.CopyBulkTensorTileS2GOp(), t.mD,
                     cute.slice_(self.sC_layout, (None, None, 0)), self.epi_tile)
         work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)
+        bias = t.mBias if "bias" in self.ops else None
         params = Sm90Params(tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB, tma_c, gD,
-                            t.mAlpha, units, m, n, offsets, *work)
+                            t.mAlpha, units, m, n, offsets, *work, bias)
         self.kernel(params).launch(grid=[units.grid(self.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
                                    stream=stream, use_pdl=roles.PDL)
@@ -457,16 +465,19 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         """Output tile ``(ti, tj)`` of ``p.gD`` cut into ``tile_shape`` tiles, from this
         thread's accumulator, masked to ``rows x cols``; split-K: this thread's partial and
         counter ``slot`` of the unit's tile, the last split storing the sum."""
-        gD_t = cute.local_tile(p.gD, tile_shape, (None, None, None))
+        gD_t = cute.local_tile(p.gD, d_tile(tile_shape, self.n_mode, self.ops),
+                               (None, None, None))
+        n_tile = (ti, tj)[self.n_mode]
+        fused = fused_tile(self.schedule, self.n_mode, p.mBias, n_tile * tile_shape[self.n_mode])
         if cutlass.const_expr(self.split_k > 1):
             assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
             store_split_k(thr_mma, acc, scale, p.mWork, p.mCount, p.units.total // self.split_k,
                           unit // self.split_k, slot, self.split_slots, w.split, self.split_k,
                           gD_t[(None, None, ti, tj, 0)], tile_shape, rows, cols,
-                          self.out_dtype)
+                          self.out_dtype, fused)
         else:
             store_direct(thr_mma, acc, scale, gD_t[(None, None, ti, tj, 0)], tile_shape,
-                         rows, cols, self.epi_dtype)
+                         rows, cols, self.epi_dtype, fused)
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit

@@ -70,9 +70,8 @@ class RegisterSourcedMainloop:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(
             cute.make_identity_tensor((tn, self.tile_k))).shape)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(s.sA16))
-        gD_t = cute.local_tile(p.gD, (tn, tm), (None, None, None))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gD_t[(None, None, 0, 0, 0)]).shape,
-                                    cutlass.Float32)
+        acc = cute.make_rmem_tensor(
+            thr_mma.partition_C(cute.make_identity_tensor((tn, tm))).shape, cutlass.Float32)
         tCrA32 = cute.recast_tensor(tCrA, cutlass.Uint32)
         num_k_blocks = cute.size(tCrA, mode=[2])
         wg_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.MMA_GROUP) + wg,

@@ -53,7 +53,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
-from cute_fp4.kernels.epilogue import store_direct
+from cute_fp4.kernels.epilogue import d_tile, fused_tile, store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.scheduler import WorkTile, for_each_unit
 from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
@@ -243,8 +243,8 @@ class PackedRegisterMainloop:
         tiled_mma = self.tiled_mma
         thr_mma = tiled_mma.get_slice(t)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(s.sA16))  # (V, N, kb, stage)
-        gD_t = cute.local_tile(p.gD, (UNIT_ROWS, tm), (None, None, None))
-        acc_shape = thr_mma.partition_C(gD_t[(None, None, 0, 0, 0)]).shape
+        gD_t = cute.local_tile(p.gD, d_tile((UNIT_ROWS, tm), 0, self.ops), (None, None, None))
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor((UNIT_ROWS, tm))).shape
         frag_shape = thr_mma.partition_A(
             cute.make_identity_tensor((UNIT_ROWS, 16 * self.rs_group))).shape
         accs = []
@@ -283,7 +283,7 @@ class PackedRegisterMainloop:
         if cutlass.const_expr(self.grouped):  # activation row tiles inside a group
             nt, mt = w.n, 0
             gD_u = cute.local_tile(cute.domain_offset((0, w.row0, 0), p.gD),
-                                   (UNIT_ROWS, tm), (None, None, None))
+                                   d_tile((UNIT_ROWS, tm), 0, self.ops), (None, None, None))
             cols, scale_u = w.rows, c.scale * p.mAlpha[w.l]
         for b in cutlass.range_constexpr(mb_n):
             accs[b].fill(0.0)
@@ -306,8 +306,10 @@ class PackedRegisterMainloop:
         for b in cutlass.range_constexpr(mb_n):
             rb = nt * (tn // UNIT_ROWS) + wg * mb_n + b  # 64-row block of D^T
             if cutlass.const_expr(self.grouped):
+                bias = p.mBias[(None, w.l)] if cutlass.const_expr("bias" in self.ops) else None
                 store_direct(c.thr_mma, accs[b], scale_u, gD_u[(None, None, rb, mt, 0)],
-                             (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype)
+                             (UNIT_ROWS, tm), p.n - rb * UNIT_ROWS, cols, self.epi_dtype,
+                             fused_tile(self.schedule, 0, bias, rb * UNIT_ROWS))
             else:
                 self._store(c.thr_mma, accs[b], scale_u, p, (UNIT_ROWS, tm), rb, mt, w, unit,
                             b * self.num_mma_threads + ctid, p.n - rb * UNIT_ROWS, cols)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from cute_fp4.errors import InputError
-from cute_fp4.schedule import Problem, Schedule
+from cute_fp4.schedule import Mainloop, Problem, Schedule
 
 ALIGN = 1024  # every region starts on this boundary (TMA's 128-byte swizzles need it)
 SF_VEC = 16  # elements per NVFP4 scale factor
@@ -190,9 +190,34 @@ def check_grouped(s: Schedule, p: Problem) -> list[str]:
     return out
 
 
+def silu_group(s: Schedule) -> int:
+    """Rows per gate (and per up) group of a ``silu_mul`` weight: the N distance at which the
+    kernel's MMA gives a thread both values of a pair (``epilogue.silu_mul_pairs`` checks it
+    while tracing). A thread's C values come in 8-wide groups along N for WGMMA and for the
+    D^T tiles (rows ``lane / 4 + {0, 8}``); the SM120 tiled MMA's N permutation (32-column
+    steps of (8, 2, 2):(1, 16, 8)) gives every SM120 tile and warp layout pairs 32 apart."""
+    if s.arch.family == "sm120" and s.mainloop is not Mainloop.STREAM:
+        return 32
+    return 8
+
+
+def check_epilogue_ops(s: Schedule, p: Problem) -> list[str]:
+    """``silu_mul`` pairs gate and up groups of :func:`silu_group` rows, so N is a multiple
+    of twice that (the output has N / 2 columns)."""
+    if s.epilogue.ops and s.mainloop is Mainloop.STREAM:
+        return [f"mainloop=stream has no fused epilogue ops ({'+'.join(s.epilogue.ops)}): "
+                "leave Epilogue.ops empty"]
+    g = silu_group(s)
+    if "silu_mul" in s.epilogue.ops and p.n and p.n % (2 * g):
+        return [f"N = {p.n} is not a multiple of {2 * g}: silu_mul on {s.target} takes the "
+                f"weight's rows as gate/up groups of {g} (cute_fp4.ops.interleave_gate_up) "
+                f"and stores N / 2 columns"]
+    return []
+
+
 # run after the family's own checks, for every family
 COMMON_CHECKS: tuple[Check, ...] = (check_split_k_limit, check_problem_k, check_split_k_tiles,
-                                    check_problem_n, check_grouped)
+                                    check_problem_n, check_grouped, check_epilogue_ops)
 
 
 class FamilyRules(NamedTuple):
@@ -210,4 +235,4 @@ class FamilyRules(NamedTuple):
 
 __all__ = ["ALIGN", "MAX_GROUPS", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
            "RegisterSplit", "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
-           "epilogue_tile", "epi_stages", "c_elem_bytes"]
+           "epilogue_tile", "epi_stages", "c_elem_bytes", "silu_group"]

@@ -50,6 +50,8 @@ def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
     c = staged_c_region(s)
     if s.scheduler.grouped:
         c = Region("C", 0, "none: grouped tiles stored from registers")
+    elif s.epilogue.ops:
+        c = Region("C", 0, "none: tiles with fused epilogue ops stored from registers")
     return (*mainloop_regions(stage_bytes(s, p), stages, n_barriers), c)
 
 

@@ -81,7 +81,8 @@ def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
         out.append(Region("A16", conv * t.m * t.k * 2, f"{conv} x BF16 {t.m}x{t.k}"))
     out.append(Region("B16", conv * t.n * t.k * 2, f"{conv} x BF16 {t.n}x{t.k}"))
     if _direct_store(s):
-        out.append(Region("C", 0, "none: 32-bit results stored from registers"))
+        what = "fused epilogue ops" if s.epilogue.ops else "32-bit results"
+        out.append(Region("C", 0, f"none: {what} stored from registers"))
     else:
         out.append(staged_c_region(s))
     return tuple(out)
@@ -93,8 +94,9 @@ def rs_packed(s: Schedule) -> bool:
 
 
 def _direct_store(s: Schedule) -> bool:
-    """32-bit results (FP32 output, split-K partials) go from registers to global memory."""
-    return c_elem_bytes(s) == 4
+    """32-bit results (FP32 output, split-K partials) and tiles with fused epilogue ops go
+    from registers to global memory."""
+    return c_elem_bytes(s) == 4 or bool(s.epilogue.ops)
 
 
 def consumer_warpgroups(s: Schedule) -> int:
@@ -263,8 +265,9 @@ def check_epilogue_tile_used(s: Schedule, p: Problem) -> list[str]:
     if s.swap_ab or rs_packed(s):
         what = f"{'swap_ab' if s.swap_ab else 'rs_packed'} stores D^T from registers"
     elif _direct_store(s):
-        kind = "split-K partials" if s.split_k > 1 else "FP32 output"
-        what = f"{s.target} stores 32-bit results ({kind}) from registers"
+        kind = ("tiles with fused epilogue ops" if s.epilogue.ops else "32-bit results "
+                f"({'split-K partials' if s.split_k > 1 else 'FP32 output'})")
+        what = f"{s.target} stores {kind} from registers"
     else:
         return []
     return [f"{what}: Epilogue.tile {em}x{en} would be ignored; leave it None"]

@@ -1,0 +1,74 @@
+"""Host side of the fused epilogue operations (``Epilogue.ops``, kernels/epilogue.py).
+
+``"silu_mul"`` reads a gate/up weight whose rows interleave the two projections in groups
+of ``G`` rows (``G = plan.silu_group(schedule)``: 8 on sm_90a, 32 for SM120's block-scaled
+MMA), so that one thread of the MMA holds a gate value and its up value::
+
+    natural [gate 0 .. I-1 ; up 0 .. I-1]  (vLLM's w13, Qwen3's gate_proj then up_proj)
+    interleaved rows 2Gj .. 2Gj+G-1 = gate rows Gj .. Gj+G-1,
+                rows 2Gj+G .. 2Gj+2G-1 = up rows Gj .. Gj+G-1
+
+:func:`interleave_gate_up` puts a weight (torch, NVFP4, or an expert stack of either) in
+that order once, at load; :func:`silu_mul_unfused` is the pipeline the fused epilogue
+replaces (the GEMM's output in its own dtype, then ``F.silu(gate) * up`` in that dtype),
+against which the fused output is compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cute_fp4.errors import InputError
+from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
+
+__all__ = ["gate_up_order", "interleave_gate_up", "deinterleave_gate_up", "silu_mul_unfused"]
+
+
+def gate_up_order(n: int, group: int, device=None) -> torch.Tensor:
+    """Row ``p`` of the interleaved weight is row ``order[p]`` of the natural ``[gate; up]``
+    one (``n`` = 2I rows, I a multiple of ``group``)."""
+    if n % (2 * group):
+        raise InputError(f"a gate/up weight of {n} rows does not split into gate/up groups of "
+                         f"{group} rows: its rows must be a multiple of {2 * group}")
+    half = n // 2
+    p = torch.arange(n, device=device)
+    block, q = p // (2 * group), p % (2 * group)
+    return torch.where(q < group, block * group + q, half + block * group + (q - group))
+
+
+def interleave_gate_up(w, group: int):
+    """``w`` (``[2I, K]`` or an expert stack ``[E, 2I, K]``: a torch tensor or an
+    :class:`NVFP4Tensor`, block scales moved with their rows) in the interleaved order."""
+    rows = w.shape[-2]
+    order = gate_up_order(rows, group)
+    if isinstance(w, torch.Tensor):
+        return w.index_select(-2, order.to(w.device)).contiguous()
+    if not isinstance(w, NVFP4Tensor):
+        raise InputError(f"interleave_gate_up takes a torch tensor or an NVFP4Tensor, got "
+                         f"{type(w).__name__}")
+    order = order.to(w.data.device)
+    data = w.data.index_select(-2, order).contiguous()
+    linear = w.scale_linear().index_select(-2, order)
+    if w.experts is None:
+        scale = swizzle_scales(linear)
+    else:
+        scale = torch.stack([swizzle_scales(s) for s in linear])
+    return NVFP4Tensor(data, scale, w.global_scale, w.shape)
+
+
+def deinterleave_gate_up(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) columns, in natural order, of a GEMM output ``[..., 2I]`` computed with an
+    interleaved weight."""
+    order = gate_up_order(t.shape[-1], group, t.device)
+    natural = torch.empty_like(t)
+    natural[..., order] = t
+    half = t.shape[-1] // 2
+    return natural[..., :half], natural[..., half:]
+
+
+def silu_mul_unfused(gate_up: torch.Tensor, group: int) -> torch.Tensor:
+    """What ``"silu_mul"`` fuses: ``F.silu(gate) * up`` in ``gate_up``'s dtype, from the
+    GEMM's interleaved output (the fused output has the same bits)."""
+    gate, up = deinterleave_gate_up(gate_up, group)
+    return F.silu(gate) * up

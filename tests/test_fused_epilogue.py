@@ -1,0 +1,144 @@
+"""Fused epilogue operations (``Epilogue.ops``: bias, silu_mul) on the CPU: the schedule
+component, plan()'s refusals, the gate/up weight order, the pairing of gate and up values
+in every thread of every SM120 tiled MMA, and one compile per family (0 spills, the
+accurate exp and division the bit-identity with torch's SiLU rests on).
+
+The GPU half (tests/gpu/test_fused_epilogue.py) compares fused outputs with the unfused
+pipeline bit for bit and with the exact reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_fp4 import catalogue
+from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.fused import deinterleave_gate_up, gate_up_order, interleave_gate_up
+from cute_fp4.nvfp4 import quantize
+from cute_fp4.plan import plan
+from cute_fp4.planning.common import silu_group
+from cute_fp4.schedule import Epilogue, Problem
+
+
+def test_ops_are_validated_and_put_in_order():
+    assert Epilogue(ops=("silu_mul", "bias")).ops == ("bias", "silu_mul")
+    assert Epilogue(ops="bias+silu_mul").ops == ("bias", "silu_mul")
+    with pytest.raises(InputError, match="unknown operation.*gelu"):
+        Epilogue(ops=("gelu",))
+    with pytest.raises(InputError, match="twice"):
+        Epilogue(ops=("bias", "bias"))
+    with pytest.raises(InputTypeError):
+        Epilogue(ops=(1,))
+
+
+def test_ops_name_the_schedule_and_leave_other_keys_alone():
+    s = catalogue.get("sm90_grouped_decode")
+    f = s.replace(ops=("bias", "silu_mul"))
+    assert f.name == "sm90_grouped_decode+ops=bias+silu_mul"
+    assert "bias+silu_mul" in f.label() and f.key() != s.key()
+    assert "ops" not in s.key()  # keys (and caches) of schedules without ops are unchanged
+
+
+def test_plan_refuses_silu_mul_with_n_not_in_gate_up_groups():
+    s90 = catalogue.get("sm90_grouped_decode").replace(ops=("silu_mul",))
+    s120 = catalogue.get("sm120_grouped").replace(ops=("silu_mul",))
+    assert (silu_group(s90), silu_group(s120)) == (8, 32)
+    assert plan(s90, Problem(16, 1536, 2048, "bf16", groups=8)).ok
+    bad = plan(s90, Problem(16, 1544, 2048, "bf16", groups=8))
+    assert any("N = 1544 is not a multiple of 16" in r for r in bad.reasons), bad.reasons
+    bad = plan(s120, Problem(16, 1568, 2048, "nvfp4", groups=8))
+    assert any("N = 1568 is not a multiple of 64" in r for r in bad.reasons), bad.reasons
+
+
+def test_plan_stores_fused_tiles_from_registers():
+    s = catalogue.get("sm120_default")
+    c = {r.name: r for r in plan(s.replace(ops=("bias",))).regions}["C"]
+    assert c.bytes == 0 and "fused" in c.note
+    assert plan(s.replace(ops=("bias",))).stages > plan(s).stages  # the C buffer's bytes
+
+
+def test_stream_refuses_ops_it_does_not_implement():
+    s = catalogue.get("sm90_stream_decode").replace(ops=("bias",))
+    assert any("no fused epilogue ops" in r for r in plan(s, Problem(a_format="bf16")).reasons)
+
+
+@pytest.mark.parametrize("group", [8, 32])
+def test_gate_up_order_interleaves_groups(group):
+    n = 4 * group
+    order = gate_up_order(n, group).tolist()
+    assert sorted(order) == list(range(n))
+    assert order[:group] == list(range(group))  # gate rows 0..G-1
+    assert order[group:2 * group] == list(range(n // 2, n // 2 + group))  # up rows 0..G-1
+    with pytest.raises(InputError, match="multiple of"):
+        gate_up_order(n + group, group)
+
+
+def test_interleaved_weights_give_the_natural_gate_and_up():
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 128, 64), torch.randn(5, 64)
+    wi = interleave_gate_up(w, 32)
+    q = quantize(w[0])
+    qi = interleave_gate_up(q, 32)  # an NVFP4 weight: scales move with their rows
+    assert torch.equal(qi.dequantize(), interleave_gate_up(q.dequantize(), 32))
+    stack = interleave_gate_up(quantize(w), 8)  # an expert stack
+    assert torch.equal(stack.dequantize(), interleave_gate_up(quantize(w).dequantize(), 8))
+    g, u = deinterleave_gate_up(x @ wi[1].T, 32)
+    torch.testing.assert_close(g, x @ w[1, :64].T)
+    torch.testing.assert_close(u, x @ w[1, 64:].T)
+
+
+def _sm120_pairs_hold(schedule) -> list[str]:
+    import cutlass.cute as cute
+
+    from cute_fp4.compile import kernel_class
+
+    problem = Problem(groups=8) if schedule.scheduler.grouped else Problem()
+    k = kernel_class(schedule)(schedule, problem)
+    g = silu_group(schedule)
+    bad = []
+
+    def walk():  # plain Python: the jit function below only sets up the layouts
+        tm, tn, _ = k.tile_mnk
+        size = k.tiled_mma.size  # every lane of warp 0, then lanes 0 and 31 of each warp
+        for t in sorted(set(range(32)) | {w + d for w in range(32, size, 32) for d in (0, 31)}):
+            part = k.tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor((tm, tn)))
+            held = {tuple(part[i]) for i in range(cute.size(part))}
+            bad.extend(f"thread {t} ({m}, {n})" for m, n in held
+                       if n % (2 * g) < g and (m, n + g) not in held)
+
+    @cute.jit
+    def trace():
+        k._setup()
+        walk()
+
+    trace()
+    return bad
+
+
+def _sm120_mma_shapes() -> list[str]:
+    """One catalogue schedule per SM120 (tile M, N, MMA warps): what the C layout depends on."""
+    seen = {}
+    for s in catalogue.all_schedules("sm120"):
+        if s.mainloop.value != "stream" and plan(s).ok:
+            seen.setdefault((s.tile.m, s.tile.n, s.warps.mma), s.name)
+    return sorted(seen.values())
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", _sm120_mma_shapes())
+def test_every_sm120_thread_holds_its_gate_and_up(name, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
+    assert _sm120_pairs_hold(catalogue.get(name)) == []
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, fmt", [("sm90_grouped_decode", "bf16"),
+                                       ("sm120_grouped_decode", "nvfp4")])
+def test_fused_kernels_compile_without_spills(name, fmt):
+    from cute_fp4.compile import compile_report
+
+    s = catalogue.get(name).replace(ops=("bias", "silu_mul"))
+    row = compile_report(s, problem=Problem(a_format=fmt, groups=8))
+    assert row["ok"], row.get("reason")
+    assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row
