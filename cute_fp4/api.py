@@ -68,15 +68,27 @@ gemm_kernel = _PATH.kernel
 
 
 def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
-         out_dtype: torch.dtype = torch.bfloat16, alpha=None, check: bool = False
-         ) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, alpha=None, bias: torch.Tensor | None = None,
+         silu_mul: bool = False, check: bool = False) -> torch.Tensor:
     """``out = alpha * a @ b.T`` with ``b`` NVFP4 [N, K] and ``a`` NVFP4 (W4A4) or
     bf16/fp16 [M, K] (W4A16). ``alpha`` defaults to the product of the global scales.
 
     ``schedule``: "auto" (tuned if a tuning exists, else a heuristic), a catalogue name, or
     a Schedule. ``check=True`` validates the first call of each kernel against the exact
     reference (raises ValidationError on disagreement).
+
+    Fused in the epilogue (``Epilogue.ops``): ``bias`` float32 [N], added in FP32 before
+    the output's rounding; ``silu_mul=True``: ``b``'s rows are gate and up interleaved
+    (``cute_fp4.fused.interleave_gate_up(w, plan.silu_group(schedule))``) and the output
+    is ``F.silu(gate) * up`` [M, N / 2], the bits of that unfused pipeline in the output
+    dtype.
     """
+    if bias is not None or silu_mul:
+        if torch.compiler.is_compiling():
+            raise InputError("gemm with bias= or silu_mul= is not supported under "
+                             "torch.compile yet (the cute_fp4::mm op has no epilogue operands)")
+        return _PATH.run_gemm(a, b, schedule, out, out_dtype, alpha, check, bias=bias,
+                              silu_mul=silu_mul)
     if torch.compiler.is_compiling():
         if isinstance(b, PackedNVFP4Weight):
             raise InputError("a PackedNVFP4Weight is not supported under torch.compile yet "

@@ -452,7 +452,7 @@ def resolution_deadline(schedule) -> float:
 
 
 def kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype, device_index: int,
-               resolve) -> CompiledGemm:
+               resolve, ops: tuple[str, ...] = ()) -> CompiledGemm:
     """The kernel ``gemm`` runs for its ``schedule`` argument (a Schedule, a catalogue name
     or "auto") at ``dims`` = (M, N, K, a_format), memoised: resolving "auto" (tuning store,
     heuristic, ``Schedule.replace``) and finding the compiled kernel cost ~100 us of Python
@@ -461,13 +461,16 @@ def kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype, device_inde
 
     A Schedule argument is memoised by identity (the memo holds it, so the id stays its
     own); "auto" is resolved again every :data:`AUTO_RECHECK_S` seconds, so a tuning
-    stored meanwhile is picked up; :func:`clear_cache` forgets everything."""
+    stored meanwhile is picked up; :func:`clear_cache` forgets everything. ``ops``: fused
+    epilogue operations the resolved schedule gets (``Epilogue.ops``)."""
     key = (schedule if isinstance(schedule, str) else id(schedule), *dims, out_dtype,
-           device_index)
+           device_index, ops)
     hit = _RESOLVED.get(key)
     if hit is not None and hit[0] is schedule and time.monotonic() < hit[2]:
         return hit[1]
     s = resolve(schedule, *dims, out_dtype)
+    if ops and s.epilogue.ops != ops:
+        s = s.replace(ops=ops)
     kern = compile(s, Signature(dims[3]))
     if len(_RESOLVED) >= 4096:
         _RESOLVED.clear()

@@ -42,9 +42,9 @@ import torch
 from cute_fp4 import reference
 from cute_fp4.compile import CompiledGemm, Signature
 from cute_fp4.compile import compile as compile_schedule
-from cute_fp4.errors import DeviceError, InputError, InputTypeError, OffsetsError
+from cute_fp4.errors import DeviceError, InputError, InputTypeError, OffsetsError, ValidationError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
-from cute_fp4.operands import _a_format, _check_tensor, as_e4m3
+from cute_fp4.operands import _a_format, _check_tensor, as_e4m3, check_fused_operands, epilogue_ops
 from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
@@ -66,9 +66,19 @@ AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_dec
 AUTO_LARGE = {"sm90": ("sm90_grouped_large", 192)}
 # 16-bit activations on a packed stack, the experts averaging at most this many rows: the
 # grouped weight-streaming kernel (one CTA per routed expert's 64 weight rows, 8 activation
-# rows). On SM12x it is the only W4A16 grouped kernel, so every size takes it there.
+# rows). On SM12x it is the only W4A16 grouped kernel, so every size takes it there. On
+# sm_90a only while its CTAs (routed experts, at most min(E, total_M), x N / 64) fit about
+# two waves of three per SM and K is at most STREAM_MAX_K: it has no split of K and is not
+# persistent, so past that the persistent rs_packed decode tile balances better. H200,
+# 2026-12-03 (perf/results/2026-12-03-h200-grouped-decode.md), stream / rs_packed decode
+# time: 0.71x and 0.79x at 192 and 256 CTAs (Qwen3-30B-A3B 1 token), 0.85x at 768 (4
+# tokens gate_up), 1.20x at 1024 (4 tokens down), 1.17x and 1.26x at 2064 and 2752 (16
+# tokens); 1.17x at 512 CTAs with K = 7168 (DeepSeek-V3 1 token gate_up: a second, partial
+# wave of long CTAs), 0.92-0.98x with K = 7168 and 1920+ CTAs (4-128 tokens; not taken).
 AUTO_STREAM = {"sm90": ("sm90_stream_grouped_decode", 4),
                "sm120": ("sm120_stream_grouped_decode", float("inf"))}
+STREAM_MAX_UNITS = {"sm90": 800}  # sm_90a: CTAs of the estimate above (two waves, 132 SMs)
+STREAM_MAX_K = {"sm90": 4096}
 N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
@@ -239,9 +249,9 @@ def _require_cuda(b) -> None:
 def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
     """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the
     grouped stream kernel of :data:`AUTO_STREAM` for 16-bit activations on a packed stack
-    when the experts average few rows; the decode one of :data:`AUTO_DECODE` when they
-    average few rows, the large one of :data:`AUTO_LARGE` when they average many, else
-    :data:`AUTO_SCHEDULES`'s; of those,
+    when the experts average few rows (sm_90a: and few CTAs, K <= 4096); the decode one
+    of :data:`AUTO_DECODE` when they average few rows, the large one of
+    :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s; of those,
     the first that ``plan()`` accepts for the activation format (sm_90a's decode and
     192-row tiles take 16-bit activations only: W4A4 needs 128-row activation tiles)."""
     if dims is None:
@@ -250,9 +260,8 @@ def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
     from cute_fp4.plan import plan
 
     per_expert = dims.total_m / max(dims.experts, 1)
-    stream, most = AUTO_STREAM.get(family, (None, 0))
-    if stream is not None and dims.packed and dims.a_format != "nvfp4" and per_expert <= most:
-        return stream
+    if _stream_fits(family, dims):
+        return AUTO_STREAM[family][0]
     decode, few = AUTO_DECODE[family]
     large, many = AUTO_LARGE.get(family, (None, float("inf")))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
@@ -323,15 +332,28 @@ def _memo_put(memo: dict, key: tuple, value: tuple) -> None:
     memo[key] = value
 
 
+def _stream_fits(family: str, dims: GroupedDims) -> bool:
+    """Whether "auto" runs the grouped stream kernel (:data:`AUTO_STREAM`): 16-bit
+    activations on a packed stack, few rows per expert, and on sm_90a few CTAs and K at
+    most :data:`STREAM_MAX_K`."""
+    if family not in AUTO_STREAM or not dims.packed or dims.a_format == "nvfp4":
+        return False
+    if dims.total_m > AUTO_STREAM[family][1] * max(dims.experts, 1):
+        return False
+    units = min(dims.experts, dims.total_m) * -(-dims.n // 64)
+    return (units <= STREAM_MAX_UNITS.get(family, float("inf"))
+            and dims.k <= STREAM_MAX_K.get(family, float("inf")))
+
+
 def _auto_regime(schedule, dims: GroupedDims | None):
     """What "auto" depends on besides the device: (decode-sized?, A format); None else."""
     if schedule != "auto" or dims is None:
         return None
     experts = max(dims.experts, 1)
-    few = tuple(dims.total_m <= limit * experts for _, limit in
-                (*AUTO_DECODE.values(), *AUTO_STREAM.values()))
+    few = tuple(dims.total_m <= limit * experts for _, limit in AUTO_DECODE.values())
     many = tuple(dims.total_m >= limit * experts for _, limit in AUTO_LARGE.values())
-    return few, many, dims.a_format, dims.packed
+    stream = tuple(_stream_fits(f, dims) for f in AUTO_STREAM)
+    return few, many, stream, dims.a_format
 
 
 def _schedule_for(schedule, out_dtype: torch.dtype, device_index: int,
@@ -348,23 +370,36 @@ def _schedule_for(schedule, out_dtype: torch.dtype, device_index: int,
     return s
 
 
-def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b) -> CompiledGemm:
+def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
+                ops: tuple[str, ...] = ()) -> CompiledGemm:
     """The compiled kernel for a ``schedule`` argument, memoised like :func:`_schedule_for`.
     The schedule is resolved and checked against the operands before the device check,
-    so its errors are the same on the CPU."""
+    so its errors are the same on the CPU. ``ops``: fused epilogue operations, given to
+    the resolved schedule ("auto" on a schedule whose kernel has none: the family's
+    rs_packed decode tile, :func:`_with_ops`)."""
     dev = b.data.get_device()
     key = (schedule if isinstance(schedule, str) else id(schedule), dims.a_format, out_dtype,
-           dev, _auto_regime(schedule, dims))
+           dev, _auto_regime(schedule, dims), ops)
     hit = _KERNELS.get(key)
     if hit is not None and hit[0] is schedule:
         check_schedule(hit[1].schedule, dims)
         return hit[1]
-    s = _schedule_for(schedule, out_dtype, dev, dims)
+    s = _with_ops(_schedule_for(schedule, out_dtype, dev, dims), ops, schedule, out_dtype)
     check_schedule(s, dims)
     _require_cuda(b)
     kern = compile_schedule(s, Signature(dims.a_format))
     _memo_put(_KERNELS, key, (schedule, kern))
     return kern
+
+
+def _with_ops(s: Schedule, ops: tuple[str, ...], argument, out_dtype) -> Schedule:
+    """``s`` with the fused epilogue ``ops``. The stream kernel has none yet: for "auto"
+    its decode regime takes the rs_packed grouped decode tile instead."""
+    if not ops or s.epilogue.ops == ops:
+        return s
+    if s.mainloop is Mainloop.STREAM and argument == "auto" and s.arch.family == "sm90":
+        s = resolve_grouped("sm90_grouped_decode", out_dtype)
+    return s.replace(ops=ops)
 
 
 # ----------------------------------------------------------------------------- running
@@ -418,18 +453,21 @@ def run_grouped(kern: CompiledGemm, a, b, offsets, out=None, alpha=None) -> torc
     return _launch(kern, a, b, offsets, out, alpha, dims)
 
 
-def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims) -> torch.Tensor:
+def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims,
+            bias=None) -> torch.Tensor:
     """Allocate the output (when not given) and launch; total_M = 0 launches nothing. The
     plan check is remembered per kernel and problem (``CompiledGemm.check_plan``)."""
     m, n, k, n_exp, a_format, _ = dims
     dev = b.data.device
-    result = out if out is not None else torch.empty((m, n), dtype=kern.out_dtype, device=dev)
+    cols = n // 2 if kern.schedule.epilogue.has("silu_mul") else n
+    result = out if out is not None else torch.empty((m, cols), dtype=kern.out_dtype,
+                                                     device=dev)
     if m == 0:
         return result
     kern.check_plan((m, n, k, a_format, n_exp))  # Problem(m, n, k, a_format, groups=E)
     alpha_t = grouped_alpha(a, b, alpha, n_exp)
     a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
-    kern.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, offsets)
+    kern.launch(a_data, a_scale, b.data, b.scale, result, alpha_t, offsets, bias)
     return result
 
 
@@ -444,7 +482,8 @@ def via_values(schedule, dims: GroupedDims) -> bool:
 
 
 def _w4a4_via_values(a: NVFP4Tensor, b, offsets, out, dt, alpha, dims: GroupedDims,
-                     check_offsets_first: bool) -> tuple[torch.Tensor, CompiledGemm]:
+                     check_offsets_first: bool, bias=None,
+                     ops: tuple[str, ...] = ()) -> tuple[torch.Tensor, CompiledGemm]:
     """:func:`via_values`'s launches: the decoder (one pass, ``quant.dequantize_activation``:
     bit for bit ``a.block_values``), then the W4A16 grouped kernel with alpha = the global
     scales' product per expert (or the given alpha): the same exact products as a W4A4
@@ -452,40 +491,89 @@ def _w4a4_via_values(a: NVFP4Tensor, b, offsets, out, dt, alpha, dims: GroupedDi
     from cute_fp4.quant import dequantize_activation
 
     dims16 = dims._replace(a_format="bf16")
-    kern = _kernel_for("auto", dims16, dt, b)
+    kern = _kernel_for("auto", dims16, dt, b, ops)
     if check_offsets_first:
         check_offsets(offsets, dims.total_m)
     alpha_t = grouped_alpha(a, b, alpha, dims.experts)
     a16 = dequantize_activation(a) if dims.total_m else torch.empty(
         (0, dims.k), dtype=torch.bfloat16, device=b.data.device)
-    return _launch(kern, a16, b, offsets, out, alpha_t, dims16), kern
+    return _launch(kern, a16, b, offsets, out, alpha_t, dims16, bias), kern
 
 
 def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
-                  validate_offsets: bool = False) -> torch.Tensor:
+                  validate_offsets: bool = False, bias=None,
+                  ops: tuple[str, ...] = ()) -> torch.Tensor:
     dt = _torch_out(out_dtype)
-    dims = check_grouped_operands(a, b, offsets, out, alpha, dt, require_cuda=False)
+    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, dt,
+                                  require_cuda=False)
+    if ops:
+        check_fused_operands(bias, out, dims.total_m, dims.n, dt, ops, b.data.device,
+                             dims.experts)
     if via_values(schedule, dims):
         result, kern = _w4a4_via_values(a, b, offsets, out, dt, alpha, dims,
-                                        check or validate_offsets)
+                                        check or validate_offsets, bias, ops)
         if check and dims.total_m and not kern.validated:
-            reference.assert_close_grouped(result, a, b, offsets, alpha)
+            _validate(kern, result, a, b, offsets, alpha, bias, ops)
         return result
-    kern = _kernel_for(schedule, dims, dt, b)
+    kern = _kernel_for(schedule, dims, dt, b, ops)
     validate = check and dims.total_m and not kern.validated
     if validate or validate_offsets:
         check_offsets(offsets, dims.total_m)
-    result = _launch(kern, a, b, offsets, out, alpha, dims)
+    result = _launch(kern, a, b, offsets, out, alpha, dims, bias)
     if validate:
-        reference.assert_close_grouped(result, a, b, offsets, alpha)
+        _validate(kern, result, a, b, offsets, alpha, bias, ops)
         kern.validated = True
     return result
 
 
+def _validate(kern: CompiledGemm, result, a, b, offsets, alpha, bias, ops) -> None:
+    """``check=True``: the GEMM against the exact reference; with fused ``ops``, the GEMM
+    of the same schedule without them (FP32 output) against the reference and the fused
+    output against that unfused pipeline, bit for bit (``run.GemmPath.run_fused``)."""
+    from cute_fp4.quant import dequantize_activation
+
+    if not ops:
+        reference.assert_close_grouped(result, a, b, offsets, alpha)
+        return
+    from cute_fp4.fused import silu_mul_unfused
+    from cute_fp4.planning.common import silu_group
+
+    plain = kern.schedule.replace(ops=(), out_dtype="fp32")
+    a_run = a
+    if kern.signature.a_format != "nvfp4" and isinstance(a, NVFP4Tensor):
+        a_run = dequantize_activation(a)  # the values route: the W4A16 kernel ran
+    raw = run_grouped(compile_schedule(plain, kern.signature), a_run, b, offsets,
+                      alpha=grouped_alpha(a, b, alpha, b.data.shape[0]))
+    reference.assert_close_grouped(raw, a, b, offsets, alpha)
+    if bias is not None:
+        raw = _add_expert_bias(raw, bias, offsets)
+    want = raw.to(result.dtype)
+    if "silu_mul" in ops:
+        want = silu_mul_unfused(want, silu_group(kern.schedule))
+    bits = torch.int16 if result.element_size() == 2 else torch.int32
+    rows = int(offsets[-1]) - int(offsets[0])
+    lo = int(offsets[0])
+    bad = (want[lo:lo + rows].view(bits) != result[lo:lo + rows].view(bits)).sum().item()
+    if bad:
+        raise ValidationError(f"fused epilogue {'+'.join(ops)} of "
+                              f"{kern.schedule.name or kern.schedule.label()}: {bad} values "
+                              "differ from the unfused pipeline's bits")
+
+
+def _add_expert_bias(raw: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor):
+    """FP32 ``raw`` plus each row's expert's bias (rows by the offsets)."""
+    counts = (offsets[1:] - offsets[:-1]).clamp(min=0).long()
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=raw.device), counts)
+    out = raw.clone()
+    lo = int(offsets[0])
+    out[lo:lo + len(expert)] += bias[expert]
+    return out
+
+
 def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 alpha=None, check: bool = False,
-                 validate_offsets: bool = False) -> torch.Tensor:
+                 alpha=None, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                 check: bool = False, validate_offsets: bool = False) -> torch.Tensor:
     """The grouped (MoE) GEMM: ``out[offsets[e]:offsets[e+1]] = alpha[e] *
     a[offsets[e]:offsets[e+1]] @ b[e].T`` (module docstring for the operands).
 
@@ -497,7 +585,19 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
     OffsetsError, ValidationError). ``validate_offsets=True``: the offsets on every call,
     before the launch (one sync; OffsetsError naming the first bad entry). Without it, bad
     offsets give wrong rows of ``out`` but never touch memory outside ``a`` and ``out``.
+
+    Fused in the epilogue, as ``gemm``'s: ``bias`` float32 ``[E, N]`` (each expert's),
+    ``silu_mul=True`` (each expert's rows gate/up interleaved, ``cute_fp4.fused``; the
+    output ``[total_M, N / 2]``).
     """
+    ops = epilogue_ops(bias, silu_mul)
+    if ops:
+        if torch.compiler.is_compiling():
+            raise InputError("grouped_gemm with bias= or silu_mul= is not supported under "
+                             "torch.compile yet (cute_fp4::grouped_mm has no epilogue "
+                             "operands)")
+        return _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
+                             validate_offsets, bias, ops)
     if torch.compiler.is_compiling():
         if validate_offsets:
             raise InputError("validate_offsets=True reads the offsets back (a GPU sync), "

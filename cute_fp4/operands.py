@@ -176,6 +176,34 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
     return m, n, k, a_format
 
 
+def epilogue_ops(bias, silu_mul: bool) -> tuple[str, ...]:
+    """The fused epilogue operations (``Epilogue.ops``) a call's arguments ask for."""
+    if not isinstance(silu_mul, bool):
+        raise InputTypeError(f"silu_mul must be a bool, got {type(silu_mul).__name__}")
+    return (("bias",) if bias is not None else ()) + (("silu_mul",) if silu_mul else ())
+
+
+def check_fused_operands(bias, out, rows: int, n: int, out_dtype: torch.dtype,
+                         ops: tuple[str, ...], device, experts: int = 0) -> int:
+    """Checks of a call with fused epilogue ``ops``: ``bias`` float32 ``[N]`` (``[E, N]``
+    for ``experts`` > 0: one row per expert), ``out`` ``[rows, N / 2]`` with ``silu_mul``
+    (gate/up halves, ``cute_fp4.fused``) else ``[rows, N]``. Returns the output's
+    columns. (Whether N splits into the kernel's gate/up groups is plan()'s check.)"""
+    if "silu_mul" in ops and n % 2:
+        raise InputError(f"silu_mul takes N = {n} GEMM columns (gate and up): N must be even")
+    cols = n // 2 if "silu_mul" in ops else n
+    if bias is not None:
+        shape = (experts, n) if experts else (n,)
+        _check_tensor(bias, "bias", (torch.float32,), shape, device)
+    if out is not None:
+        _check_tensor(out, "out", (out_dtype,), (rows, cols), device)
+    if (cols * out_dtype.itemsize) % ALIGN:
+        raise InputError(f"the output's {cols} columns give rows of "
+                         f"{cols * out_dtype.itemsize} bytes; they must be a multiple of "
+                         f"{ALIGN}")
+    return cols
+
+
 def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
     """alpha as a one-element float32 tensor on b's device (0-d when it comes from the
     global scales: the kernels read only its data pointer). No copy when the global scale

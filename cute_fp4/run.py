@@ -32,9 +32,16 @@ import weakref
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.errors import InputError, InputTypeError, ValidationError
 from cute_fp4.nvfp4 import NVFP4Tensor
-from cute_fp4.operands import alpha_tensor, as_e4m3, check_operands, out_dtype_of
+from cute_fp4.operands import (
+    alpha_tensor,
+    as_e4m3,
+    check_fused_operands,
+    check_operands,
+    epilogue_ops,
+    out_dtype_of,
+)
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import OutDtype, Schedule
 from cute_fp4.tuning import heuristic
@@ -119,22 +126,29 @@ class GemmPath:
         self._kernel_for, self._w4a16_operands = kernel_for, w4a16_operands
 
     def kernel(self, schedule, dims: tuple[int, int, int, str], out_dtype: torch.dtype,
-               device_index: int, packed: bool = False):
+               device_index: int, packed: bool = False, ops: tuple[str, ...] = ()):
         """The compiled kernel for ``schedule`` at ``dims`` = (M, N, K, a_format), memoised
-        per (schedule argument, dims, out dtype, device) by ``compile.kernel_for`` ("auto"
-        resolved again every :data:`AUTO_RECHECK_S`); ``packed``: for a fragment-order
-        weight ("auto" memoised under its own key, resolved by the packed heuristic)."""
+        per (schedule argument, dims, out dtype, device, ops) by ``compile.kernel_for``
+        ("auto" resolved again every :data:`AUTO_RECHECK_S`); ``packed``: for a
+        fragment-order weight ("auto" memoised under its own key, resolved by the packed
+        heuristic); ``ops``: fused epilogue operations."""
         if not packed:
-            return self._kernel_for(schedule, dims, out_dtype, device_index, resolve_schedule)
+            return self._kernel_for(schedule, dims, out_dtype, device_index, resolve_schedule,
+                                    ops)
         key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
-        return self._kernel_for(key, dims, out_dtype, device_index, _resolve_packed)
+        return self._kernel_for(key, dims, out_dtype, device_index, _resolve_packed, ops)
 
     def run_gemm(self, a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check: bool,
-                 bind: bool = True, key: tuple | None = None) -> torch.Tensor:
+                 bind: bool = True, key: tuple | None = None, bias=None,
+                 silu_mul: bool = False) -> torch.Tensor:
         """``gemm``'s eager body. ``bind``: launch through (and keep) a binding for calls
         like this one on the same weight object (:func:`bound_gemm`); the custom ops'
         bodies, which wrap fresh weight objects per call, pass False and their ``key``
-        (:func:`op_key`)."""
+        (:func:`op_key`). ``bias``/``silu_mul``: fused epilogue operations
+        (:meth:`run_fused`)."""
+        if bias is not None or silu_mul:
+            return self.run_fused(a, b, schedule, out, out_dtype, alpha, check, bias,
+                                  epilogue_ops(bias, silu_mul))
         if bind and not check:  # a W4A16 call like an earlier one on this weight
             result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
             if result is not None:
@@ -167,6 +181,32 @@ class GemmPath:
         result = run_checked(kern, a, b, out, alpha, dims)
         _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check,
                b.unpack() if check and not kern.validated else None, bind, key)
+        return result
+
+    def run_fused(self, a, b, schedule, out, out_dtype, alpha, check: bool, bias,
+                  ops: tuple[str, ...]) -> torch.Tensor:
+        """A call with fused epilogue ``ops`` (bias, silu_mul): the schedule resolved as
+        without them, then given them; the operand checks, then ``bias`` and the output's
+        shape ([M, N / 2] with silu_mul). No binding (each call takes the full path).
+        ``check=True``: the first call of each kernel also runs the unfused pipeline (the
+        schedule without ops, FP32 output, bias added in FP32, rounded, then
+        ``F.silu(gate) * up``: ``cute_fp4.fused``), which must give the same bits, and
+        holds that GEMM to the exact reference."""
+        packed = isinstance(b, PackedNVFP4Weight)
+        view = _plain_view(b) if packed else b
+        dims = check_operands(a, view, None, alpha, out_dtype)
+        m, n, k, a_format = dims
+        dev = b.data.device
+        check_fused_operands(bias, out, m, n, out_dtype, ops, dev)
+        if packed and a_format == "nvfp4" and isinstance(schedule, str) and schedule == "auto":
+            given = None if alpha is None else alpha_tensor(a, view, alpha)
+            a, alpha = self._w4a16_operands(a, b.global_scale, given)
+            dims = (m, n, k, "bf16")
+        kern = self.kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops)
+        result = run_checked(kern, a, b, out, alpha, dims, bias)
+        if check and not kern.validated:
+            _check_fused(self, kern, a, b, result, alpha, dims, bias, ops)
+            kern.validated = True
         return result
 
     def _w4a4_via_bf16(self, a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
@@ -221,6 +261,37 @@ class GemmPath:
         at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
         bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
         return self._gemm_packed(at, bt, schedule, None, out_dtype, alpha, False, False, key)
+
+
+def _plain_view(b: PackedNVFP4Weight) -> NVFP4Tensor:
+    """The plain-weight checks' view of a packed weight's first N rows (same bytes per row,
+    same scales)."""
+    if len(b.shape) != 2:
+        raise InputError(f"b is a stack of {b.shape[0]} packed experts {list(b.shape)}: "
+                         "gemm takes one [N, K] weight; cute_fp4.grouped_gemm runs stacks")
+    n, k = b.shape
+    return NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
+
+
+def _check_fused(path: GemmPath, kern, a, b, result, alpha, dims, bias, ops) -> None:
+    """``check=True`` of a fused call (see :meth:`GemmPath.run_fused`)."""
+    from cute_fp4.fused import silu_mul_unfused
+    from cute_fp4.planning.common import silu_group
+
+    plain = kern.schedule.replace(ops=(), out_dtype=OutDtype.FP32)
+    raw = run_checked(path._kernel_for(plain, dims, torch.float32, b.data.get_device(),
+                                       lambda s, *_: s), a, b, None, alpha, dims)
+    plain_b = b.unpack() if isinstance(b, PackedNVFP4Weight) else b
+    reference.assert_close(raw, a, plain_b, alpha)
+    want = (raw if bias is None else raw + bias).to(result.dtype)
+    if "silu_mul" in ops:
+        want = silu_mul_unfused(want, silu_group(kern.schedule))
+    bits = torch.int16 if result.element_size() == 2 else torch.int32
+    if not torch.equal(want.view(bits), result.view(bits)):
+        bad = (want.view(bits) != result.view(bits)).sum().item()
+        name = kern.schedule.name or kern.schedule.label()
+        raise ValidationError(f"fused epilogue {'+'.join(ops)} of {name}: {bad} of "
+                              f"{result.numel()} values differ from the unfused pipeline's bits")
 
 
 def _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, plain,
@@ -283,9 +354,10 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tenso
     return run_checked(kernel, a, b, out, alpha, dims)
 
 
-def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
-    """:func:`run_compiled` after :func:`check_operands` returned ``dims``. The plan check
-    is remembered per kernel and shape (``CompiledGemm.check_plan``)."""
+def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims, bias=None) -> torch.Tensor:
+    """:func:`run_compiled` after :func:`check_operands` returned ``dims`` (and, with fused
+    epilogue ops, :func:`check_fused_operands`). The plan check is remembered per kernel and
+    shape (``CompiledGemm.check_plan``)."""
     m, n, k, a_format = dims
     if kernel.schedule.scheduler.grouped:
         raise InputError(f"schedule {kernel.schedule.name or kernel.schedule.label()} is a "
@@ -302,20 +374,23 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims) -> torch.Tensor:
     kernel.check_plan(dims)
     alpha_t = alpha_tensor(a, b, alpha)
     dev = b.data.device
-    result = out if out is not None else torch.empty((m, n), dtype=kernel.out_dtype, device=dev)
+    cols = n // 2 if kernel.schedule.epilogue.has("silu_mul") else n
+    result = out if out is not None else torch.empty((m, cols), dtype=kernel.out_dtype,
+                                                     device=dev)
     ws = split_workspace(kernel, m, n, dev) if kernel.schedule.split_k > 1 else None
-    kernel.launch(*launch_args(a, b, result, alpha_t, ws, a_format))
+    kernel.launch(*launch_args(a, b, result, alpha_t, ws, a_format, bias))
     return result
 
 
-def launch_args(a, b, out, alpha_t: torch.Tensor, workspace, a_format: str) -> tuple:
+def launch_args(a, b, out, alpha_t: torch.Tensor, workspace, a_format: str,
+                bias=None) -> tuple:
     """The tensors a launch passes, in the order of ``CompiledGemm.launch`` and
     ``raw_args``: A's data and block scales (None for W4A16), B's data and block scales,
-    the output, alpha (a float32 device scalar), the split-K workspace (or None). The one
-    place for a new operand: :func:`run_checked` launches these and :func:`bind` fixes
-    them."""
+    the output, alpha (a float32 device scalar), the split-K workspace (or None), the
+    fused bias (or None). The one place for a new operand: :func:`run_checked` launches
+    these and :func:`bind` fixes them."""
     a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
-    return a_data, a_scale, b.data, b.scale, out, alpha_t, workspace
+    return a_data, a_scale, b.data, b.scale, out, alpha_t, workspace, bias
 
 
 # ----------------------------------------------------------------------------- workspaces

@@ -541,8 +541,9 @@ class StandIn:
     def check_plan(self, dims):
         self.planned.append(dims)
 
-    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, offsets):
+    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, offsets, bias=None):
         self.launches.append((a_data, a_scale, b_data, b_scale, out, alpha, offsets))
+        self.bias = bias
         val = (self.fill or reference.grouped_gemm)(self.a, self.b, offsets, alpha, out.dtype)
         out.copy_(val)
 
@@ -712,10 +713,10 @@ def test_import_registers_nothing_and_exports_lazily():
 
 
 @pytest.mark.parametrize("family, rows, fmt, want", [
-    ("sm90", 128 * 1, "bf16", "sm90_stream_grouped_decode"),  # decode: ~1 row per expert
-    ("sm90", 8, "bf16", "sm90_stream_grouped_decode"),  # one token x top-8
-    ("sm90", 128 * 4, "fp16", "sm90_stream_grouped_decode"),
-    ("sm90", 128 * 4 + 1, "bf16", "sm90_grouped_decode"),
+    ("sm90", 8, "bf16", "sm90_stream_grouped_decode"),  # one token x top-8: 192 CTAs
+    ("sm90", 32, "fp16", "sm90_stream_grouped_decode"),  # 4 tokens: 768 CTAs
+    ("sm90", 34, "bf16", "sm90_grouped_decode"),  # 34 x 24 CTAs: past two waves
+    ("sm90", 128 * 1, "bf16", "sm90_grouped_decode"),  # 16 tokens
     ("sm90", 128 * 16, "bf16", "sm90_grouped_decode"),
     ("sm90", 128 * 1, "nvfp4", "sm90_grouped_large"),  # W4A4 needs 128-row tiles there
     ("sm90", 128 * 64, "nvfp4", "sm90_grouped_large"),
@@ -735,6 +736,20 @@ def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
     assert grouped.auto_schedule_name(family, dims) == want
     assert want in catalogue.names()
     assert grouped.auto_schedule_name(family) == grouped.AUTO_SCHEDULES[family]
+
+
+@pytest.mark.parametrize("rows, experts, n, k, want", [
+    (8, 256, 2048, 7168, False),  # DeepSeek-V3 gate_up, 1 token: K past STREAM_MAX_K
+    (8, 256, 7168, 2048, False),  # ... down: 8 x 112 CTAs
+    (8, 128, 2048, 768, True),  # Qwen3-30B-A3B down, 1 token: 256 CTAs
+    (600, 8, 64, 1024, False),  # few CTAs, but 75 rows per expert
+])
+def test_auto_takes_the_stream_kernel_for_few_ctas(rows, experts, n, k, want):
+    dims = grouped.GroupedDims(rows, n, k, experts, "bf16", True)
+    assert (grouped.auto_schedule_name("sm90", dims) == "sm90_stream_grouped_decode") == want
+    assert grouped.auto_schedule_name("sm120", dims) == "sm120_stream_grouped_decode"
+    assert grouped.auto_schedule_name("sm90", dims._replace(packed=False)) != \
+        "sm90_stream_grouped_decode"
 
 
 def test_gemm_refuses_an_expert_stack_with_a_pointer_to_grouped_gemm():
