@@ -74,11 +74,13 @@ AUTO_LARGE = {"sm90": ("sm90_grouped_large", 192)}
 # time: 0.71x and 0.79x at 192 and 256 CTAs (Qwen3-30B-A3B 1 token), 0.85x at 768 (4
 # tokens gate_up), 1.20x at 1024 (4 tokens down), 1.17x and 1.26x at 2064 and 2752 (16
 # tokens); 1.17x at 512 CTAs with K = 7168 (DeepSeek-V3 1 token gate_up: a second, partial
-# wave of long CTAs), 0.92-0.98x with K = 7168 and 1920+ CTAs (4-128 tokens; not taken).
+# wave of long CTAs), 0.92-0.96x with K = 7168 and 1920+ CTAs (4-128 tokens). So: few
+# CTAs with K up to STREAM_MAX_K, or many (at least four waves) with a longer K.
 AUTO_STREAM = {"sm90": ("sm90_stream_grouped_decode", 4),
                "sm120": ("sm120_stream_grouped_decode", float("inf"))}
 STREAM_MAX_UNITS = {"sm90": 800}  # sm_90a: CTAs of the estimate above (two waves, 132 SMs)
 STREAM_MAX_K = {"sm90": 4096}
+STREAM_LONG_K_UNITS = {"sm90": 1600}  # ... and past STREAM_MAX_K, at least this many
 N_MULTIPLE = 8  # weight rows per expert: a multiple of this (16-byte output rows)
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
@@ -249,7 +251,7 @@ def _require_cuda(b) -> None:
 def auto_schedule_name(family: str, dims: GroupedDims | None = None) -> str:
     """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the
     grouped stream kernel of :data:`AUTO_STREAM` for 16-bit activations on a packed stack
-    when the experts average few rows (sm_90a: and few CTAs, K <= 4096); the decode one
+    when the experts average few rows (sm_90a: by CTAs and K, :func:`_stream_fits`); the decode one
     of :data:`AUTO_DECODE` when they average few rows, the large one of
     :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s; of those,
     the first that ``plan()`` accepts for the activation format (sm_90a's decode and
@@ -334,15 +336,16 @@ def _memo_put(memo: dict, key: tuple, value: tuple) -> None:
 
 def _stream_fits(family: str, dims: GroupedDims) -> bool:
     """Whether "auto" runs the grouped stream kernel (:data:`AUTO_STREAM`): 16-bit
-    activations on a packed stack, few rows per expert, and on sm_90a few CTAs and K at
-    most :data:`STREAM_MAX_K`."""
+    activations on a packed stack, few rows per expert, and on sm_90a few CTAs with K at
+    most :data:`STREAM_MAX_K`, or many with a longer K."""
     if family not in AUTO_STREAM or not dims.packed or dims.a_format == "nvfp4":
         return False
     if dims.total_m > AUTO_STREAM[family][1] * max(dims.experts, 1):
         return False
     units = min(dims.experts, dims.total_m) * -(-dims.n // 64)
-    return (units <= STREAM_MAX_UNITS.get(family, float("inf"))
-            and dims.k <= STREAM_MAX_K.get(family, float("inf")))
+    if dims.k > STREAM_MAX_K.get(family, float("inf")):
+        return units >= STREAM_LONG_K_UNITS[family]
+    return units <= STREAM_MAX_UNITS.get(family, float("inf"))
 
 
 def _auto_regime(schedule, dims: GroupedDims | None):

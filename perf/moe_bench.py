@@ -421,15 +421,22 @@ def _grouped_schedule(schedule, a_fmt: str, case: Case, op: str):
 
 def prep_cute_gemm(case: Case, wts: Weights, op: str, a_fmt: str, schedule) -> Prepared:
     from cute_fp4.grouped import grouped_alpha, grouped_gemm
+    from cute_fp4.packed import PackedNVFP4Weight
 
     s = _grouped_schedule(schedule, a_fmt, case, op)
     a, w = case.activation(op, a_fmt), wts.kernel(op)
     alpha = grouped_alpha(a, w, None, case.shape.experts)  # once, as static scales allow
     out = _poisoned(len(case.xs), gemm_nk(case.shape, op)[0], case.x.device)
     offs = case.route.offsets
-    return Prepared(lambda: grouped_gemm(a, w, offs, schedule=s, out=out, alpha=alpha),
-                    lambda o: check_gemm(o, a, wts.plain(op), case),
-                    {"schedule": s.name or s.label()})
+    # "auto" itself, as a model calls it: W4A4 on a packed stack then takes the values
+    # route (grouped.via_values), which a resolved Schedule would bypass
+    run = schedule if schedule == "auto" else s
+    label = s.name or s.label()
+    if run == "auto" and a_fmt == "nvfp4" and isinstance(w, PackedNVFP4Weight):
+        v = _grouped_schedule("auto", "bf16", case, op)
+        label = f"values + {v.name or v.label()}"
+    return Prepared(lambda: grouped_gemm(a, w, offs, schedule=run, out=out, alpha=alpha),
+                    lambda o: check_gemm(o, a, wts.plain(op), case), {"schedule": label})
 
 
 def prep_torch_gemm(case: Case, wts: Weights, op: str) -> Prepared:
@@ -496,7 +503,8 @@ def prep_cute_layer(case: Case, wts: Weights, mode: str, schedule) -> Prepared:
     a_fmt = "nvfp4" if mode == "w4a4" else "bf16"
     s = _grouped_schedule(schedule, a_fmt, case, "layer")
     scales = layer_scales(case) if mode == "w4a4" else (None, None)
-    layer = NVFP4MoE(wts.k13, wts.k2, mode=mode, schedule=s, input_scales=scales)
+    layer = NVFP4MoE(wts.k13, wts.k2, mode=mode, schedule=schedule if schedule == "auto"
+                     else s, input_scales=scales)
     x, ids, w = case.x, case.ids, case.weights
 
     def check(out: torch.Tensor) -> dict:

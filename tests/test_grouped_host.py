@@ -739,7 +739,8 @@ def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
 
 
 @pytest.mark.parametrize("rows, experts, n, k, want", [
-    (8, 256, 2048, 7168, False),  # DeepSeek-V3 gate_up, 1 token: K past STREAM_MAX_K
+    (8, 256, 4096, 7168, False),  # DeepSeek-V3 gate_up, 1 token: long K, 512 CTAs
+    (32, 256, 4096, 7168, True),  # ... 4 tokens: long K, 2048 CTAs
     (8, 256, 7168, 2048, False),  # ... down: 8 x 112 CTAs
     (8, 128, 2048, 768, True),  # Qwen3-30B-A3B down, 1 token: 256 CTAs
     (600, 8, 64, 1024, False),  # few CTAs, but 75 rows per expert
