@@ -447,13 +447,19 @@ def _check_kernel(kern: CompiledGemm, dims: GroupedDims) -> None:
     check_schedule(kern.schedule, dims)
 
 
-def run_grouped(kern: CompiledGemm, a, b, offsets, out=None, alpha=None) -> torch.Tensor:
+def run_grouped(kern: CompiledGemm, a, b, offsets, out=None, alpha=None,
+                bias=None) -> torch.Tensor:
     """Run a compiled grouped kernel (from ``compile``, or ``compile_emulated`` for an SM120
     schedule on an SM90 GPU): check, allocate, launch. What :func:`grouped_gemm` does after
-    choosing the kernel; validation harnesses call it directly."""
-    dims = check_grouped_operands(a, b, offsets, out, alpha, kern.out_dtype)
+    choosing the kernel; validation harnesses call it directly. ``bias``: ``[E, N]`` for a
+    schedule with the fused ``"bias"``."""
+    ops = kern.schedule.epilogue.ops
+    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, kern.out_dtype)
+    if ops:
+        check_fused_operands(bias, out, dims.total_m, dims.n, kern.out_dtype, ops,
+                             b.data.device, dims.experts)
     _check_kernel(kern, dims)
-    return _launch(kern, a, b, offsets, out, alpha, dims)
+    return _launch(kern, a, b, offsets, out, alpha, dims, bias)
 
 
 def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims,

@@ -43,8 +43,8 @@ from cute_fp4.operands import (
     out_dtype_of,
 )
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.schedule import OutDtype, Schedule
-from cute_fp4.tuning import heuristic
+from cute_fp4.schedule import Mainloop, OutDtype, Schedule
+from cute_fp4.tuning import heuristic, packed_decode_schedule
 
 # ----------------------------------------------------------------------------- the schedule
 
@@ -111,6 +111,17 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
     return s
 
 
+def _resolve_packed_fused(schedule, m: int, n: int, k: int, a_format: str,
+                          out_dtype: torch.dtype) -> Schedule:
+    """:func:`_resolve_packed` for a call with fused epilogue ops: where "auto" picks the
+    stream kernel, which has none yet, the rs_packed decode tile (sm_90a; SM12x W4A16 has
+    only the stream kernel, whose plan() then refuses the ops)."""
+    s = _resolve_packed(schedule, m, n, k, a_format, out_dtype)
+    if schedule == _AUTO_PACKED and s.mainloop is Mainloop.STREAM and s.arch.family == "sm90":
+        s = _with_out_dtype(packed_decode_schedule(n, k), out_dtype)
+    return s
+
+
 # ----------------------------------------------------------------------------- a call
 
 class GemmPath:
@@ -136,7 +147,8 @@ class GemmPath:
             return self._kernel_for(schedule, dims, out_dtype, device_index, resolve_schedule,
                                     ops)
         key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
-        return self._kernel_for(key, dims, out_dtype, device_index, _resolve_packed, ops)
+        resolve = _resolve_packed_fused if ops else _resolve_packed
+        return self._kernel_for(key, dims, out_dtype, device_index, resolve, ops)
 
     def run_gemm(self, a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check: bool,
                  bind: bool = True, key: tuple | None = None, bias=None,
@@ -338,7 +350,7 @@ def _op_activation(a, a_scale, b, b_scale, alpha, k):
 
 # ----------------------------------------------------------------------------- the launch
 
-def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tensor:
+def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None, bias=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm).
 
     A kernel whose mainloop reads the packed weight (rs_packed, stream) takes a
@@ -350,8 +362,12 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None) -> torch.Tenso
         check_b = NVFP4Tensor._unchecked(b.data[:b.shape[0]], b.scale, b.global_scale, b.shape)
     elif kernel.schedule.mainloop.reads_packed and isinstance(b, NVFP4Tensor):
         b = PackedNVFP4Weight.from_tensor(b)
-    dims = check_operands(a, check_b, out, alpha, kernel.out_dtype)
-    return run_checked(kernel, a, b, out, alpha, dims)
+    ops = kernel.schedule.epilogue.ops
+    dims = check_operands(a, check_b, None if ops else out, alpha, kernel.out_dtype)
+    if ops:
+        check_fused_operands(bias, out, dims[0], dims[1], kernel.out_dtype, ops,
+                             b.data.device)
+    return run_checked(kernel, a, b, out, alpha, dims, bias)
 
 
 def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims, bias=None) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""Fused epilogue operations (``Epilogue.ops``: bias, silu_mul) on a GPU, bit for bit
+against the unfused pipeline they replace, for every kernel flavour that takes them.
+
+The unfused pipeline: the same schedule without ops and with FP32 output (the same
+accumulation, split-K order and scale), the bias added in FP32, rounded to the output
+dtype, then ``F.silu(gate) * up`` in that dtype on the kernel's interleaved columns
+(``cute_fp4.fused.silu_mul_unfused``); its GEMM is itself held to the exact reference. The
+fused output goes into a NaN-filled buffer, so a tile the kernel leaves unwritten fails.
+SiLU's bits are checked over every finite BF16 and FP16 input (torch's CUDA SiLU is the
+other side). SM120 schedules run through the emulated MMA on SM90, natively on SM12x.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cute_fp4 as cf
+from cute_fp4 import catalogue, packed, reference
+from cute_fp4.api import make_operands, run_compiled
+from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004
+from cute_fp4.errors import InputError, ScheduleError
+from cute_fp4.fused import interleave_gate_up, silu_mul_unfused
+from cute_fp4.grouped import run_grouped
+from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
+from cute_fp4.plan import plan
+from cute_fp4.planning.common import silu_group
+from cute_fp4.schedule import Problem
+from gpu import selection
+
+pytestmark = pytest.mark.gpu("sm90", "sm120")
+
+WATCHDOG_S = 300
+OPS = [("bias",), ("silu_mul",), ("bias", "silu_mul")]
+# (schedule, A format): every kernel flavour of each family that takes ops
+DENSE = {"sm90": [("sm90_rs_packed_decode", "bf16"), ("sm90_rs_packed", "bf16"),
+                  ("sm90_default", "bf16"), ("sm90_default", "nvfp4"),
+                  ("sm90_decode", "nvfp4"), ("sm90_decode_swapab", "bf16"),
+                  ("sm90_decode_64x128_splitk2", "bf16")],
+         "sm120": [("sm120_default", "nvfp4"), ("sm120_decode_splitk4", "nvfp4"),
+                   ("sm120_pingpong", "nvfp4"), ("sm120_128x64", "nvfp4")]}
+GROUPED = {"sm90": [("sm90_grouped_decode", "bf16"), ("sm90_grouped_large", "bf16"),
+                    ("sm90_grouped", "bf16")],
+           "sm120": [("sm120_grouped", "nvfp4"), ("sm120_grouped_decode", "nvfp4")]}
+# M, N, K: M = 1 and tails in M, N (multiples of 64 = 2 x the SM120 group, not of 128 or
+# 256) and K
+SHAPES = [(1, 320, 256), (7, 576, 320), (16, 1088, 1024), (129, 320, 832), (300, 576, 512)]
+
+
+def _cases(table):
+    return [pytest.param(name, fmt, ops, id=f"{name}-{fmt}-{'+'.join(ops)}")
+            for fam in ("sm90", "sm120") for name, fmt in table[fam] for ops in OPS]
+
+
+def _runnable(s, fmt, groups=0):
+    if s.arch.family == "sm90" and selection.family() != "sm90":
+        pytest.skip(f"{s.name} is an sm_90a schedule; this GPU is {selection.target().name}")
+    p = plan(s, Problem(a_format=fmt, groups=groups))
+    if not p.ok:
+        pytest.skip(f"plan() refuses {s.name} for {fmt}: {'; '.join(p.reasons)}")
+
+
+def _compile(s, fmt):
+    emulated = s.arch.family == "sm120" and selection.family() == "sm90"
+    return compile_emulated(s, Signature(fmt)) if emulated else compile(s, Signature(fmt))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _unfused(raw, bias, ops, dtype, group):
+    want = (raw if bias is None else raw + bias).to(dtype)
+    return silu_mul_unfused(want, group) if "silu_mul" in ops else want
+
+
+def _assert_same_bits(got, want, what):
+    diff = (_bits(got) != _bits(want))
+    assert not diff.any(), (f"{what}: {int(diff.sum())} of {got.numel()} values differ, "
+                            f"first at {tuple(diff.nonzero()[0].tolist())}")
+
+
+@pytest.mark.parametrize("name, fmt, ops", _cases(DENSE))
+def test_fused_dense_is_the_unfused_pipeline_bit_for_bit(name, fmt, ops):
+    base = catalogue.get(name)
+    s = base.replace(ops=ops)
+    _runnable(s, fmt)
+    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    dt, g = torch.bfloat16, silu_group(s)
+    for i, (m, n, k) in enumerate(SHAPES):
+        a, b = make_operands(m, n, k, fmt, seed=i)
+        bias = torch.randn(n, device="cuda") if "bias" in ops else None
+        raw = run_compiled(plain, a, b)
+        assert reference.check(raw, a, b).passed, (name, m, n, k)
+        cols = n // 2 if "silu_mul" in ops else n
+        out = torch.full((m, cols), float("nan"), dtype=dt, device="cuda")
+        run_compiled(fused, a, b, out=out, bias=bias)
+        _assert_same_bits(out, _unfused(raw, bias, ops, dt, g), f"{s.name} {(m, n, k)}")
+
+
+def _grouped_case(counts, n, k, fmt, seed, reads_packed):
+    g = torch.Generator().manual_seed(seed)
+    b = cf.quantize(torch.randn(len(counts), n, k, generator=g).cuda())
+    total = sum(counts)
+    x = torch.randn(total, k, generator=g).cuda()
+    a = cf.quantize(x) if fmt == "nvfp4" else x.to(torch.bfloat16)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32,
+                           device="cuda")
+    return a, packed.repack(b) if reads_packed else b, offsets
+
+
+ROUTINGS = [([0, 5, 17, 0, 3, 9, 2, 0], 576, 512), ([1] * 16, 320, 256),
+            ([0, 0, 300, 0], 320, 320), ([129, 17, 255, 1], 1088, 512)]
+
+
+@pytest.mark.parametrize("name, fmt, ops", _cases(GROUPED))
+def test_fused_grouped_is_the_unfused_pipeline_bit_for_bit(name, fmt, ops):
+    base = catalogue.get(name)
+    s = base.replace(ops=ops)
+    _runnable(s, fmt, groups=8)
+    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    dt, g = torch.bfloat16, silu_group(s)
+    for i, (counts, n, k) in enumerate(ROUTINGS):
+        a, b, offsets = _grouped_case(counts, n, k, fmt, i, s.mainloop.reads_packed)
+        bias = torch.randn(len(counts), n, device="cuda") if "bias" in ops else None
+        raw = run_grouped(plain, a, b, offsets)
+        assert reference.check_grouped(raw, a, b, offsets).passed, (name, counts)
+        total, cols = sum(counts), n // 2 if "silu_mul" in ops else n
+        out = torch.full((total, cols), float("nan"), dtype=dt, device="cuda")
+        run_grouped(fused, a, b, offsets, out=out, bias=bias)
+        if bias is not None:
+            expert = torch.repeat_interleave(torch.arange(len(counts), device="cuda"),
+                                             torch.tensor(counts, device="cuda"))
+            raw = raw + bias[expert]
+        _assert_same_bits(out, _unfused(raw, None, ops, dt, g), f"{s.name} {counts}")
+
+
+def _ones_weight(n: int, k: int, group: int) -> NVFP4Tensor:
+    """Gate rows read element 0 of K, up rows element 1, each as exactly 1.0 (E2M1 code 2,
+    block scale 1.0, global scale 1.0): the GEMM's outputs are the activation's columns."""
+    data = torch.zeros(n, k // 2, dtype=torch.uint8)
+    rows = torch.arange(n)
+    gate = (rows % (2 * group)) < group
+    data[gate, 0] = 0x02  # element 0 (low nibble)
+    data[~gate, 0] = 0x20  # element 1 (high nibble)
+    scales = torch.full((n, k // 16), 0x38, dtype=torch.uint8)  # UE4M3 1.0
+    return NVFP4Tensor(data.cuda(), swizzle_scales(scales).view(torch.float8_e4m3fn).cuda(),
+                       1.0)
+
+
+@pytest.mark.gpu("sm90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_is_torchs_for_every_finite_input(dtype):
+    """gate = x, up = 1 for every finite value x of the dtype: the fused output is
+    ``F.silu(x)`` (torch's CUDA kernel) bit for bit."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    x = every[torch.isfinite(every.float())].cuda()
+    k, group = 64, 8
+    a = torch.zeros(len(x), k, dtype=dtype, device="cuda")
+    a[:, 0], a[:, 1] = x, 1.0
+    w = _ones_weight(2 * group, k, group)
+    out = cf.gemm(a, w, silu_mul=True, out_dtype=dtype, alpha=1.0)
+    want = F.silu(x).unsqueeze(1).expand(-1, group)
+    _assert_same_bits(out, want, f"silu over {len(x)} {dtype} values")
+
+
+@pytest.mark.gpu("sm90")
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gemm_with_fused_ops_checks_itself(m):
+    """``gemm(..., bias=, silu_mul=, check=True)`` on "auto", packed and plain weights:
+    check=True compares the fused call with the unfused pipeline's bits."""
+    n, k = 1024, 512
+    g = torch.Generator().manual_seed(m)
+    w = cf.quantize(torch.randn(n, k, generator=g).cuda())
+    x = torch.randn(m, k, generator=g).cuda().to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).cuda()
+    for weight in (w, packed.repack(w)):
+        out = cf.gemm(x, weight, bias=bias, silu_mul=True, check=True)
+        assert out.shape == (m, n // 2) and torch.isfinite(out).all()
+    gate, up = w.dequantize(torch.float64)[: n // 2], w.dequantize(torch.float64)[n // 2:]
+    wi = interleave_gate_up(w, silu_group(catalogue.get("sm90_default")))
+    bias_i = interleave_gate_up(bias.unsqueeze(1), 8).squeeze(1)
+    out = cf.gemm(x, wi, bias=bias_i, silu_mul=True)
+    xd = x.double()
+    ref = F.silu(xd @ gate.T + bias[: n // 2].double()) * (xd @ up.T + bias[n // 2:].double())
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 2e-2, rel  # the natural gate/up product, after interleaving at load
+
+
+@pytest.mark.gpu("sm90")
+def test_fused_ops_refuse_bad_operands_before_launching():
+    w = cf.quantize(torch.randn(256, 128).cuda())
+    x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((4, 128), 7.0, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="bias must have shape"):
+        cf.gemm(x, w, bias=torch.zeros(255, device="cuda"), out=out)
+    with pytest.raises(InputError, match="bias must be torch.float32"):
+        cf.gemm(x, w, bias=torch.zeros(256, device="cuda", dtype=torch.bfloat16), out=out)
+    with pytest.raises(InputError, match=r"out must have shape \(4, 128\)"):
+        cf.gemm(x, w, silu_mul=True, out=torch.empty(4, 256, device="cuda",
+                                                     dtype=torch.bfloat16))
+    w_odd = cf.quantize(torch.randn(264, 128).cuda())  # 264 = 8 x 33: no gate/up groups
+    with pytest.raises(ScheduleError, match="N = 264 is not a multiple of 16"):
+        cf.gemm(x, w_odd, silu_mul=True)
+    assert (out == 7.0).all()  # nothing written on any error
