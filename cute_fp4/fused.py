@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from cute_fp4.errors import InputError
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
 
-__all__ = ["gate_up_order", "interleave_gate_up", "deinterleave_gate_up", "silu_mul_unfused"]
+__all__ = ["gate_up_order", "interleave_gate_up", "natural_gate_up", "deinterleave_gate_up",
+           "silu_mul_unfused"]
 
 
 def gate_up_order(n: int, group: int, device=None) -> torch.Tensor:
@@ -55,6 +56,22 @@ def interleave_gate_up(w, group: int):
     else:
         scale = torch.stack([swizzle_scales(s) for s in linear])
     return NVFP4Tensor(data, scale, w.global_scale, w.shape)
+
+
+def natural_gate_up(w, group: int):
+    """The inverse of :func:`interleave_gate_up`: an interleaved weight (rows) back in the
+    natural ``[gate; up]`` order."""
+    order = gate_up_order(w.shape[-2], group)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    if isinstance(w, torch.Tensor):
+        return w.index_select(-2, inverse.to(w.device)).contiguous()
+    inverse = inverse.to(w.data.device)
+    linear = w.scale_linear().index_select(-2, inverse)
+    scale = (swizzle_scales(linear) if w.experts is None
+             else torch.stack([swizzle_scales(s) for s in linear]))
+    return NVFP4Tensor(w.data.index_select(-2, inverse).contiguous(), scale, w.global_scale,
+                       w.shape)
 
 
 def deinterleave_gate_up(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

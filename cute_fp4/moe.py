@@ -25,6 +25,13 @@ Conventions:
   fixed summation order). The top-k weights are rounded to the activation dtype first.
 * **activation**: ``silu`` and the product in the activation dtype
   (:func:`silu_and_mul`: two roundings), the same function in :func:`moe_bf16`.
+* **fused** (``NVFP4MoE(fused="auto")``, where the GPU's grouped kernels take it): the
+  gate_up GEMM computes the activation in its epilogue (``grouped_gemm(silu_mul=True)``,
+  the same bits as the unfused GEMM then :func:`silu_and_mul`), so a forward is two
+  grouped GEMMs and no activation kernel. ``w13`` is then stored with its gate and up rows
+  interleaved in groups of ``gate_up_group`` rows (``cute_fp4.fused``; converted once, at
+  construction); :meth:`NVFP4MoE.gate_up_expert` gives an expert's weight in the natural
+  order.
 
 :class:`NVFP4MoE` stores both weights once, quantized (one global scale per expert), in
 the layout the present GPU's grouped kernels read: the fragment-order packed bytes of
@@ -54,7 +61,13 @@ import torch
 import torch.nn.functional as F
 
 from cute_fp4.api import quantize_op
-from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
+from cute_fp4.fused import (
+    deinterleave_gate_up,
+    interleave_gate_up,
+    natural_gate_up,
+    silu_mul_unfused,
+)
 from cute_fp4.grouped import grouped_gemm
 from cute_fp4.nn import keep_format_dtypes
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape, swizzle_scales
@@ -169,11 +182,13 @@ def _scalar(value, name: str, device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- kernels
 
-def _grouped_gemm(a, b, offsets, schedule, out_dtype, alpha) -> torch.Tensor:
+def _grouped_gemm(a, b, offsets, schedule, out_dtype, alpha, silu_mul: bool = False
+                  ) -> torch.Tensor:
     """The grouped GEMM of a forward (``cute_fp4.grouped.grouped_gemm``: one
     ``cute_fp4::grouped_mm`` node under torch.compile; tests replace it with the exact
     reference)."""
-    return grouped_gemm(a, b, offsets, schedule=schedule, out_dtype=out_dtype, alpha=alpha)
+    return grouped_gemm(a, b, offsets, schedule=schedule, out_dtype=out_dtype, alpha=alpha,
+                        silu_mul=silu_mul)
 
 
 def _quantize(x: torch.Tensor, global_scale) -> NVFP4Tensor:
@@ -191,7 +206,7 @@ class MoEStages(NamedTuple):
     routing: Routing
     x_sorted: torch.Tensor  # [T*k, H] the gathered activations
     a13: object  # x_sorted, or its NVFP4 quantization (w4a4)
-    gate_up: torch.Tensor  # [T*k, 2I]
+    gate_up: torch.Tensor  # [T*k, 2I], in w13's row order (interleaved when fused)
     act: torch.Tensor  # [T*k, I]
     a2: object  # act, or its NVFP4 quantization (w4a4)
     down: torch.Tensor  # [T*k, H]
@@ -209,11 +224,14 @@ class NVFP4MoE(torch.nn.Module):
     ``amax / 2688``; None: dynamic, per call); ``layout``: "packed" (the rs_packed and
     stream grouped kernels), "plain", or "auto" (packed when the weights are on an SM90 GPU,
     or on SM12x for W4A16, and H and I are multiples of 64). Moving the layer (``.to``)
-    keeps its layout.
+    keeps its layout. ``fused``: SiLU-and-mul in the gate_up GEMM's epilogue ("auto": where
+    the weights are on a GPU and I splits into its gate/up groups; True, False); the
+    module docstring says what it changes.
     """
 
     def __init__(self, w13, w2, mode: str = "w4a16", schedule="auto",
-                 input_scales=(None, None), layout: str = "auto"):
+                 input_scales=(None, None), layout: str = "auto", fused="auto", *,
+                 _gate_up_group: int | None = None):
         super().__init__()
         if mode not in MODES:
             raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
@@ -223,6 +241,12 @@ class NVFP4MoE(torch.nn.Module):
         dev = w13.data.device
         self.layout = _pick_layout(layout, w13, w2, self.hidden, self.intermediate, dev,
                                    mode)
+        self.gate_up_group = _gate_up_group or _pick_group(fused, mode, dev,
+                                                           self.intermediate)
+        if self.gate_up_group and not _gate_up_group:  # w13 in the natural order
+            if isinstance(w13, PackedNVFP4Weight):
+                w13 = w13.unpack()
+            w13 = interleave_gate_up(w13, self.gate_up_group)
         if self.layout == "packed":
             w13 = w13 if isinstance(w13, PackedNVFP4Weight) else repack(w13)
             w2 = w2 if isinstance(w2, PackedNVFP4Weight) else repack(w2)
@@ -243,16 +267,17 @@ class NVFP4MoE(torch.nn.Module):
 
     @classmethod
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, mode: str = "w4a16",
-                   schedule="auto", input_scales=(None, None), layout: str = "auto"
-                   ) -> NVFP4MoE:
+                   schedule="auto", input_scales=(None, None), layout: str = "auto",
+                   fused="auto") -> NVFP4MoE:
         """Quantize BF16/FP32 expert weights ``w13 [E, 2I, H]`` (gate rows, then up) and
         ``w2 [E, H, I]``, one global scale per expert (on their device: a GPU is faster)."""
         return cls(quantize(w13.detach()), quantize(w2.detach()), mode, schedule,
-                   input_scales, layout)
+                   input_scales, layout, fused)
 
     @classmethod
     def from_modelopt(cls, w13: tuple, w2: tuple, mode: str = "w4a16", schedule="auto",
-                      input_scales=(None, None), layout: str = "auto") -> NVFP4MoE:
+                      input_scales=(None, None), layout: str = "auto",
+                      fused="auto") -> NVFP4MoE:
         """From already-quantized expert stacks in ModelOpt's checkpoint form, without a
         BF16 copy: ``w13 = (weight, weight_scale, weight_scale_2)`` with ``weight`` uint8
         ``[E, 2I, H/2]`` (gate rows, then up), ``weight_scale`` float8_e4m3fn
@@ -264,9 +289,12 @@ class NVFP4MoE(torch.nn.Module):
         e, h, i = _check_weights(*stacks)
         if layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        group = _pick_group(fused, mode, stacks[0].device, i)
         if _pick_layout(layout, *stacks, h, i, stacks[0].device, mode) == "packed":
-            stacks = [_pack_by_expert(w) for w in stacks]
-        return cls(*stacks, mode, schedule, input_scales, layout)
+            stacks = [_pack_by_expert(stacks[0], group), _pack_by_expert(stacks[1])]
+        elif group:
+            stacks[0] = interleave_gate_up(stacks[0], group)
+        return cls(*stacks, mode, schedule, input_scales, layout, _gate_up_group=group)
 
     def _refresh_alpha(self) -> None:
         """W4A4 with static scales: alpha[e] = input_scale * weight_scale_2[e], once."""
@@ -347,7 +375,8 @@ class NVFP4MoE(torch.nn.Module):
         a13 = self._activation(xs, "w13")
         gate_up = _grouped_gemm(a13, self.w13, r.offsets, self.schedule, x.dtype,
                                 self._buffers["w13_alpha"])
-        act = silu_and_mul(gate_up)
+        act = (silu_mul_unfused(gate_up, self.gate_up_group) if self.gate_up_group
+               else silu_and_mul(gate_up))
         a2 = self._activation(act, "w2")
         down = _grouped_gemm(a2, self.w2, r.offsets, self.schedule, x.dtype,
                              self._buffers["w2_alpha"])
@@ -360,16 +389,32 @@ class NVFP4MoE(torch.nn.Module):
         if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
             self._check_input(x, topk_ids, topk_weights)
             return x.new_empty((0, self.hidden))
-        return self.stages(x, topk_ids, topk_weights).out
+        if not self.gate_up_group:
+            return self.stages(x, topk_ids, topk_weights).out
+        self._check_input(x, topk_ids, topk_weights)
+        r = route(topk_ids, self.num_experts)
+        a13 = self._activation(x.index_select(0, r.token), "w13")
+        act = _grouped_gemm(a13, self.w13, r.offsets, self.schedule, x.dtype,
+                            self._buffers["w13_alpha"], silu_mul=True)
+        down = _grouped_gemm(self._activation(act, "w2"), self.w2, r.offsets, self.schedule,
+                             x.dtype, self._buffers["w2_alpha"])
+        return combine(down, r, topk_weights)
+
+    def gate_up_expert(self, e: int) -> NVFP4Tensor:
+        """Expert ``e``'s gate_up weight ``[2I, H]`` in the natural order (gate rows, then
+        up), plain layout (a copy when stored packed or interleaved: references, saving)."""
+        w = expert(self.w13, e)
+        return natural_gate_up(w, self.gate_up_group) if self.gate_up_group else w
 
     # ------------------------------------------------------------------ references
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` dequantized to ``dtype`` (for
         :func:`moe_bf16` on the same weights)."""
-        return tuple(torch.stack([expert(w, e).dequantize(dtype)
-                                  for e in range(self.num_experts)]) for w in (self.w13,
-                                                                               self.w2))
+        return (torch.stack([self.gate_up_expert(e).dequantize(dtype)
+                             for e in range(self.num_experts)]),
+                torch.stack([expert(self.w2, e).dequantize(dtype)
+                             for e in range(self.num_experts)]))
 
     def reference_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> torch.Tensor:
@@ -385,7 +430,7 @@ class NVFP4MoE(torch.nn.Module):
                 return quantize(t.float(), scales[which]).dequantize(torch.float64)
 
         return moe_reference(x, topk_ids, topk_weights,
-                             lambda e: expert(self.w13, e).dequantize(torch.float64),
+                             lambda e: self.gate_up_expert(e).dequantize(torch.float64),
                              lambda e: expert(self.w2, e).dequantize(torch.float64), act_quant)
 
 
@@ -444,13 +489,49 @@ def _modelopt_stack(name: str, weight, weight_scale, weight_scale_2) -> NVFP4Ten
     return NVFP4Tensor(weight, scale, gs.to(weight.device), (e, n, 2 * half_k))
 
 
-def _pack_by_expert(w: NVFP4Tensor) -> PackedNVFP4Weight:
-    """``repack`` of an expert stack one expert at a time (the transient is one expert)."""
+def _pack_by_expert(w: NVFP4Tensor, group: int | None = None) -> PackedNVFP4Weight:
+    """``repack`` of an expert stack one expert at a time (the transient is one expert);
+    ``group``: its gate/up rows interleaved first (``cute_fp4.fused``)."""
     e, n, k = w.shape
     data = torch.empty((e, packed_rows(n), k // 2), dtype=torch.uint8, device=w.device)
+    scale = w.scale
+    if group:
+        scale = torch.empty_like(w.scale)
     for x in range(e):
-        data[x] = pack(w.data[x].contiguous())
-    return PackedNVFP4Weight(data, w.scale, w.global_scale, w.shape)
+        one = w.expert(x)
+        if group:
+            one = interleave_gate_up(one, group)
+            scale[x] = one.scale
+        data[x] = pack(one.data.contiguous())
+    return PackedNVFP4Weight(data, scale, w.global_scale, w.shape)
+
+
+def _pick_group(fused, mode: str, dev: torch.device, i: int) -> int | None:
+    """The gate/up group of a fused layer (``planning.common.silu_group`` of the grouped
+    kernels it runs: 8 on sm_90a and for SM12x's W4A16 stream kernel, 32 for SM12x's W4A4
+    kernels), or None: unfused ("auto" off a GPU, or where I does not split into groups)."""
+    from cute_fp4 import catalogue
+    from cute_fp4.planning.common import silu_group
+
+    if fused not in ("auto", True, False):
+        raise InputError(f"fused must be 'auto', True or False, got {fused!r}")
+    if fused is False:
+        return None
+    if dev.type != "cuda":
+        if fused is True:
+            raise DeviceError("fused=True needs the weights on a CUDA GPU: the gate/up row "
+                              "order depends on its kernels")
+        return None
+    major = torch.cuda.get_device_capability(dev)[0]
+    name = ("sm90_grouped_decode" if major == 9 else "sm120_grouped" if mode == "w4a4"
+            else "sm120_stream_grouped_decode")
+    group = silu_group(catalogue.get(name))
+    if i % group:
+        if fused is True:
+            raise FormatError(f"fused=True: intermediate {i} does not split into gate/up "
+                              f"groups of {group} rows")
+        return None
+    return group
 
 
 def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
@@ -637,17 +718,19 @@ def check_stages(layer: NVFP4MoE, st: MoEStages, x: torch.Tensor, topk_ids: torc
     lin13 = None if isinstance(st.a13, torch.Tensor) else st.a13.scale_linear()
     lin2 = None if isinstance(st.a2, torch.Tensor) else st.a2.scale_linear()
     checks.append(_gemm_stage("gate_up", st.gate_up, st.a13, layer.w13, sel_by_expert, lin13))
-    checks.append(_act_stage(st, sel_by_expert))
+    checks.append(_act_stage(st, sel_by_expert, layer.gate_up_group))
     checks.append(_gemm_stage("down", st.down, st.a2, layer.w2, sel_by_expert, lin2))
     checks.append(_out_stage(st, rows, topk_weights, tokens))
     return tuple(checks)
 
 
-def _act_stage(st: MoEStages, sel_by_expert) -> StageCheck:
+def _act_stage(st: MoEStages, sel_by_expert, group: int | None = None) -> StageCheck:
     if not sel_by_expert:
         return StageCheck("act", 0.0, True)
     sel = torch.cat([s for _, s in sel_by_expert]).to(st.gate_up.device)
     g = st.gate_up[sel].double()
+    if group:  # interleaved gate/up columns (a fused layer's w13) -> [gate, up]
+        g = torch.cat(deinterleave_gate_up(g, group), dim=1)
     i = g.shape[1] // 2
     ref = F.silu(g[:, :i]) * g[:, i:]
     tiny = 2.0**-133 if st.act.dtype == torch.bfloat16 else 2.0**-24

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cute_fp4 import moe, reference
-from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.grouped import check_grouped_operands
 from cute_fp4.nvfp4 import quantize
 from cute_fp4.packed import PackedNVFP4Weight
@@ -434,9 +434,10 @@ def test_bench_shapes_are_the_issues(bench):
     qwen, ds = bench.MODELS
     assert (qwen.hidden, qwen.inter, qwen.experts, qwen.top_k) == (2048, 768, 128, 8)
     assert (ds.hidden, ds.inter, ds.experts, ds.top_k) == (7168, 2048, 256, 8)
-    assert bench.DECODE_TOKENS == (16, 64) and bench.PREFILL_TOKENS == (4096, 16384)
+    assert bench.DECODE_TOKENS == (1, 4, 16, 64) and bench.PREFILL_TOKENS == (4096, 16384)
     args = bench.parse_args([])
-    assert args.tokens == [16, 64, 4096, 16384] and args.routings == ["uniform", "skewed"]
+    assert args.tokens == [1, 4, 16, 64, 4096, 16384]
+    assert args.routings == ["uniform", "skewed"]
     assert args.models == ["qwen3-30b-a3b", "deepseek-v3"] and args.reps == 20
     quick = bench.parse_args(["--quick"])
     assert quick.models == ["qwen3-30b-a3b"] and quick.tokens == [16, 4096]
@@ -667,7 +668,7 @@ def test_summary_bars_and_markdown(bench):
     assert s["gate_up"]["w4a16_x_torch"] == 2.5 and s["gate_up"]["w4a16_x_loop"] == 4.0
     assert s["gate_up"]["w4a4_us"] is None and s["gate_up"]["w4a16_weight_TB/s"] == 3.0
     got = {(b["tokens"], b["op"], "loop" if "loop" in b["bar"] else "torch"): b["status"]
-           for b in bench.bars(cases)}
+           for b in bench.bars(cases) if "auto" not in b["bar"]}  # the stream bars apart
     assert got[(16, "gate_up", "torch")] == got[(16, "down", "loop")] == "PASS"
     assert got[(64, "gate_up", "torch")] == got[(64, "gate_up", "loop")] == "FAIL"
     assert got[(4096, "down", "torch")] == "FAIL"  # 0.9x < 0.95x
@@ -695,3 +696,46 @@ def test_bench_without_a_gpu_says_so(bench, capsys):
         pytest.skip("a GPU is present")
     assert bench.main(["--quick", "--out", "/nonexistent/never-written"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- fused
+
+def test_fused_layer_is_the_unfused_layer_bit_for_bit(monkeypatch):
+    """A fused layer (w13 stored with gate/up interleaved, SiLU-and-mul in the gate_up
+    GEMM's epilogue) gives the unfused layer's bits; its stages check, and its references
+    see the natural order. The GEMMs are the exact reference (the kernels' own
+    bit-identity is tests/gpu/test_fused_epilogue.py)."""
+    from cute_fp4.fused import interleave_gate_up, silu_mul_unfused
+
+    calls = []
+
+    def grouped(a, b, offsets, schedule, out_dtype, alpha, silu_mul=False):
+        calls.append(silu_mul)
+        out = _exact_grouped(a, b, offsets, schedule, out_dtype, alpha)
+        return silu_mul_unfused(out, 8) if silu_mul else out
+
+    monkeypatch.setattr(moe, "_grouped_gemm", grouped)
+    w13, w2 = _weights(seed=31)
+    q13, q2 = quantize(w13), quantize(w2)
+    plain = moe.NVFP4MoE(q13, q2, layout="plain", fused=False)
+    fused = moe.NVFP4MoE(interleave_gate_up(q13, 8), q2, layout="plain", _gate_up_group=8)
+    assert (plain.gate_up_group, fused.gate_up_group) == (None, 8)
+    x, ids, w = _inputs(9, 2, seed=32)
+    want = plain(x, ids, w)
+    calls.clear()
+    got = fused(x, ids, w)
+    assert calls == [True, False]  # gate_up with the activation fused, then down
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert all(c.passed for c in moe.check_stages(fused, fused.stages(x, ids, w), x, ids, w))
+    for e in (0, E - 1):
+        assert torch.equal(fused.gate_up_expert(e).data, moe.expert(q13, e).data)
+    assert all(torch.equal(a, b) for a, b in zip(fused.dequantized(), plain.dequantized()))
+
+
+def test_fused_needs_a_gpu_to_pick_its_order():
+    w13, w2 = _weights(seed=33)
+    with pytest.raises(DeviceError, match="fused=True needs the weights on a CUDA GPU"):
+        moe.NVFP4MoE.from_float(w13, w2, layout="plain", fused=True)
+    assert moe.NVFP4MoE.from_float(w13, w2, layout="plain").gate_up_group is None
+    with pytest.raises(InputError, match="fused must be"):
+        moe.NVFP4MoE.from_float(w13, w2, layout="plain", fused="yes")

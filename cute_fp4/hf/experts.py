@@ -193,7 +193,10 @@ def attach(module: torch.nn.Module, w13: tuple, w2: tuple, w13_scale_2: torch.Te
         scales = (None, None)
         if mode == "w4a4" and w13_input is not None and w2_input is not None:
             scales = (w13_input.max(), w2_input.max())  # one activation scale per GEMM
-        moe = NVFP4MoE.from_modelopt((*w13, gate), w2, mode, "auto", scales, layout)
+        # the up rows' own global scales are applied between the GEMM and the activation
+        # (_forward_up_ratio): not fusable into the epilogue
+        moe = NVFP4MoE.from_modelopt((*w13, gate), w2, mode, "auto", scales, layout,
+                                     fused="auto" if torch.equal(gate, up) else False)
     for proj in PROJECTIONS:
         if proj in module._parameters:
             delattr(module, proj)
@@ -218,7 +221,7 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, list[dict[str, list
     gate, up, down = ({"weight": [], "weight_scale": [], "weight_scale_2": [],
                        "input_scale": []} for _ in range(3))
     for e in range(moe.num_experts):
-        w13, w2 = expert(moe.w13, e), expert(moe.w2, e)
+        w13, w2 = moe.gate_up_expert(e), expert(moe.w2, e)
         d13, s13 = w13.data.cpu(), w13.scale_linear().cpu()
         for j, part in enumerate((gate, up)):
             rows = slice(0, i) if j == 0 else slice(i, 2 * i)

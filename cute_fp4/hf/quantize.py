@@ -235,7 +235,7 @@ def fake_quantize(bf16_model: torch.nn.Module, nvfp4_model: torch.nn.Module) -> 
                 gs13 = m._buffers["gate_up_proj_weight_scale_2"].double()
                 moe, i = m.nvfp4, m.nvfp4.intermediate
                 for e in range(moe.num_experts):
-                    v = expert(moe.w13, e).block_values(torch.float64)
+                    v = moe.gate_up_expert(e).block_values(torch.float64)
                     v[:i] *= gs13[e, 0]
                     v[i:] *= gs13[e, 1]
                     target.gate_up_proj[e].copy_(v.to(target.gate_up_proj.dtype))
