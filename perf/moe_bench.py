@@ -87,6 +87,7 @@ LAYER_TOL = {"bf16": 2.0**-6, "w4a16": 2.0**-6, "w4a4": 2.0**-3}
 BARS = {"decode_vs_torch": 2.0, "prefill_vs_torch": 0.95, "decode_vs_loop": 3.0}
 # issue 27 (grouped decode at HBM speed): at 1, 4 and 16 tokens x top-8
 STREAM_BARS = {"tokens": (1, 4, 16), "w4a16_vs_torch": 3.5, "w4a4_vs_w4a16": 0.9}
+FUSED_BARS = {16: 1.15, 64: 1.15, 4096: 1.05}  # layer fused vs unfused, by tokens
 
 METHOD = ("each call captured in a CUDA graph (cute_fp4.bench.Timer), its replay timed with "
           "CUDA events (device time), L2 flushed before each repetition by reading 256 MiB, "
@@ -497,14 +498,15 @@ def layer_scales(case: Case) -> tuple[float, float]:
     return (float(case.x.float().abs().max()) / 2688, float(case.h.float().abs().max()) / 2688)
 
 
-def prep_cute_layer(case: Case, wts: Weights, mode: str, schedule) -> Prepared:
+def prep_cute_layer(case: Case, wts: Weights, mode: str, schedule,
+                    fused="auto") -> Prepared:
     from cute_fp4.moe import NVFP4MoE, check_stages
 
     a_fmt = "nvfp4" if mode == "w4a4" else "bf16"
     s = _grouped_schedule(schedule, a_fmt, case, "layer")
     scales = layer_scales(case) if mode == "w4a4" else (None, None)
     layer = NVFP4MoE(wts.k13, wts.k2, mode=mode, schedule=schedule if schedule == "auto"
-                     else s, input_scales=scales)
+                     else s, input_scales=scales, fused=fused)
     x, ids, w = case.x, case.ids, case.weights
 
     def check(out: torch.Tensor) -> dict:
@@ -524,6 +526,7 @@ def prep_cute_layer(case: Case, wts: Weights, mode: str, schedule) -> Prepared:
 
     return Prepared(lambda: layer(x, ids, w), check,
                     {"schedule": s.name or s.label(), "layout": layer.layout,
+                     "fused": bool(layer.gate_up_group),
                      **({"input_scales": [float(f"{v:.4g}") for v in scales]}
                         if mode == "w4a4" else {})})
 
@@ -643,6 +646,7 @@ def record(case_res: dict, op: str, provider: str, row: dict, case: Case, fmt: s
 def _ok_us(rows: list[dict], op: str, prefix: str) -> tuple[float | None, dict | None]:
     """The fastest row of ``op`` whose provider starts with ``prefix`` and passed."""
     good = [r for r in rows if r["op"] == op and r["provider"].startswith(prefix)
+            and ("unfused" in prefix or "unfused" not in r["provider"])
             and r.get("status") == "ok" and r.get("check") == "ok"]
     best = min(good, key=lambda r: r["us"], default=None)
     return (best["us"], best) if best else (None, None)
@@ -658,12 +662,17 @@ def summary(case_res: dict) -> list[dict]:
         lp, _ = _ok_us(case_res["rows"], op, "loop_w4a16")
         auto, _ = _ok_us(case_res["rows"], op, "cute_w4a16[auto]")
         rs, _ = _ok_us(case_res["rows"], op, "cute_w4a16[sm90_grouped_decode]")
+        unf16, _ = _ok_us(case_res["rows"], op, "cute_w4a16_unfused[auto]")
+        w4auto, _ = _ok_us(case_res["rows"], op, "cute_w4a4[auto]")
+        unf4, _ = _ok_us(case_res["rows"], op, "cute_w4a4_unfused[auto]")
         out.append({"op": op, "torch_us": t, "w4a16_us": w16,
                     "w4a16_schedule": w16r.get("schedule") if w16r else None,
                     "w4a4_us": w4, "loop_us": lp, "auto_us": auto, "rs_decode_us": rs,
                     "w4a16_x_torch": _ratio(t, w16), "w4a4_x_torch": _ratio(t, w4),
                     "w4a16_x_loop": _ratio(lp, w16), "auto_x_torch": _ratio(t, auto),
                     "auto_x_rs_decode": _ratio(rs, auto), "w4a4_x_auto": _ratio(auto, w4),
+                    "unfused_w4a16_us": unf16, "fused_x_unfused_w4a16": _ratio(unf16, auto),
+                    "unfused_w4a4_us": unf4, "fused_x_unfused_w4a4": _ratio(unf4, w4auto),
                     "w4a16_weight_TB/s": w16r.get("weight_TB/s") if w16r else None,
                     "torch_weight_TB/s": tr.get("weight_TB/s") if tr else None})
     return out
@@ -681,6 +690,11 @@ def bars(cases: list[dict]) -> list[dict]:
             continue
         for s in summary(c):
             if s["op"] == "layer":
+                where = {"model": c["model"], "tokens": c["tokens"], "op": "layer"}
+                need = FUSED_BARS.get(c["tokens"])
+                if need is not None:
+                    out.append(_bar(f"fused layer >= {need}x unfused, W4A16 (issue 28)",
+                                    where, s["fused_x_unfused_w4a16"], need))
                 continue
             where = {"model": c["model"], "tokens": c["tokens"], "op": s["op"]}
             if c["tokens"] <= DECODE_MAX:
@@ -834,9 +848,13 @@ def plan_passes(args, family: str) -> list[tuple]:
                 (1, "uniform", op, "cute_w4a16[auto]", "nvfp4", "bf16", "auto")]
         if op != "layer":
             out.append((1, "uniform", op, "loop_w4a16", "nvfp4", "bf16", "decode"))
+        else:  # the layer without its fused activation (NVFP4MoE(fused=False))
+            out.append((1, "uniform", op, "cute_w4a16_unfused[auto]", "nvfp4", "bf16",
+                        "auto"))
     out += [(2, "uniform", op, f"cute_w4a16[{d}]", "nvfp4", "bf16", d)
             for d in decode_s for op in OPS]
     out += [(3, "uniform", op, "cute_w4a4[auto]", "nvfp4", "nvfp4", "auto") for op in OPS]
+    out.append((3, "uniform", "layer", "cute_w4a4_unfused[auto]", "nvfp4", "nvfp4", "auto"))
     for op in OPS:
         out += [(4, "skewed", op, "torch_bf16", "bf16", "bf16", None),
                 (4, "skewed", op, "cute_w4a16[auto]", "nvfp4", "bf16", "auto")]
@@ -859,7 +877,8 @@ def _prepare(case: Case, wts: Weights, op: str, provider: str, what, family: str
             (lambda: prep_loop_gemm(case, wts, op, family))
     mode = "w4a4" if provider.startswith("cute_w4a4") else "w4a16"
     a_fmt = "nvfp4" if mode == "w4a4" else "bf16"
-    return (lambda: prep_cute_layer(case, wts, mode, what)) if op == "layer" else \
+    fused = False if "unfused" in provider else "auto"
+    return (lambda: prep_cute_layer(case, wts, mode, what, fused)) if op == "layer" else \
         (lambda: prep_cute_gemm(case, wts, op, a_fmt, what))
 
 
