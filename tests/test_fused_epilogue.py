@@ -1,7 +1,8 @@
 """Fused epilogue operations (``Epilogue.ops``: bias, silu_mul) on the CPU: the schedule
 component, plan()'s refusals, the gate/up weight order, the pairing of gate and up values
-in every thread of every SM120 tiled MMA, and one compile per family (0 spills, the
-accurate exp and division the bit-identity with torch's SiLU rests on).
+in every thread of every SM120 tiled MMA, and per family one compile of a grouped kernel
+and one of the weight-streaming kernel (0 spills, the accurate exp and division the
+bit-identity with torch's SiLU rests on).
 
 The GPU half (tests/gpu/test_fused_epilogue.py) compares fused outputs with the unfused
 pipeline bit for bit and with the exact reference.
@@ -58,9 +59,14 @@ def test_plan_stores_fused_tiles_from_registers():
     assert plan(s.replace(ops=("bias",))).stages > plan(s).stages  # the C buffer's bytes
 
 
-def test_stream_refuses_ops_it_does_not_implement():
-    s = catalogue.get("sm90_stream_decode").replace(ops=("bias",))
-    assert any("no fused epilogue ops" in r for r in plan(s, Problem(a_format="bf16")).reasons)
+@pytest.mark.parametrize("name", ["sm90_stream_decode", "sm120_stream_grouped_decode"])
+def test_stream_takes_ops_with_gate_up_groups_of_8(name):
+    s = catalogue.get(name).replace(ops=("bias", "silu_mul"))
+    groups = 8 if s.scheduler.grouped else 0
+    assert silu_group(s) == 8  # D^T rows lane / 4 + {0, 8} on both families
+    assert plan(s, Problem(1, 1552, 2048, "bf16", groups=groups)).ok
+    bad = plan(s, Problem(1, 1544, 2048, "bf16", groups=groups))
+    assert any("N = 1544 is not a multiple of 16" in r for r in bad.reasons), bad.reasons
 
 
 @pytest.mark.parametrize("group", [8, 32])
@@ -112,7 +118,8 @@ def _sm120_pairs_hold(schedule) -> list[str]:
         k._setup()
         walk()
 
-    trace()
+    # the arch as a compile option: CUTE_DSL_ARCH is read once, when the DSL first starts
+    cute.compile(trace, options="--gpu-arch sm_120a")
     return bad
 
 
@@ -127,18 +134,20 @@ def _sm120_mma_shapes() -> list[str]:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name", _sm120_mma_shapes())
-def test_every_sm120_thread_holds_its_gate_and_up(name, monkeypatch):
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
+def test_every_sm120_thread_holds_its_gate_and_up(name):
     assert _sm120_pairs_hold(catalogue.get(name)) == []
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name, fmt", [("sm90_grouped_decode", "bf16"),
-                                       ("sm120_grouped_decode", "nvfp4")])
+                                       ("sm120_grouped_decode", "nvfp4"),
+                                       ("sm90_stream_decode", "bf16"),  # split-K
+                                       ("sm120_stream_grouped_decode", "bf16")])
 def test_fused_kernels_compile_without_spills(name, fmt):
     from cute_fp4.compile import compile_report
 
     s = catalogue.get(name).replace(ops=("bias", "silu_mul"))
-    row = compile_report(s, problem=Problem(a_format=fmt, groups=8))
+    groups = 8 if s.scheduler.grouped else 0
+    row = compile_report(s, problem=Problem(a_format=fmt, groups=groups))
     assert row["ok"], row.get("reason")
     assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row

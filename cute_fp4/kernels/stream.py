@@ -40,6 +40,11 @@ Constraints:
   four warps; 1 <= ``stages`` (K units per batch of a warp's ring) <= 8; shared memory
   ``2 x 4 x stages x 2,304`` bytes (at least the 8 KiB per N block the final sum uses).
 * Scale factors: UE4M3 (sign bit ignored) in the 128x4 blocked layout.
+* Fused epilogue operations (``Epilogue.ops``, ``epilogue.store_direct``): ``bias``
+  (float32 ``[N]``, grouped ``[experts, N]``) and ``silu_mul`` with gate/up weight rows
+  interleaved in groups of 8 (a thread holds D^T rows ``lane / 4 + {0, 8}`` of its warp's
+  16; checked while tracing), the output ``[M, N / 2]``; split-K applies them in the last
+  split, to the sum.
 * One CTA per (64 rows, activation tile, split): not persistent.
 * Grouped (``Scheduler(grouped=True)``, :class:`StreamGroupedGemm`, MoE experts at decode):
   the units are a :class:`~cute_fp4.kernels.scheduler.GroupedScheduler`'s, row tiles of
@@ -63,7 +68,7 @@ import cutlass.memory
 from cutlass.cute.nvgpu import cpasync
 
 from cute_fp4.kernels import roles
-from cute_fp4.kernels.epilogue import store_direct, store_split_k
+from cute_fp4.kernels.epilogue import d_tile, fused_tile, store_direct, store_split_k
 from cute_fp4.kernels.launch import (
     GemmLaunch,
     GemmTensors,
@@ -122,7 +127,7 @@ class StreamParams(NamedTuple):
     mA32: cute.Tensor  # activations [M, K] as 32-bit words (pairs of 16-bit values)
     mQ: cute.Tensor  # the packed weight as flat 32-bit words
     mS: cute.Tensor  # B's blocked scales as flat 32-bit words
-    gD: cute.Tensor  # D^T: (N, M, 1)
+    gD: cute.Tensor  # D^T: (output columns, M, 1) (N, or N / 2 with "silu_mul")
     mAlpha: cute.Tensor
     units: TileScheduler | GroupedScheduler  # dense: (row blocks, activation tiles, K
     # units, split_k); grouped: (expert row tiles x row blocks) from the offsets
@@ -131,6 +136,7 @@ class StreamParams(NamedTuple):
     mWork: cute.Tensor | None  # split-K workspace: FP32 partials (without split-K: None)
     mCount: cute.Tensor | None  # split-K header and arrival counters (without: None)
     mOffsets: cute.Tensor | None = None  # grouped: int32 [experts + 1]; dense: None
+    mBias: cute.Tensor | None = None  # fused "bias": (N,), grouped (N, experts); else None
 
 
 class Block(NamedTuple):
@@ -205,6 +211,7 @@ class StreamGemm(GemmLaunch):
     def _launch(self, t: GemmTensors | GroupedTensors, max_ctas: cutlass.Int32, stream):
         self._setup()
         m, n = t.mD.shape[0], t.mB.shape[0]  # n: the weight's rows (the GEMM's N)
+        nd = t.mD.shape[1]  # the output's columns: N, or N / 2 with "silu_mul"
         half_k = t.mB.shape[1]
         k_units = half_k // (UNIT_K // 2)
         row_blocks = (n + UNIT_ROWS - 1) // UNIT_ROWS
@@ -216,22 +223,23 @@ class StreamGemm(GemmLaunch):
         ld_a = cute.assume(cutlass.Int64(half_k), divby=16)
         mA32 = cute.make_tensor(cute.recast_ptr(t.mA.iterator, dtype=cutlass.Uint32),
                                 cute.make_layout((m, half_k), stride=(ld_a, 1)))
+        bias = t.mBias if "bias" in self.ops else None  # absent: None
         if cutlass.const_expr(self.grouped):
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
-                (n, m, 1), stride=(1, t.mD.stride[0], 0)))
+                (nd, m, 1), stride=(1, t.mD.stride[0], 0)))
             groups = t.mOffsets.shape[0] - 1
             units = GroupedScheduler(groups, row_blocks, k_units, self.tile_m, m,
                                      grouped_bound(m, groups, self.tile_m, row_blocks,
                                                    cutlass.min))
             params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, None, None,
-                                  t.mOffsets)
+                                  t.mOffsets, bias)
         else:
             gD = cute.make_tensor(t.mD.iterator, cute.make_layout(
-                (n, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
+                (nd, m, 1), stride=(1, t.mD.stride[0], t.mD.stride[2])))
             units = TileScheduler.create(n, m, half_k * 2, (UNIT_ROWS, self.tile_m, UNIT_K),
                                          self.split_k)
             work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)  # absent: None
-            params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work)
+            params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work, None, bias)
         self.kernel(params).launch(grid=[units.grid(False, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
                                    stream=stream, use_pdl=roles.PDL)
@@ -400,25 +408,35 @@ class StreamGemm(GemmLaunch):
     @cute.jit
     def _store(self, p: StreamParams, thr_mma, acc, blk: Block, tidx):
         """D^T tile (row block, activation rows) from registers, times alpha (grouped: the
-        expert's); split-K: this thread's partial, the tile's last split storing the sum."""
+        expert's), with the fused epilogue operations (the tile's mode 0 is the GEMM's N:
+        bias of the block's rows, grouped the expert's; "silu_mul" stores a tile of 32
+        output rows); split-K: this thread's partial, the tile's last split storing the
+        sum."""
         tile = (UNIT_ROWS, self.tile_m)
+        out_tile = d_tile(tile, 0, self.ops)
         rows = p.n - blk.blk * UNIT_ROWS
+        bias = None
         if cutlass.const_expr(self.grouped):
-            gD_t = cute.local_tile(cute.domain_offset((0, blk.row0, 0), p.gD), tile,
+            gD_t = cute.local_tile(cute.domain_offset((0, blk.row0, 0), p.gD), out_tile,
                                    (None, None, None))
             dst = gD_t[(None, None, blk.blk, 0, 0)]
             alpha = p.mAlpha[blk.g]
+            if cutlass.const_expr("bias" in self.ops):
+                bias = p.mBias[(None, blk.g)]
         else:
-            gD_t = cute.local_tile(p.gD, tile, (None, None, None))
+            gD_t = cute.local_tile(p.gD, out_tile, (None, None, None))
             dst = gD_t[(None, None, blk.blk, blk.row0 // self.tile_m, 0)]
             alpha = p.mAlpha[0]
+            bias = p.mBias
+        fused = fused_tile(self.schedule, 0, bias, blk.blk * UNIT_ROWS)
         if cutlass.const_expr(self.split_k > 1):
             store_split_k(thr_mma, acc, alpha, p.mWork, p.mCount,
                           p.units.total // self.split_k, blk.unit // self.split_k, tidx,
                           self.split_slots, blk.split, self.split_k, dst, tile, rows, blk.rows,
-                          self.out_dtype)
+                          self.out_dtype, fused)
         else:
-            store_direct(thr_mma, acc, alpha, dst, tile, rows, blk.rows, self.out_dtype)
+            store_direct(thr_mma, acc, alpha, dst, tile, rows, blk.rows, self.out_dtype,
+                         fused)
 
 
 class StreamGroupedGemm(GroupedLaunch, StreamGemm):
