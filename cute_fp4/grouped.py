@@ -378,8 +378,7 @@ def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
     """The compiled kernel for a ``schedule`` argument, memoised like :func:`_schedule_for`.
     The schedule is resolved and checked against the operands before the device check,
     so its errors are the same on the CPU. ``ops``: fused epilogue operations, given to
-    the resolved schedule ("auto" on a schedule whose kernel has none: the family's
-    rs_packed decode tile, :func:`_with_ops`)."""
+    the schedule resolved as without them."""
     dev = b.data.get_device()
     key = (schedule if isinstance(schedule, str) else id(schedule), dims.a_format, out_dtype,
            dev, _auto_regime(schedule, dims), ops)
@@ -387,22 +386,14 @@ def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
     if hit is not None and hit[0] is schedule:
         check_schedule(hit[1].schedule, dims)
         return hit[1]
-    s = _with_ops(_schedule_for(schedule, out_dtype, dev, dims), ops, schedule, out_dtype)
+    s = _schedule_for(schedule, out_dtype, dev, dims)
+    if ops and s.epilogue.ops != ops:
+        s = s.replace(ops=ops)
     check_schedule(s, dims)
     _require_cuda(b)
     kern = compile_schedule(s, Signature(dims.a_format))
     _memo_put(_KERNELS, key, (schedule, kern))
     return kern
-
-
-def _with_ops(s: Schedule, ops: tuple[str, ...], argument, out_dtype) -> Schedule:
-    """``s`` with the fused epilogue ``ops``. The stream kernel has none yet: for "auto"
-    its decode regime takes the rs_packed grouped decode tile instead."""
-    if not ops or s.epilogue.ops == ops:
-        return s
-    if s.mainloop is Mainloop.STREAM and argument == "auto" and s.arch.family == "sm90":
-        s = resolve_grouped("sm90_grouped_decode", out_dtype)
-    return s.replace(ops=ops)
 
 
 # ----------------------------------------------------------------------------- running

@@ -43,8 +43,8 @@ from cute_fp4.operands import (
     out_dtype_of,
 )
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.schedule import Mainloop, OutDtype, Schedule
-from cute_fp4.tuning import heuristic, packed_decode_schedule
+from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.tuning import heuristic
 
 # ----------------------------------------------------------------------------- the schedule
 
@@ -111,17 +111,6 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
     return s
 
 
-def _resolve_packed_fused(schedule, m: int, n: int, k: int, a_format: str,
-                          out_dtype: torch.dtype) -> Schedule:
-    """:func:`_resolve_packed` for a call with fused epilogue ops: where "auto" picks the
-    stream kernel, which has none yet, the rs_packed decode tile (sm_90a; SM12x W4A16 has
-    only the stream kernel, whose plan() then refuses the ops)."""
-    s = _resolve_packed(schedule, m, n, k, a_format, out_dtype)
-    if schedule == _AUTO_PACKED and s.mainloop is Mainloop.STREAM and s.arch.family == "sm90":
-        s = _with_out_dtype(packed_decode_schedule(n, k), out_dtype)
-    return s
-
-
 # ----------------------------------------------------------------------------- a call
 
 class GemmPath:
@@ -147,8 +136,7 @@ class GemmPath:
             return self._kernel_for(schedule, dims, out_dtype, device_index, resolve_schedule,
                                     ops)
         key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
-        resolve = _resolve_packed_fused if ops else _resolve_packed
-        return self._kernel_for(key, dims, out_dtype, device_index, resolve, ops)
+        return self._kernel_for(key, dims, out_dtype, device_index, _resolve_packed, ops)
 
     def run_gemm(self, a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check: bool,
                  bind: bool = True, key: tuple | None = None, bias=None,
