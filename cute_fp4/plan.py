@@ -42,6 +42,7 @@ from cute_fp4.planning.common import (
     epi_stages,
     epilogue_tile,
     register_split,
+    silu_group,
 )
 from cute_fp4.planning.common import align as _align
 from cute_fp4.schedule import Problem, Schedule, WarpRoles
@@ -236,4 +237,4 @@ def _plan(s: Schedule, p: Problem) -> Plan:
 __all__ = ["Plan", "Region", "RegisterSplit", "plan", "smem_regions",
            "stage_bytes", "max_stages", "epilogue_tile", "c_elem_bytes", "register_split",
            "family_rules", "FAMILY_RULES", "WarpRoles", "ALIGN", "SF_VEC", "SF_ATOM_ROWS",
-           "MAX_EPI_STAGES"]
+           "MAX_EPI_STAGES", "silu_group"]
