@@ -135,6 +135,14 @@ def same_n_values(thr_mma, tile_shape, n_mode: int) -> list[tuple[int, list[int]
     return [(members[0], members) for members in by_n.values()]
 
 
+def mul_rn(a, b):
+    """``a * b`` rounded on its own (``mul.rn.f32``): an explicitly rounded multiply is
+    never contracted with a following add into an FMA, whose single rounding would differ
+    from the unfused pipeline's (the GEMM's FP32 output, then the bias added)."""
+    return cute.arch.inline_ptx("mul.rn.f32 {$w0}, {$r0}, {$r1};",
+                                write_only_types=[cutlass.Float32], read_only_args=[a, b])
+
+
 def silu(x):
     """``x / (1 + exp(-x))`` in FP32 with the accurate ``expf`` and an IEEE division: the
     operations of torch's CUDA SiLU, so the rounded result is the same bits."""
@@ -222,7 +230,7 @@ def _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape: cutlass.Constex
     n_valid = (rows, cols)[nm]
     vals = acc  # in place: the accumulator is dead after its store (and registers are short)
     for i in cutlass.range_constexpr(cute.size(acc)):
-        vals[i] = acc[i] * scale
+        vals[i] = mul_rn(acc[i], scale)
     if cutlass.const_expr("bias" in fused.ops):
         # one load per distinct column of the thread (a D^T thread has 2 per 64 x M tile),
         # then added to each of its values

@@ -30,6 +30,10 @@ group models $t/test_moe.py $t/test_nn.py $t/test_hf.py &
 group rest $t/test_api.py $t/test_launch_path.py $t/test_pdl.py $t/test_split_k.py \
   $t/test_dequantize.py $t/test_quantize_kernel.py $t/test_quantize_rule.py \
   $t/test_sm90_rs_wide.py $t/test_bench_peers.py &
+f=$t/test_fused_epilogue.py
+group fused90 $f -k "sm90 and not grouped" &
+group fusedgrouped $f -k "grouped" &
+group fused120 $f -k "sm120 and not grouped or silu_is or checks_itself or refuse or gated" &
 ( timeout "$budget" python3 perf/gpu_session.py --out "$OUT" --only env,validate,determinism \
   > "$OUT/session.txt" 2>&1; echo "rc=$?" >> "$OUT/session.txt" ) &
 wait
