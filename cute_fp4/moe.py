@@ -389,7 +389,9 @@ class NVFP4MoE(torch.nn.Module):
         if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
             self._check_input(x, topk_ids, topk_weights)
             return x.new_empty((0, self.hidden))
-        if not self.gate_up_group:
+        if not self.gate_up_group or torch.compiler.is_compiling():
+            # under torch.compile the grouped op has no epilogue operands: the unfused
+            # activation on the interleaved gate_up (the same bits)
             return self.stages(x, topk_ids, topk_weights).out
         self._check_input(x, topk_ids, topk_weights)
         r = route(topk_ids, self.num_experts)

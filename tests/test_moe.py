@@ -674,7 +674,8 @@ def test_summary_bars_and_markdown(bench):
     assert got[(4096, "down", "torch")] == "FAIL"  # 0.9x < 0.95x
     assert got[(16384, "down", "torch")] == "missing"  # its output failed the check
     assert (4096, "down", "loop") not in got  # no loop bar at prefill
-    assert not any(b["op"] == "layer" for b in bench.bars(cases))
+    layer = [b for b in bench.bars(cases) if b["op"] == "layer"]  # fused vs unfused only
+    assert layer and all("fused layer" in b["bar"] for b in layer)
     skewed = dict(cases[0], routing="skewed")
     assert len(bench.bars([skewed])) == 0
     res = {"env": {"gpu": "NVIDIA H200", "date": "2026-12-01", "driver": "580",
