@@ -299,6 +299,36 @@ def render_moe(data: dict, path: Path) -> list[str]:
          "down W4A4", "layer W4A16", "layer W4A4", "x loop"], rows)
 
 
+def render_fused_layer(data: dict, path: Path) -> list[str]:
+    rows = []
+    for c in data["cases"]:
+        bf = _moe_us(c, "layer", "torch_bf16")
+        fused = _moe_us(c, "layer", "cute_w4a16[auto]")
+        unfused = _moe_us(c, "layer", "cute_w4a16_unfused[auto]")
+        rows.append([c["model"], c["tokens"], us(unfused), us(fused),
+                     _ratio(unfused, fused), _ratio(bf, fused)])
+    return ["The MoE layer (W4A16, `NVFP4MoE`) with SiLU-and-mul fused into the gate_up "
+            "GEMM's epilogue against the same layer unfused (`fused=False`: gate_up GEMM, "
+            "activation kernel, down GEMM), microseconds per layer; `x torch`: over the "
+            "BF16 layer.", ""] + table(
+        ["model", "tokens", "unfused us", "fused us", "fused x unfused", "fused x torch"],
+        rows)
+
+
+def render_mlp(data: dict, path: Path) -> list[str]:
+    by = {(r["tokens"], r["provider"]): r["us"] for r in data["rows"]}
+    rows = []
+    for m in sorted({r["tokens"] for r in data["rows"]}):
+        bf, unf, fu = by.get((m, "torch_bf16")), by.get((m, "unfused")), by.get((m, "fused"))
+        rows.append([m, us(bf), us(unf), us(fu), x(unf, fu), x(bf, fu)])
+    return [f"A gated MLP (hidden {data['hidden']}, intermediate {data['inter']}), W4A16: "
+            "`NVFP4GatedMLP` (SiLU-and-mul in the gate_up GEMM's epilogue) against three "
+            "`NVFP4Linear` and `F.silu(g) * u` on the same weights and torch BF16, "
+            f"microseconds; the weight bytes at 4.8 TB/s take {data['floor_us']} us.",
+            ""] + table(["M", "torch BF16", "unfused", "fused", "fused x unfused",
+                         "fused x torch"], rows)
+
+
 def render_model_decode(data: dict, path: Path) -> list[str]:
     res = data["results"]
     base = {(r["batch"], r.get("step")): r for r in res if r["model"] == "bf16"}
@@ -441,6 +471,10 @@ SECTIONS: list[Section] = [
             "perf/decode_bench.py", _has("rows", "formulas")),
     Section("MoE layers", "**/*moe.json", render_moe, "perf/moe_bench.py",
             lambda d: not d["config"].get("quick")),
+    Section("Fused epilogue: the MoE layer", "**/moe-fused.json", render_fused_layer,
+            "perf/moe_bench.py --ops layer --stem moe-fused", _has("cases")),
+    Section("Fused epilogue: a gated MLP", "**/mlp.json", render_mlp, "perf/mlp_bench.py",
+            _has("rows", "hidden", "floor_us")),
     Section("A Llama decoder", "**/*model_decode*.json", render_model_decode,
             "perf/model_decode.py", _has("results", "config"),
             lambda d: f"{d.get('w4a4_scale', 'static')} input scale"),
