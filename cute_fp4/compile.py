@@ -340,6 +340,14 @@ class CompiledGemm:
                                      ctas, self._stream_of(dev), bias)
 
     @property
+    def silu_group(self) -> int:
+        """Gate/up rows per group of a ``silu_mul`` weight for this kernel
+        (``planning.common.silu_group``)."""
+        from cute_fp4.planning.common import silu_group
+
+        return silu_group(self.schedule)
+
+    @property
     def split_slots(self) -> int:
         """Split-K arrival counters per output tile of this kernel (kernels/launch.py)."""
         return self._kernel.split_slots

@@ -166,6 +166,25 @@ def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResul
     return res
 
 
+def assert_fused(result: torch.Tensor, raw: torch.Tensor, bias, ops: tuple, group: int,
+                 name: str = "") -> None:
+    """A fused epilogue's ``result`` against the unfused pipeline it replaces, bit for bit:
+    ``raw`` (the same GEMM without ops, FP32 output) plus ``bias`` (FP32; already added
+    when None), rounded to ``result``'s dtype, then ``F.silu(gate) * up`` of the gate/up
+    columns interleaved in groups of ``group`` (``cute_fp4.fused``) with ``"silu_mul"``.
+    Raises :class:`ValidationError` naming how many values differ."""
+    from cute_fp4.fused import silu_mul_unfused
+
+    want = (raw if bias is None else raw + bias).to(result.dtype)
+    if "silu_mul" in ops:
+        want = silu_mul_unfused(want, group)
+    bits = torch.int16 if result.element_size() == 2 else torch.int32
+    bad = int((want.view(bits) != result.view(bits)).sum())
+    if bad:
+        raise ValidationError(f"fused epilogue {'+'.join(ops)} of {name}: {bad} of "
+                              f"{result.numel()} values differ from the unfused pipeline's bits")
+
+
 # ----------------------------------------------------------------------------- grouped
 
 def group_bounds(offsets, experts: int, total_m: int) -> list[int]:
