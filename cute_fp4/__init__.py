@@ -29,7 +29,7 @@ _EXPORTS = {
     "detect_device": "targets",
     "CompiledGemm": "compile", "compile_report": "compile",
     "gemm": "api", "validate": "api", "grouped_gemm": "grouped",
-    "NVFP4Linear": "nn", "convert": "nn",
+    "NVFP4Linear": "nn", "convert": "conversion", "NVFP4GatedMLP": "mlp",
 }
 _SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn", "hf")
 

@@ -1,5 +1,5 @@
-"""Modules: :class:`NVFP4Linear`, :func:`convert` of a model's ``nn.Linear`` layers, and
-ModelOpt NVFP4 checkpoints.
+"""The module :class:`NVFP4Linear` and ModelOpt NVFP4 checkpoints (``cute_fp4.convert``,
+in ``cute_fp4.conversion``, puts it in a model).
 
 ``NVFP4Linear`` holds the weight as buffers (packed E2M1 bytes, blocked UE4M3 scales, the
 FP32 global scale) and computes ``y = x @ W^T (+ bias)`` for bf16/fp16 ``x`` of any rank:
@@ -32,28 +32,23 @@ NVFP4Tensor, ModelOpt's tensors: unpacked when read or saved, repacked when load
 Checkpoints: the layer's ``state_dict()`` is ModelOpt's NVFP4 form, ``weight`` (uint8
 [N, K/2]), ``weight_scale`` (float8_e4m3fn [N, K/16], row-major), ``weight_scale_2`` (FP32,
 the decode-form global scale), ``input_scale`` (FP32, when calibrated) and ``bias``, so
-``model.load_state_dict(modelopt_state_dict)`` after :func:`convert` loads a ModelOpt
+``model.load_state_dict(modelopt_state_dict)`` after ``convert`` loads a ModelOpt
 checkpoint into the converted layers (in place: CUDA graphs captured before stay valid).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-import warnings
-from collections.abc import Callable, Iterable, Mapping
-
 import torch
 
 from cute_fp4 import quant
 from cute_fp4.api import gemm_kernel, mm, mm_packed, quantize_op
-from cute_fp4.errors import CuteFp4Warning, FormatError, InputError, InputTypeError
+from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.operands import alpha_tensor
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
 from cute_fp4.quant import quantize_activation
 
-__all__ = ["LAYOUTS", "MODES", "ConvertReport", "NVFP4Linear", "convert"]
+__all__ = ["LAYOUTS", "MODES", "NVFP4Linear"]
 
 MODES = ("w4a16", "w4a4")
 LAYOUTS = ("auto", "plain", "packed")
@@ -527,148 +522,3 @@ class NVFP4Linear(torch.nn.Module):
         if self.bias is not None:
             y.add_(self.bias)  # in y's dtype, as eager
         return y.view(*x.shape[:-1], n)
-
-
-# ----------------------------------------------------------------------------- convert
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ConvertReport:
-    """What :func:`convert` did: ``model`` (the same object, unless the model itself was an
-    ``nn.Linear``), the qualified names converted and ``(name, reason)`` of those left."""
-
-    model: torch.nn.Module
-    mode: str
-    converted: tuple[str, ...]
-    skipped: tuple[tuple[str, str], ...]
-
-    def __str__(self) -> str:
-        total = len(self.converted) + len(self.skipped)
-        head = (f"converted {len(self.converted)} of {total} nn.Linear layers to "
-                f"NVFP4Linear ({self.mode})")
-        return "\n  ".join([head, *(f"skipped {n}: {r}" for n, r in self.skipped)])
-
-
-SkipRule = str | Callable[[str, torch.nn.Module], bool]
-
-
-def _skip_rules(skip) -> tuple[SkipRule, ...]:
-    if skip is None:
-        return ()
-    if isinstance(skip, str) or callable(skip):
-        return (skip,)
-    if not isinstance(skip, Iterable):
-        raise InputTypeError(f"skip must be a name pattern, a callable(name, module) or an "
-                             f"iterable of them, got {type(skip).__name__}")
-    rules = tuple(skip)
-    for r in rules:
-        if not (isinstance(r, str) or callable(r)):
-            raise InputTypeError(f"skip entries must be name patterns (str) or callables, "
-                                 f"got {type(r).__name__}")
-    return rules
-
-
-def _skip_reason(name: str, lin: torch.nn.Linear, rules, has_checkpoint: bool) -> str | None:
-    for r in rules:
-        if isinstance(r, str):
-            if fnmatch.fnmatchcase(name, r):
-                return f"matches skip pattern {r!r}"
-        elif r(name, lin):
-            return f"skip callable {getattr(r, '__name__', repr(r))} returned True"
-    if type(lin) is not torch.nn.Linear:
-        return (f"{type(lin).__name__} is a subclass of nn.Linear whose users may read its "
-                "weight directly; only nn.Linear itself is converted")
-    if lin.in_features % _K_MULTIPLE:
-        return (f"in_features = {lin.in_features} is not a multiple of {_K_MULTIPLE} "
-                "(packed FP4 rows must be 16-byte multiples)")
-    if lin.out_features % _N_MULTIPLE:
-        return (f"out_features = {lin.out_features} is not a multiple of {_N_MULTIPLE} "
-                "(bf16/fp16 output rows must be 16-byte multiples)")
-    if lin.weight.is_meta and not has_checkpoint:
-        return "weight is on the meta device and the state_dict has no NVFP4 tensors for it"
-    return None
-
-
-def _build(name: str, lin: torch.nn.Linear, mode: str, schedule,
-           state_dict: Mapping | None, layout: str) -> NVFP4Linear:
-    if state_dict is None or f"{name}.weight_scale" not in state_dict:
-        return NVFP4Linear.from_linear(lin, mode, schedule, layout=layout)
-    sd = {key: state_dict.get(f"{name}.{key}") for key in (*_CHECKPOINT_KEYS, "bias")}
-    if sd["weight_scale_2"] is None:
-        raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
-    bias = sd["bias"] if sd["bias"] is not None else lin.bias
-    if bias is not None and bias.is_meta:
-        raise FormatError(f"{name}.bias is on the meta device and not in the state_dict")
-    if not lin.weight.is_meta:  # built where it will run, so that layout "auto" sees it
-        sd = {key: None if t is None else t.to(lin.weight.device) for key, t in sd.items()}
-        bias = None if bias is None else bias.to(lin.weight.device)
-    layer = NVFP4Linear.from_modelopt(sd["weight"], sd["weight_scale"], sd["weight_scale_2"],
-                                      sd["input_scale"] if mode == "w4a4" else None, bias,
-                                      mode, schedule, layout)
-    return layer if lin.weight.is_meta else layer.to(lin.weight.device)
-
-
-def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule="auto",
-            state_dict: Mapping[str, torch.Tensor] | None = None,
-            layout: str = "auto") -> ConvertReport:
-    """Replace the ``nn.Linear`` layers of ``model`` in place by :class:`NVFP4Linear`.
-
-    Each layer is quantized from its own weight, or, when ``state_dict`` (a ModelOpt NVFP4
-    checkpoint) holds ``<name>.weight_scale``, built from the checkpoint's tensors (W4A4
-    takes its ``input_scale``). ``skip``: fnmatch patterns of qualified names (``"lm_head"``,
-    ``"*.mlp.*"``), a callable ``(name, linear) -> bool``, or an iterable of both. Layers
-    that cannot be converted (in_features not a multiple of 32, out_features not a multiple
-    of 8, a subclass of nn.Linear) are left with their reason in the returned report. A
-    layer shared under several names is converted once and stays shared. ``layout``:
-    every new layer's weight layout (:class:`NVFP4Linear`; "auto": fragment order for W4A16
-    on an SM90 GPU).
-    """
-    if mode not in MODES:
-        raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
-    if layout not in LAYOUTS:
-        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(model, torch.nn.Module):
-        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_schedule(schedule)
-    rules = _skip_rules(skip)
-    done: dict[int, NVFP4Linear | None] = {}
-    converted, skipped = [], []
-
-    def visit(name: str, lin: torch.nn.Linear):
-        if id(lin) not in done:
-            why = _skip_reason(name, lin, rules,
-                               state_dict is not None and f"{name}.weight_scale" in state_dict)
-            done[id(lin)] = None if why else _build(name, lin, mode, schedule, state_dict,
-                                                    layout)
-            (skipped.append((name, why)) if why else converted.append(name))
-        return done[id(lin)]
-
-    if isinstance(model, torch.nn.Linear):
-        new = visit("", model)
-        _warn_unmatched(rules, [""], state_dict)
-        return ConvertReport(new or model, mode, tuple(converted), tuple(skipped))
-    names = []
-    for name, child in list(model.named_modules(remove_duplicate=False)):  # model order
-        if name and isinstance(child, torch.nn.Linear):
-            parent_name, _, attr = name.rpartition(".")
-            names.append(name)
-            new = visit(name, child)
-            if new is not None:
-                setattr(model.get_submodule(parent_name), attr, new)
-    _warn_unmatched(rules, names, state_dict)
-    return ConvertReport(model, mode, tuple(converted), tuple(skipped))
-
-
-def _warn_unmatched(rules, names: list[str], state_dict) -> None:
-    """One warning per skip pattern that named no nn.Linear layer, and one when a
-    ``state_dict`` was given but no layer found its NVFP4 tensors in it (every layer was
-    then quantized from its own weight)."""
-    for r in rules:
-        if isinstance(r, str) and not any(fnmatch.fnmatchcase(n, r) for n in names):
-            warnings.warn(f"convert(): skip pattern {r!r} matched no nn.Linear layer (the "
-                          f"model's are named like {names[:3]})", CuteFp4Warning, stacklevel=3)
-    if state_dict is not None and not any(f"{n}.weight_scale" in state_dict for n in names):
-        first = next(iter(state_dict), None)
-        warnings.warn(f"convert(): the state_dict's {len(state_dict)} keys (e.g. {first!r}) "
-                      "hold no '<layer>.weight_scale' of the model's nn.Linear layers (named "
-                      f"like {names[:3]}): every layer was quantized from its own weight",
-                      CuteFp4Warning, stacklevel=3)

@@ -403,7 +403,8 @@ def calibrate(model: nn.Module, st: DecodeState, ids: torch.Tensor) -> dict[str,
 
 def quantized_copy(model: nn.Module, mode: str, amax: dict | None) -> tuple[nn.Module, dict]:
     q = copy.deepcopy(model)
-    rep = cnn.convert(q, mode, skip=lambda name, lin: not _is_projection(name))
+    rep = cute_fp4.convert(q, mode, skip=lambda name, lin: not _is_projection(name),
+                           fuse_mlp=False)  # per-layer input scales below
     if amax is not None:
         for name in rep.converted:
             q.get_submodule(name).set_input_scale(amax[name] / 2688.0)

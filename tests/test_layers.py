@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first; fnmatch patterns
     ("host", ("cute_fp4.compile", "cute_fp4.cache", "cute_fp4.inspect", "cute_fp4.run",
               "cute_fp4.quant", "cute_fp4.tuning")),
     ("api", ("cute_fp4.api", "cute_fp4.ops", "cute_fp4.nn", "cute_fp4.moe", "cute_fp4.tune",
+             "cute_fp4.conversion",
              "cute_fp4.mlp", "cute_fp4.bench", "cute_fp4.grouped", "cute_fp4.hf",
              "cute_fp4.hf.checkpoint", "cute_fp4.hf.experts", "cute_fp4.hf.loader",
              "cute_fp4.hf.quantize", "cute_fp4.hf.quantizer", "cute_fp4.hf.save")),
