@@ -139,10 +139,10 @@ def test_every_sm120_thread_holds_its_gate_and_up(name):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name, fmt", [("sm90_grouped_decode", "bf16"),
-                                       ("sm120_grouped_decode", "nvfp4"),
-                                       ("sm90_stream_decode", "bf16"),  # split-K
-                                       ("sm120_stream_grouped_decode", "bf16")])
+# one per family, CI's time being short: sm_90a's D^T split-K store (the stream kernel) and
+# SM120's grouped OMMA store (the other flavours compile in the GPU runs)
+@pytest.mark.parametrize("name, fmt", [("sm90_stream_decode", "bf16"),
+                                       ("sm120_grouped_decode", "nvfp4")])
 def test_fused_kernels_compile_without_spills(name, fmt):
     from cute_fp4.compile import compile_report
 
