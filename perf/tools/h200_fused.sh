@@ -8,17 +8,7 @@ set -u
 cd "$(dirname "$0")/../.."
 final=$OUT; OUT=$(mktemp -d)
 budget=${BUDGET_S:-240}
-source .gpu/activate.sh > "$OUT/env.txt" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .gpu/wheels/*.whl >/dev/null 2>&1
-export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH CUTE_FP4_CACHE_DIR=/tmp/cute_fp4_cache
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$OUT/env.txt"
-group() {  # name, pytest arguments...
-  local name=$1; shift
-  timeout "$budget" python3 -m pytest -q -p no:cacheprovider -rfs "$@" \
-    > "$OUT/pytest-$name.txt" 2>&1
-  echo "rc=$?" >> "$OUT/pytest-$name.txt"
-}
+source perf/tools/h200_common.sh
 f=tests/gpu/test_fused_epilogue.py
 group rs $f -k "sm90_rs_packed" &
 group default $f -k "sm90_default" &
