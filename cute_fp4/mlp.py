@@ -63,9 +63,9 @@ def gate_up_group(device: torch.device, layout: str, schedule="auto") -> int:
     return 8 if major == 9 or layout == "packed" else 32
 
 
-def _fused_gemm(a, w, schedule, out_dtype: torch.dtype, alpha) -> torch.Tensor:
-    """The gate_up GEMM with SiLU-and-mul in its epilogue (tests replace it with the
-    exact reference on the CPU)."""
+def _fused_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:
+    """The gate_up GEMM with SiLU-and-mul in its epilogue (``group``: the weight's gate/up
+    group, implied by it here; tests replace this with the exact reference on the CPU)."""
     return gemm(a, w, schedule=schedule, out_dtype=out_dtype, alpha=alpha, silu_mul=True)
 
 
@@ -296,7 +296,7 @@ class NVFP4GatedMLP(torch.nn.Module):
             a, alpha = quantize_activation(x2, gu.input_scale), gu.alpha
         else:
             a, alpha = x2, None
-        h = _fused_gemm(a, w, self.schedule, x.dtype, alpha)
+        h = _fused_gemm(a, w, self.schedule, x.dtype, alpha, self.group)
         return self.down_proj(h.view(*lead, self.intermediate))
 
 
