@@ -11,13 +11,7 @@ cd "$(dirname "$0")/../.."
 start=$(date +%s)
 budget=${BUDGET_S:-320}
 left() { echo $(( budget - ($(date +%s) - start) )); }
-source .gpu/activate.sh > "$OUT/env.txt" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .gpu/wheels/*.whl >/dev/null 2>&1
-export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH CUTE_FP4_CACHE_DIR=/tmp/cute_fp4_cache
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  git log -1 --format='%h %s' 2>/dev/null || true; } >> "$OUT/env.txt" 2>&1
+source perf/tools/h200_common.sh
 log="$OUT/log.txt"
 echo "## pytest: new and changed GPU tests (left $(left) s)" | tee -a "$log"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_grouped.py \
