@@ -9,8 +9,10 @@ import types
 import torch
 import transformers as tf
 
+from cute_fp4 import mlp as cmlp
 from cute_fp4 import moe, reference
 from cute_fp4 import nn as cnn
+from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.grouped import check_grouped_operands
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf.quantize import fake_quantize
@@ -73,7 +75,13 @@ def fake_quant(bf16: torch.nn.Module, nvfp4: torch.nn.Module) -> torch.nn.Module
     (static scale, or the call's amax; experts: the gate_up input and the activation)."""
     twin = fake_quantize(copy.deepcopy(bf16), nvfp4)
     for name, m in nvfp4.named_modules():
-        if isinstance(m, cnn.NVFP4Linear) and m.mode == "w4a4":
+        if isinstance(m, cmlp.NVFP4GatedMLP) and m.mode == "w4a4":
+            for proj in ("gate_proj", "up_proj"):
+                twin.get_submodule(f"{name}.{proj}").register_forward_pre_hook(
+                    lambda mod, args, s=m.gate_up_proj.input_scale: (_qdq(args[0], s),))
+        elif isinstance(m, cmlp.GateUpLinear):
+            continue
+        elif isinstance(m, cnn.NVFP4Linear) and m.mode == "w4a4":
             twin.get_submodule(name).register_forward_pre_hook(
                 lambda mod, args, s=m.input_scale: (_qdq(args[0], s),))
         elif ex.holds_nvfp4(m) and m.nvfp4.mode == "w4a4":
@@ -106,7 +114,9 @@ def module_errors(model: torch.nn.Module, twin: torch.nn.Module, *args, **kwargs
     activation to the next E2M1 code, and those steps add up layer by layer)."""
     seen, hooks = {}, []
     for name, m in model.named_modules():
-        if isinstance(m, cnn.NVFP4Linear) or ex.holds_nvfp4(m):
+        if isinstance(m, cmlp.GateUpLinear):
+            continue  # runs inside its NVFP4GatedMLP's fused GEMM
+        if isinstance(m, (cnn.NVFP4Linear, cmlp.NVFP4GatedMLP)) or ex.holds_nvfp4(m):
             hooks.append(m.register_forward_hook(
                 lambda mod, a, out, name=name: seen.__setitem__(name, (a, out))))
     try:
@@ -166,6 +176,13 @@ def exact_kernels(monkeypatch) -> list:
     monkeypatch.setattr(cnn, "_run", run)
     monkeypatch.setattr(cnn, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(cnn.quant, "quantize_values", values)
+    def fused(a, w, schedule, out_dtype, alpha, group):
+        calls.append(("gemm", "silu_mul"))
+        w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
+        return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
+
+    monkeypatch.setattr(cmlp, "_fused_gemm", fused)
+    monkeypatch.setattr(cmlp, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(moe, "_grouped_gemm", grouped)
     monkeypatch.setattr(moe, "_quantize", lambda x, gs: quantize(x, gs))
     return calls

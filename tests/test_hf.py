@@ -22,6 +22,7 @@ import cute_fp4  # noqa: E402
 from cute_fp4 import nn as cnn  # noqa: E402
 from cute_fp4.errors import DeviceError, InputError  # noqa: E402
 from cute_fp4.hf import experts as ex  # noqa: E402
+from cute_fp4.mlp import NVFP4GatedMLP  # noqa: E402
 from cute_fp4.moe import NVFP4MoE  # noqa: E402
 from cute_fp4.nvfp4 import quantize  # noqa: E402
 
@@ -231,3 +232,84 @@ def test_quantize_model_skips_with_reasons():
     assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
     with pytest.raises(InputError, match="mode"):
         hf.quantize_model(hf_tiny.build("llama"), mode="w8a8")
+
+
+# ----------------------------------------------------------------------------- fused MLPs
+
+def _gated(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, NVFP4GatedMLP)]
+
+
+def test_quantize_model_gives_gate_and_up_one_global_scale(saved):
+    _, _, path = saved["llama"]
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    for layer in range(2):
+        key = f"model.layers.{layer}.mlp.%s_proj.weight_scale_2"
+        assert torch.equal(stored[key % "gate"], stored[key % "up"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe", "deepseek_v3"])
+def test_fused_mlps_load_save_bit_exact_and_compute_the_checkpoint(saved, kind, tmp_path,
+                                                                   monkeypatch):
+    """from_pretrained with a gate/up group (given: on the CPU there is no GPU to pick it)
+    makes each dense gated MLP (Qwen2-MoE's shared expert, DeepSeek-V3's dense layer)
+    an NVFP4GatedMLP; save_pretrained writes the same tensors; the forward (exact
+    reference) matches the fake-quantized model as the unfused load does."""
+    bf16, _, path = saved[kind]
+    model = hf.from_pretrained(path, device="cpu", gate_up_group=8)
+    fused, unfused = model.cute_fp4_mlps
+    assert fused and fused == tuple(_gated(model)) and unfused == ()
+    hf.save_pretrained(model, tmp_path)
+    assert _same_files(path, str(tmp_path)) == []
+    plain = hf.from_pretrained(path, device="cpu")
+    assert _gated(plain) == [] and plain.cute_fp4_mlps[0] == ()
+    assert all("on the CPU" in r for _, r in plain.cute_fp4_mlps[1])
+    calls = hf_tiny.exact_kernels(monkeypatch)
+    twin = hf_tiny.fake_quant(bf16, model)
+    errors = hf_tiny.module_errors(model, twin, TOKENS)
+    assert set(fused) <= set(errors)
+    assert max(errors.values()) < 1e-2, errors
+    assert ("gemm", "silu_mul") in calls
+    with torch.no_grad():
+        got, want = model(TOKENS).logits, plain(TOKENS).logits
+    assert hf_tiny.token_errors(got, want)[0] < 1e-2  # one GEMM instead of two: same values
+
+
+def test_w4a4_fused_mlp_quantizes_its_input_with_the_stored_scale(saved, monkeypatch):
+    bf16, _, path = saved["llama"]
+    model = hf.from_pretrained(path, device="cpu", mode="w4a4", gate_up_group=32)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, NVFP4GatedMLP) and mlp.mode == "w4a4" and mlp.group == 32
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    assert torch.equal(mlp.gate_up_proj.input_scale,
+                       stored["model.layers.0.mlp.gate_proj.input_scale"].reshape(()))
+    hf_tiny.exact_kernels(monkeypatch)
+    twin = hf_tiny.fake_quant(bf16, model)
+    errors = hf_tiny.module_errors(model, twin, TOKENS)
+    assert errors["model.layers.0.mlp.down_proj"] < 1e-2  # on the inputs it saw
+    # the whole MLP: its activation is rounded to 4 bits inside, from a gate_up that
+    # differs in its last bits (as for W4A4 experts)
+    assert errors["model.layers.0.mlp"] < 0.1
+
+
+def test_an_mlp_with_different_gate_up_scales_stays_unfused(saved, tmp_path):
+    """A checkpoint whose layer-1 up_proj has another global scale: that MLP loads as
+    three NVFP4Linear (with the reason, never requantized), the other fuses, and the
+    checkpoint saves back unchanged."""
+    _, _, path = saved["llama"]
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    key = "model.layers.1.mlp.up_proj.weight_scale_2"
+    stored[key] = stored[key] * 1.5
+    save_file(stored, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(path, name)) as f, open(os.path.join(tmp_path, name), "w") as g:
+            g.write(f.read())
+    model = hf.from_pretrained(tmp_path, device="cpu", gate_up_group=8)
+    fused, unfused = model.cute_fp4_mlps
+    assert fused == ("model.layers.0.mlp",)
+    assert unfused[0][0] == "model.layers.1.mlp" and "differ" in unfused[0][1]
+    assert isinstance(model.model.layers[1].mlp.up_proj, cnn.NVFP4Linear)
+    hf.save_pretrained(model, tmp_path / "again")
+    assert _same_files(str(tmp_path), str(tmp_path / "again")) == []
+    with pytest.raises(InputError, match="gate_up_group"):
+        hf.from_pretrained(path, device="cpu", gate_up_group=4)

@@ -21,7 +21,8 @@ __all__ = ["from_pretrained"]
 
 
 def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cuda",
-                    mode: str = "auto", layout: str = "auto", **transformers_kwargs):
+                    mode: str = "auto", layout: str = "auto", fuse_mlp: bool = True,
+                    gate_up_group: int | None = None, **transformers_kwargs):
     """Load the ModelOpt NVFP4 checkpoint in directory ``path`` (config.json with a
     ``quantization_config``, or hf_quant_config.json; safetensors shards) as a transformers
     causal LM on ``device``.
@@ -29,7 +30,11 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     ``mode``: "w4a16", "w4a4" or "auto" (W4A4 where the GPU has FP4 MMA, SM12x, and the
     checkpoint has input scales; W4A16 elsewhere). ``layout``: the weight layout of the
     layers (``NVFP4Linear``; "auto": fragment order on SM90). ``device="cpu"`` loads for
-    inspection (a forward then raises DeviceError). Other keyword arguments go to
+    inspection (a forward then raises DeviceError). ``fuse_mlp``: a dense gated SiLU MLP
+    whose gate and up share their global scale (and W4A4 input scale) becomes one
+    ``cute_fp4.mlp.NVFP4GatedMLP`` (SiLU-and-mul in the gate_up GEMM); on the CPU only with
+    ``gate_up_group`` (8 or 32: the target GPU's gate/up group). ``model.cute_fp4_mlps``:
+    (fused names, (name, reason) of those left as three layers). Other keyword arguments go to
     ``AutoModelForCausalLM.from_pretrained`` (``dtype`` defaults to bfloat16, the dtype of
     the layers left unquantized).
 
@@ -40,6 +45,8 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     """
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    if gate_up_group not in (None, 8, 32):
+        raise InputError(f"gate_up_group must be None, 8 or 32, got {gate_up_group!r}")
     path = os.fspath(path)
     fmt = read_quant_format(path)
     dev = torch.device(device)
@@ -53,7 +60,9 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     qc = fmt.to_dict()
     qc.pop("producer", None)
     config.quantization_config = {**qc, "quant_method": method, "source": fmt.source,
-                                  "cute_fp4": {"mode": mode, "layout": layout}}
+                                  "cute_fp4": {"mode": mode, "layout": layout,
+                                               "fuse_mlp": fuse_mlp,
+                                               "gate_up_group": gate_up_group}}
     transformers_kwargs.setdefault("dtype", torch.bfloat16)
     transformers_kwargs.setdefault("device_map", {"": dev})
     transformers_kwargs.setdefault("experts_implementation", "cute_fp4")

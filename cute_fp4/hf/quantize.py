@@ -27,12 +27,14 @@ from cute_fp4.hf.quantizer import (
     MODES,
     ModelOptNVFP4Config,
     ModelOptNVFP4Quantizer,
+    fuse_mlps,
     register,
     resolve_mode,
 )
+from cute_fp4.mlp import GateUpLinear, NVFP4GatedMLP
 from cute_fp4.moe import NVFP4MoE, expert, route, silu_and_mul
 from cute_fp4.nn import NVFP4Linear
-from cute_fp4.nvfp4 import E2M1_MAX, E4M3_MAX, quantize
+from cute_fp4.nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Tensor, quantize, swizzle_scales
 
 __all__ = ["QuantizeReport", "fake_quantize", "quantize_model"]
 
@@ -157,11 +159,14 @@ def _fill(a: torch.Tensor) -> torch.Tensor:
 
 def quantize_model(model: torch.nn.Module, *, exclude: Iterable[str] = ("lm_head",),
                    calibration: Iterable | None = None, mode: str = "auto",
-                   layout: str = "auto") -> QuantizeReport:
+                   layout: str = "auto", fuse_mlp: bool = True) -> QuantizeReport:
     """Quantize the BF16 transformers model ``model`` to NVFP4 in place (module
     docstring), one layer at a time, on the device each layer is on. ``mode``: what the
     layers run ("auto": W4A4 on an SM12x GPU with calibrated input scales, else W4A16).
-    The model can run, and :func:`cute_fp4.hf.save_pretrained` write it."""
+    A gated MLP's gate and up projections get one global scale (their joint amax);
+    ``fuse_mlp``: on a GPU, such an MLP then runs as ``NVFP4GatedMLP``
+    (``model.cute_fp4_mlps`` says which). The model can run, and
+    :func:`cute_fp4.hf.save_pretrained` write it."""
     if mode not in MODES:
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(exclude, str):
@@ -171,11 +176,12 @@ def quantize_model(model: torch.nn.Module, *, exclude: Iterable[str] = ("lm_head
     amax = _calibrate(model, todo, calibration) if calibration is not None else {}
     dev = next(model.parameters()).device
     mode = resolve_mode(mode, dev, bool(amax))
+    shared = _gate_up_scales(model, todo)
     for name, kind in todo.items():
         module = model.get_submodule(name)
         if kind == "linear":
             a = amax.get(name, 0.0)
-            w = quantize(module.weight.detach())
+            w = quantize(module.weight.detach(), shared.get(name))
             bias = None if module.bias is None else module.bias.detach()
             layer = NVFP4Linear(w, bias, mode, "auto", a / _DECODE if a > 0 else None, layout)
             parent, _, attr = name.rpartition(".")
@@ -184,7 +190,28 @@ def quantize_model(model: torch.nn.Module, *, exclude: Iterable[str] = ("lm_head
             _quantize_experts(module, amax.get(name), mode, layout)
     method = register()
     _mark_quantized(model, todo, skipped, method, mode)
+    model.cute_fp4_mlps = fuse_mlps(model, fuse_mlp, None)
     return QuantizeReport(mode, tuple(todo), tuple(skipped), bool(amax))
+
+
+def _gate_up_scales(model, todo: dict) -> dict[str, torch.Tensor]:
+    """name -> global scale for the gate and up projections of each gated MLP quantized
+    together: one scale from their joint amax (what ModelOpt exports for a fused gate_up,
+    and what lets ``NVFP4GatedMLP`` run them as one GEMM)."""
+    from cute_fp4.mlp import gated_mlp_projections
+
+    out = {}
+    for name, m in model.named_modules():
+        projs = gated_mlp_projections(m) if name else None
+        names = [f"{name}.gate_proj", f"{name}.up_proj"]
+        if projs is None or any(todo.get(n) != "linear" for n in names):
+            continue
+        joint = torch.stack([projs[0].weight.detach().abs().amax(),
+                             projs[1].weight.detach().abs().amax()]).amax()
+        gs = quantize(joint.reshape(1, 1).expand(1, 16).contiguous()).global_scale
+        for n in names:  # one tensor each: the layers' buffers must not share memory
+            out[n] = gs.to(projs[0].weight.device).clone()
+    return out
 
 
 def _quantize_experts(module, amax, mode: str, layout: str) -> None:
@@ -227,7 +254,18 @@ def fake_quantize(bf16_model: torch.nn.Module, nvfp4_model: torch.nn.Module) -> 
     ``bf16_model``."""
     with torch.no_grad():
         for name, m in nvfp4_model.named_modules():
-            if isinstance(m, NVFP4Linear):
+            if isinstance(m, NVFP4GatedMLP):  # gate and up; its down_proj comes next
+                target = bf16_model.get_submodule(name)
+                w = m.gate_up_proj.weight
+                data, scale = m.natural_gate_up()
+                v = NVFP4Tensor(data, swizzle_scales(scale.contiguous()), w.global_scale,
+                                w.shape).dequantize(torch.float64)
+                for j, p in enumerate((target.gate_proj, target.up_proj)):
+                    p.weight.copy_(v[j * m.intermediate:(j + 1) * m.intermediate].to(
+                        p.weight.device, p.weight.dtype))
+            elif isinstance(m, GateUpLinear):
+                continue
+            elif isinstance(m, NVFP4Linear):
                 w = bf16_model.get_submodule(name).weight
                 w.copy_(m.weight.dequantize(torch.float64).to(w.device, w.dtype))
             elif ex.holds_nvfp4(m):

@@ -78,6 +78,8 @@ class ModelOptNVFP4Config(QuantizationConfigMixin):
         self.kv_cache_quant_algo = kv_cache_quant_algo
         opts = dict(cute_fp4 or {})
         self.mode, self.layout = opts.get("mode", "auto"), opts.get("layout", "auto")
+        self.fuse_mlp = opts.get("fuse_mlp", True)
+        self.gate_up_group = opts.get("gate_up_group")
 
     def to_dict(self) -> dict:
         return self.format.to_dict()
@@ -346,6 +348,8 @@ class ModelOptNVFP4Quantizer(HfQuantizer):
         if self.plan.experts:
             model.set_experts_implementation(ex.IMPLEMENTATION)
         model.cute_fp4_mode = self.mode
+        model.cute_fp4_mlps = fuse_mlps(model, self.quantization_config.fuse_mlp,
+                                        self.quantization_config.gate_up_group)
         return model
 
     def is_serializable(self, safe_serialization=None):
@@ -362,6 +366,27 @@ class ModelOptNVFP4Quantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def fuse_mlps(model, fuse: bool, group: int | None) -> tuple[tuple, tuple]:
+    """The dense gated SiLU MLPs whose three projections are NVFP4 with one gate/up global
+    scale become ``NVFP4GatedMLP`` (``cute_fp4.mlp.fuse_gated_mlps``: the same bits;
+    ``group`` None: the GPU's, so a model on the CPU stays unfused). Returns
+    ``(fused names, (name, reason) of the gated MLPs left as three layers)``, kept on the
+    model as ``cute_fp4_mlps``; a reason other than being on the CPU is also logged."""
+    if not fuse:
+        return (), ()
+    from transformers.utils import logging
+
+    from cute_fp4.mlp import fuse_gated_mlps
+
+    fused, unfused = fuse_gated_mlps(model, group)
+    odd = [(n, r) for n, r in unfused if "on the CPU" not in r]
+    if odd:
+        logging.get_logger("cute_fp4.hf").warning(
+            "%d gated MLPs stay unfused (three NVFP4Linear layers), e.g. %s: %s",
+            len(odd), *odd[0])
+    return fused, unfused
 
 
 def _check_loaded(name: str, module, buffers) -> None:
