@@ -17,6 +17,7 @@ import hf_tiny  # noqa: E402
 import cute_fp4.hf as hf  # noqa: E402
 from cute_fp4 import nn as cnn  # noqa: E402
 from cute_fp4.hf import experts as ex  # noqa: E402
+from cute_fp4.mlp import NVFP4GatedMLP  # noqa: E402
 
 WATCHDOG_S = 240
 # GPU-sized tiny models: K multiples of 64 (SM90's packed layout), 8 experts
@@ -72,6 +73,13 @@ def test_layers_are_cute_fp4s(pair):
     sm90 = torch.cuda.get_device_capability()[0] == 9
     assert q.layout == ("packed" if sm90 else "plain")
     assert q.mode == ("w4a16" if sm90 else "w4a4")  # auto: W4A4 where FP4 MMA exists
+    fused, unfused = model.cute_fp4_mlps  # dense gated MLPs: one gate/up global scale
+    assert unfused == ()
+    if kind == "llama":
+        assert fused == ("model.layers.0.mlp", "model.layers.1.mlp")
+        assert isinstance(model.model.layers[0].mlp, NVFP4GatedMLP)
+    if kind == "qwen2_moe":
+        assert isinstance(model.model.layers[0].mlp.shared_expert, NVFP4GatedMLP)
     if kind != "llama":
         moe = model.model.layers[1].mlp.experts.nvfp4
         assert ex.holds_nvfp4(model.model.layers[1].mlp.experts)
@@ -85,9 +93,11 @@ def test_modules_match(pair):
     errors = hf_tiny.module_errors(model, bf16, _prompts(16))
     assert errors
     for name, err in errors.items():
-        w4a4_experts = name.endswith("experts") and model.get_submodule(name).nvfp4.mode \
-            == "w4a4"  # its activation is rounded to 4 bits inside the module
-        assert err < (0.1 if w4a4_experts else 1e-2), (name, err)
+        m = model.get_submodule(name)
+        inner = m.nvfp4.mode if name.endswith("experts") else getattr(m, "mode", None) \
+            if isinstance(m, NVFP4GatedMLP) else None
+        # W4A4 experts and fused MLPs round their activation to 4 bits inside the module
+        assert err < (0.1 if inner == "w4a4" else 1e-2), (name, err)
 
 
 @pytest.mark.gpu("sm90", "sm120")

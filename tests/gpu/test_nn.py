@@ -351,3 +351,111 @@ def test_w4a16_packed_and_plain_layouts():
     a, b = packed.state_dict(), plain.state_dict()
     assert all(torch.equal(a[k].reshape(-1).view(torch.uint8),
                            b[k].reshape(-1).view(torch.uint8)) for k in a)
+
+
+# ----------------------------------------------------------------------------- gated MLP
+
+def _gated(mode: str, static: bool, h: int = 4096, i: int = 512, seed: int = 0):
+    """A float MLP's three projections (bf16, on the GPU) and its NVFP4GatedMLP."""
+    from cute_fp4.mlp import NVFP4GatedMLP
+
+    torch.manual_seed(seed)
+    lin = [nn.Linear(a, b, bias=False, device="cuda", dtype=torch.bfloat16)
+           for a, b in ((h, i), (h, i), (i, h))]
+    for layer in lin:
+        nn.init.normal_(layer.weight, std=0.02)
+    mlp = NVFP4GatedMLP.from_linears(*lin, mode=mode, input_scale=4.5 / 2688 if static
+                                     else None)
+    if static:
+        mlp.down_proj.set_input_scale(0.2 / 2688)
+    return lin, mlp
+
+
+def _gated_reference(mlp, x: torch.Tensor) -> torch.Tensor:
+    """float64 on the dequantized weights (natural order), W4A4: the activations through
+    NVFP4 as the layers quantize them."""
+    import torch.nn.functional as F
+
+    from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
+
+    data, scale = mlp.natural_gate_up()
+    gu = mlp.gate_up_proj
+    w13 = NVFP4Tensor(data, swizzle_scales(scale.contiguous()), gu.weight_scale_2,
+                      (2 * mlp.intermediate, mlp.hidden)).dequantize(torch.float64)
+    w2 = mlp.down_proj.weight.dequantize(torch.float64)
+    x2 = x.reshape(-1, mlp.hidden)
+    a = x2 if mlp.mode == "w4a16" else quantize(x2, gu.input_scale).dequantize(x.dtype)
+    h = a.double() @ w13.T
+    act = (F.silu(h[:, :mlp.intermediate]) * h[:, mlp.intermediate:]).to(x.dtype)
+    if mlp.mode == "w4a4":
+        act = quantize(act, mlp.down_proj.input_scale).dequantize(x.dtype)
+    return (act.double() @ w2.T).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+@pytest.mark.parametrize("shape", [(1, 4096), (1, 3, 4096), (16, 4096)])
+def test_gated_mlp_forward_matches_the_float64_mlp(mode, static, shape):
+    _skip_unsupported(mode)
+    _, mlp = _gated(mode, static)
+    x = _x(*shape)
+    y = mlp(x)
+    assert y.shape == shape and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    ref = _gated_reference(mlp, x)
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < (2e-2 if mode == "w4a16" else 6e-2), err
+    # the same bits as three NVFP4Linear layers would need: the state dict round-trips
+    sd = mlp.state_dict()
+    _, other = _gated(mode, static, seed=9)
+    other.load_state_dict(sd)
+    assert torch.equal(other(x), y)
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+def test_gated_mlp_graph_capture_of_the_eager_forward(mode, static):
+    _skip_unsupported(mode)
+    _, mlp = _gated(mode, static)
+    x = _x(1, 4096)
+    want = mlp(x).clone()  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = mlp(x)
+    x.copy_(_x(1, 4096, seed=5))
+    g.replay()
+    assert torch.equal(y, mlp(x)) and not torch.equal(y, want)
+
+
+@pytest.mark.parametrize("mode, static", MODES, ids=IDS)
+def test_gated_mlp_compiled_matches_eager(mode, static):
+    """Under torch.compile the fused MLP runs the unfused activation on the interleaved
+    gate_up (the custom ops take no epilogue operands): the same bits."""
+    _skip_unsupported(mode)
+    _, mlp = _gated(mode, static)
+    x = _x(16, 4096)
+    torch._dynamo.reset()
+    f = torch.compile(mlp, fullgraph=True)
+    assert torch.equal(f(x), mlp(x))
+
+
+def test_convert_fuses_a_transformers_llama():
+    """convert() of a tiny transformers Llama on the GPU: every MLP an NVFP4GatedMLP, the
+    logits close to the same model converted without fusing (gate and up then have their
+    own global scales) and to the BF16 model."""
+    transformers = pytest.importorskip("transformers")
+    from cute_fp4.mlp import NVFP4GatedMLP
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, head_dim=64,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, vocab_size=512)
+    torch.manual_seed(0)
+    bf16 = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    fused, unfused = copy.deepcopy(bf16), copy.deepcopy(bf16)
+    rep = cf.convert(fused, skip="lm_head")
+    assert rep.fused == ("model.layers.0.mlp", "model.layers.1.mlp") and rep.unfused == ()
+    assert all(isinstance(layer.mlp, NVFP4GatedMLP) for layer in fused.model.layers)
+    cf.convert(unfused, skip="lm_head", fuse_mlp=False)
+    ids = torch.randint(0, 512, (2, 16), device="cuda")
+    with torch.no_grad():
+        a, b, c = (m(ids).logits.float() for m in (fused, unfused, bf16))
+    assert float((a - b).norm() / b.norm()) < 0.1
+    assert float((a - c).norm() / c.norm()) < 0.2
