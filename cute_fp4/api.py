@@ -69,7 +69,7 @@ gemm_kernel = _PATH.kernel
 
 def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
          out_dtype: torch.dtype = torch.bfloat16, alpha=None, bias: torch.Tensor | None = None,
-         silu_mul: bool = False, check: bool = False) -> torch.Tensor:
+         silu_mul: bool = False, nvfp4_out=None, check: bool = False) -> torch.Tensor:
     """``out = alpha * a @ b.T`` with ``b`` NVFP4 [N, K] and ``a`` NVFP4 (W4A4) or
     bf16/fp16 [M, K] (W4A16). ``alpha`` defaults to the product of the global scales.
 
@@ -81,14 +81,19 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
     the output's rounding; ``silu_mul=True``: ``b``'s rows are gate and up interleaved
     (``cute_fp4.fused.interleave_gate_up(w, plan.silu_group(schedule))``) and the output
     is ``F.silu(gate) * up`` [M, N / 2], the bits of that unfused pipeline in the output
-    dtype.
+    dtype; ``nvfp4_out=global_scale`` (a float or a float32 device scalar, decode form: the
+    next W4A4 layer's static input scale): the output, rounded to ``out_dtype``, quantized
+    in the epilogue (``quantize(y, global_scale)``'s bytes) and returned as an
+    ``NVFP4Tensor`` (``out``: an ``NVFP4Tensor`` to write). Normal-orientation kernels
+    without split-K only (plan() refuses the others with the reason).
     """
-    if bias is not None or silu_mul:
+    if bias is not None or silu_mul or nvfp4_out is not None:
         if torch.compiler.is_compiling():
-            raise InputError("gemm with bias= or silu_mul= is not supported under "
-                             "torch.compile yet (the cute_fp4::mm op has no epilogue operands)")
+            raise InputError("gemm with bias=, silu_mul= or nvfp4_out= is not supported "
+                             "under torch.compile yet (the cute_fp4::mm op has no epilogue "
+                             "operands)")
         return _PATH.run_gemm(a, b, schedule, out, out_dtype, alpha, check, bias=bias,
-                              silu_mul=silu_mul)
+                              silu_mul=silu_mul, nvfp4_out=nvfp4_out)
     if torch.compiler.is_compiling():
         if isinstance(b, PackedNVFP4Weight):
             raise InputError("a PackedNVFP4Weight is not supported under torch.compile yet "

@@ -334,7 +334,7 @@ class CompiledGemm:
                  bias=None) -> tuple:
         """The launch's arguments as ints (``kernels.launch.raw_args``: addresses, sizes,
         the SM count, the raw handle of torch's current stream on ``out``'s device)."""
-        dev = out.get_device()
+        dev = (out.data if hasattr(out, "global_scale") else out).get_device()  # nvfp4_out
         ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
         return self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
                                      ctas, self._stream_of(dev), bias)

@@ -44,7 +44,15 @@ from cute_fp4.compile import CompiledGemm, Signature
 from cute_fp4.compile import compile as compile_schedule
 from cute_fp4.errors import DeviceError, InputError, InputTypeError, OffsetsError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
-from cute_fp4.operands import _a_format, _check_tensor, as_e4m3, check_fused_operands, epilogue_ops
+from cute_fp4.operands import (
+    _a_format,
+    _check_tensor,
+    as_e4m3,
+    check_fused_operands,
+    epilogue_ops,
+    nvfp4_out_tensor,
+    out_dtype_of,
+)
 from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
@@ -439,29 +447,33 @@ def _check_kernel(kern: CompiledGemm, dims: GroupedDims) -> None:
 
 
 def run_grouped(kern: CompiledGemm, a, b, offsets, out=None, alpha=None,
-                bias=None) -> torch.Tensor:
+                bias=None, nvfp4_out=None) -> torch.Tensor:
     """Run a compiled grouped kernel (from ``compile``, or ``compile_emulated`` for an SM120
     schedule on an SM90 GPU): check, allocate, launch. What :func:`grouped_gemm` does after
     choosing the kernel; validation harnesses call it directly. ``bias``: ``[E, N]`` for a
-    schedule with the fused ``"bias"``."""
+    schedule with the fused ``"bias"``; ``nvfp4_out``: the output's global scale with
+    ``"nvfp4_out"`` (an ``NVFP4Tensor`` over all total_M rows is returned)."""
     ops = kern.schedule.epilogue.ops
     dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, kern.out_dtype)
     if ops:
         check_fused_operands(bias, out, dims.total_m, dims.n, kern.out_dtype, ops,
                              b.data.device, dims.experts)
     _check_kernel(kern, dims)
-    return _launch(kern, a, b, offsets, out, alpha, dims, bias)
+    return _launch(kern, a, b, offsets, out, alpha, dims, bias, nvfp4_out)
 
 
 def _launch(kern: CompiledGemm, a, b, offsets, out, alpha, dims: GroupedDims,
-            bias=None) -> torch.Tensor:
+            bias=None, nvfp4_out=None) -> torch.Tensor:
     """Allocate the output (when not given) and launch; total_M = 0 launches nothing. The
     plan check is remembered per kernel and problem (``CompiledGemm.check_plan``)."""
     m, n, k, n_exp, a_format, _ = dims
     dev = b.data.device
     cols = n // 2 if kern.schedule.epilogue.has("silu_mul") else n
-    result = out if out is not None else torch.empty((m, cols), dtype=kern.out_dtype,
-                                                     device=dev)
+    if kern.schedule.epilogue.has("nvfp4_out"):  # rows the offsets leave out get no scales
+        result = nvfp4_out_tensor(out, nvfp4_out, m, cols, dev)
+    else:
+        result = out if out is not None else torch.empty((m, cols), dtype=kern.out_dtype,
+                                                         device=dev)
     if m == 0:
         return result
     kern.check_plan((m, n, k, a_format, n_exp))  # Problem(m, n, k, a_format, groups=E)
@@ -502,7 +514,7 @@ def _w4a4_via_values(a: NVFP4Tensor, b, offsets, out, dt, alpha, dims: GroupedDi
 
 def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
                   validate_offsets: bool = False, bias=None,
-                  ops: tuple[str, ...] = ()) -> torch.Tensor:
+                  ops: tuple[str, ...] = (), nvfp4_out=None) -> torch.Tensor:
     dt = _torch_out(out_dtype)
     dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, dt,
                                   require_cuda=False)
@@ -519,7 +531,7 @@ def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
     validate = check and dims.total_m and not kern.validated
     if validate or validate_offsets:
         check_offsets(offsets, dims.total_m)
-    result = _launch(kern, a, b, offsets, out, alpha, dims, bias)
+    result = _launch(kern, a, b, offsets, out, alpha, dims, bias, nvfp4_out)
     if validate:
         _validate(kern, result, a, b, offsets, alpha, bias, ops)
         kern.validated = True
@@ -544,9 +556,13 @@ def _validate(kern: CompiledGemm, result, a, b, offsets, alpha, bias, ops) -> No
     reference.assert_close_grouped(raw, a, b, offsets, alpha)
     if bias is not None:
         raw = _add_expert_bias(raw, bias, offsets)
+    name = kern.schedule.name or kern.schedule.label()
+    if "nvfp4_out" in ops:  # over all rows: the blocked scales' padding is the last rows'
+        reference.assert_fused(result, raw, None, ops, kern.silu_group, name,
+                               out_dtype_of(kern.schedule))
+        return
     lo, hi = int(offsets[0]), int(offsets[-1])  # the rows the experts cover
-    reference.assert_fused(result[lo:hi], raw[lo:hi], None, ops, kern.silu_group,
-                           kern.schedule.name or kern.schedule.label())
+    reference.assert_fused(result[lo:hi], raw[lo:hi], None, ops, kern.silu_group, name)
 
 
 def _add_expert_bias(raw: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor):
@@ -562,7 +578,8 @@ def _add_expert_bias(raw: torch.Tensor, bias: torch.Tensor, offsets: torch.Tenso
 def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                  alpha=None, bias: torch.Tensor | None = None, silu_mul: bool = False,
-                 check: bool = False, validate_offsets: bool = False) -> torch.Tensor:
+                 nvfp4_out=None, check: bool = False,
+                 validate_offsets: bool = False) -> torch.Tensor:
     """The grouped (MoE) GEMM: ``out[offsets[e]:offsets[e+1]] = alpha[e] *
     a[offsets[e]:offsets[e+1]] @ b[e].T`` (module docstring for the operands).
 
@@ -577,16 +594,18 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
 
     Fused in the epilogue, as ``gemm``'s: ``bias`` float32 ``[E, N]`` (each expert's),
     ``silu_mul=True`` (each expert's rows gate/up interleaved, ``cute_fp4.fused``; the
-    output ``[total_M, N / 2]``).
+    output ``[total_M, N / 2]``), ``nvfp4_out=global_scale`` (the output quantized in the
+    epilogue, returned as an ``NVFP4Tensor`` over all total_M rows; the offsets must cover
+    them: ``offsets[0] = 0``, ``offsets[E] = total_M``).
     """
-    ops = epilogue_ops(bias, silu_mul)
+    ops = epilogue_ops(bias, silu_mul, nvfp4_out)
     if ops:
         if torch.compiler.is_compiling():
             raise InputError("grouped_gemm with bias= or silu_mul= is not supported under "
                              "torch.compile yet (cute_fp4::grouped_mm has no epilogue "
                              "operands)")
         return _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
-                             validate_offsets, bias, ops)
+                             validate_offsets, bias, ops, nvfp4_out)
     if torch.compiler.is_compiling():
         if validate_offsets:
             raise InputError("validate_offsets=True reads the offsets back (a GPU sync), "

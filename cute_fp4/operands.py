@@ -9,6 +9,8 @@ This module sits under the host layer (``run``) and the API (``api``), which bot
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cute_fp4.errors import DeviceError, InputError, InputTypeError
@@ -176,11 +178,45 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
     return m, n, k, a_format
 
 
-def epilogue_ops(bias, silu_mul: bool) -> tuple[str, ...]:
+def epilogue_ops(bias, silu_mul: bool, nvfp4_out=None) -> tuple[str, ...]:
     """The fused epilogue operations (``Epilogue.ops``) a call's arguments ask for."""
     if not isinstance(silu_mul, bool):
         raise InputTypeError(f"silu_mul must be a bool, got {type(silu_mul).__name__}")
-    return (("bias",) if bias is not None else ()) + (("silu_mul",) if silu_mul else ())
+    return ((("bias",) if bias is not None else ()) + (("silu_mul",) if silu_mul else ())
+            + (("nvfp4_out",) if nvfp4_out is not None else ()))
+
+
+def nvfp4_out_tensor(out, global_scale, rows: int, cols: int, device) -> NVFP4Tensor:
+    """The ``NVFP4Tensor`` a ``"nvfp4_out"`` launch writes: ``out`` (checked: uint8 codes
+    ``[rows, cols / 2]``, blocked scales of ``rows x cols``, on ``device``) or a new one
+    with ``global_scale`` (a float, or a float32 tensor of one element: the next layer's
+    static input scale, decode form; a device tensor's value is not read here: it must be
+    finite and > 0)."""
+    if out is not None:
+        if not isinstance(out, NVFP4Tensor) or out.experts is not None:
+            raise InputTypeError(f"out must be a 2-D NVFP4Tensor with nvfp4_out, got "
+                                 f"{type(out).__name__}")
+        if out.shape != (rows, cols) or out.device != device:
+            raise InputError(f"out must be an NVFP4Tensor of shape {(rows, cols)} on {device}, "
+                             f"got {out.shape} on {out.device}")
+        if not out.data.is_contiguous():
+            raise InputError("out.data must be contiguous")
+        return out
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.numel() != 1 or global_scale.dtype != torch.float32:
+            raise InputError(f"nvfp4_out's global scale must be one float32 value, got "
+                             f"{global_scale.dtype} with {global_scale.numel()} elements")
+        gs = global_scale.to(device).reshape(())
+    else:
+        gs = float(global_scale)
+        if not math.isfinite(gs) or gs <= 0:
+            raise InputError(f"nvfp4_out's global scale must be finite and > 0, got {gs:g}")
+        gs = torch.tensor(gs, dtype=torch.float32, device=device)
+    rp, cp = scale_shape(rows, cols)
+    return NVFP4Tensor._unchecked(torch.empty((rows, cols // 2), dtype=torch.uint8,
+                                              device=device),
+                                  torch.empty((rp, cp), dtype=torch.float8_e4m3fn,
+                                              device=device), gs, (rows, cols))
 
 
 def check_fused_operands(bias, out, rows: int, n: int, out_dtype: torch.dtype,
@@ -195,6 +231,11 @@ def check_fused_operands(bias, out, rows: int, n: int, out_dtype: torch.dtype,
     if bias is not None:
         shape = (experts, n) if experts else (n,)
         _check_tensor(bias, "bias", (torch.float32,), shape, device)
+    if "nvfp4_out" in ops:
+        if cols % 32:
+            raise InputError(f"nvfp4_out: the output's {cols} columns must be a multiple of "
+                             "32 (blocks of 16, rows of codes in 16-byte multiples)")
+        return cols
     if out is not None:
         _check_tensor(out, "out", (out_dtype,), (rows, cols), device)
     if (cols * out_dtype.itemsize) % ALIGN:

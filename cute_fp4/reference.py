@@ -166,18 +166,33 @@ def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResul
     return res
 
 
-def assert_fused(result: torch.Tensor, raw: torch.Tensor, bias, ops: tuple, group: int,
-                 name: str = "") -> None:
+def assert_fused(result, raw: torch.Tensor, bias, ops: tuple, group: int,
+                 name: str = "", out_dtype: torch.dtype | None = None) -> None:
     """A fused epilogue's ``result`` against the unfused pipeline it replaces, bit for bit:
     ``raw`` (the same GEMM without ops, FP32 output) plus ``bias`` (FP32; already added
     when None), rounded to ``result``'s dtype, then ``F.silu(gate) * up`` of the gate/up
     columns interleaved in groups of ``group`` (``cute_fp4.fused``) with ``"silu_mul"``.
-    Raises :class:`ValidationError` naming how many values differ."""
+    Raises :class:`ValidationError` naming how many values differ. With ``"nvfp4_out"``,
+    ``result`` is an ``NVFP4Tensor`` and the rounded output (``out_dtype``) is quantized
+    with its global scale: codes and blocked scales (padding included) compared as bytes."""
     from cute_fp4.fused import silu_mul_unfused
 
-    want = (raw if bias is None else raw + bias).to(result.dtype)
+    dtype = out_dtype if "nvfp4_out" in ops else result.dtype
+    want = (raw if bias is None else raw + bias).to(dtype)
     if "silu_mul" in ops:
         want = silu_mul_unfused(want, group)
+    if "nvfp4_out" in ops:
+        from cute_fp4.nvfp4 import quantize
+
+        q = quantize(want, result.global_scale)
+        bad = int((q.data != result.data).sum())
+        bad_sf = int((q.scale.view(torch.uint8) != result.scale.view(torch.uint8)).sum())
+        if bad or bad_sf:
+            raise ValidationError(f"fused epilogue {'+'.join(ops)} of {name}: {bad} of "
+                                  f"{result.data.numel()} code bytes and {bad_sf} of "
+                                  f"{result.scale.numel()} scale bytes differ from the "
+                                  "unfused pipeline's (quantize of the rounded output)")
+        return
     bits = torch.int16 if result.element_size() == 2 else torch.int32
     bad = int((want.view(bits) != result.view(bits)).sum())
     if bad:

@@ -40,6 +40,7 @@ from cute_fp4.operands import (
     check_fused_operands,
     check_operands,
     epilogue_ops,
+    nvfp4_out_tensor,
     out_dtype_of,
 )
 from cute_fp4.packed import PackedNVFP4Weight
@@ -140,15 +141,15 @@ class GemmPath:
 
     def run_gemm(self, a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check: bool,
                  bind: bool = True, key: tuple | None = None, bias=None,
-                 silu_mul: bool = False) -> torch.Tensor:
+                 silu_mul: bool = False, nvfp4_out=None) -> torch.Tensor:
         """``gemm``'s eager body. ``bind``: launch through (and keep) a binding for calls
         like this one on the same weight object (:func:`bound_gemm`); the custom ops'
         bodies, which wrap fresh weight objects per call, pass False and their ``key``
         (:func:`op_key`). ``bias``/``silu_mul``: fused epilogue operations
         (:meth:`run_fused`)."""
-        if bias is not None or silu_mul:
+        if bias is not None or silu_mul or nvfp4_out is not None:
             return self.run_fused(a, b, schedule, out, out_dtype, alpha, check, bias,
-                                  epilogue_ops(bias, silu_mul))
+                                  epilogue_ops(bias, silu_mul, nvfp4_out), nvfp4_out)
         if bind and not check:  # a W4A16 call like an earlier one on this weight
             result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
             if result is not None:
@@ -184,7 +185,7 @@ class GemmPath:
         return result
 
     def run_fused(self, a, b, schedule, out, out_dtype, alpha, check: bool, bias,
-                  ops: tuple[str, ...]) -> torch.Tensor:
+                  ops: tuple[str, ...], nvfp4_out=None) -> torch.Tensor:
         """A call with fused epilogue ``ops`` (bias, silu_mul): the schedule resolved as
         without them, then given them; the operand checks, then ``bias`` and the output's
         shape ([M, N / 2] with silu_mul). No binding (each call takes the full path).
@@ -203,13 +204,13 @@ class GemmPath:
             a, alpha = self._w4a16_operands(a, b.global_scale, given)
             dims = (m, n, k, "bf16")
         kern = self.kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops)
-        result = run_checked(kern, a, b, out, alpha, dims, bias)
+        result = run_checked(kern, a, b, out, alpha, dims, bias, nvfp4_out)
         if check and not kern.validated:  # the same schedule argument, no ops, FP32 out
             plain = self.kernel(schedule, dims, torch.float32, b.data.get_device(), packed)
             raw = run_checked(plain, a, b, None, alpha, dims)
             reference.assert_close(raw, a, b.unpack() if packed else b, alpha)
             reference.assert_fused(result, raw, bias, ops, kern.silu_group,
-                                   kern.schedule.name or kern.schedule.label())
+                                   kern.schedule.name or kern.schedule.label(), out_dtype)
             kern.validated = True
         return result
 
@@ -321,13 +322,16 @@ def _op_activation(a, a_scale, b, b_scale, alpha, k):
 
 # ----------------------------------------------------------------------------- the launch
 
-def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None, bias=None) -> torch.Tensor:
+def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None, bias=None,
+                 nvfp4_out=None) -> torch.Tensor:
     """Validate, allocate, launch ``kernel`` (a CompiledGemm).
 
     A kernel whose mainloop reads the packed weight (rs_packed, stream) takes a
     fragment-order PackedNVFP4Weight: a plain NVFP4Tensor ``b`` is packed here on every
     call (so validation harnesses run those
-    schedules unchanged; ``gemm`` users pack once, cute_fp4.packed.repack)."""
+    schedules unchanged; ``gemm`` users pack once, cute_fp4.packed.repack). A schedule
+    with ``"nvfp4_out"`` takes the output's global scale as ``nvfp4_out`` (or an
+    ``NVFP4Tensor`` ``out`` to write) and returns the ``NVFP4Tensor``."""
     check_b = b
     if isinstance(b, PackedNVFP4Weight):
         check_b = NVFP4Tensor._unchecked(b.data[:b.shape[0]], b.scale, b.global_scale, b.shape)
@@ -338,10 +342,11 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None, bias=None) -> 
     if ops:
         check_fused_operands(bias, out, dims[0], dims[1], kernel.out_dtype, ops,
                              b.data.device)
-    return run_checked(kernel, a, b, out, alpha, dims, bias)
+    return run_checked(kernel, a, b, out, alpha, dims, bias, nvfp4_out)
 
 
-def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims, bias=None) -> torch.Tensor:
+def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims, bias=None,
+                nvfp4_out=None) -> torch.Tensor:
     """:func:`run_compiled` after :func:`check_operands` returned ``dims`` (and, with fused
     epilogue ops, :func:`check_fused_operands`). The plan check is remembered per kernel and
     shape (``CompiledGemm.check_plan``)."""
@@ -362,8 +367,11 @@ def run_checked(kernel, a, b: NVFP4Tensor, out, alpha, dims, bias=None) -> torch
     alpha_t = alpha_tensor(a, b, alpha)
     dev = b.data.device
     cols = n // 2 if kernel.schedule.epilogue.has("silu_mul") else n
-    result = out if out is not None else torch.empty((m, cols), dtype=kernel.out_dtype,
-                                                     device=dev)
+    if kernel.schedule.epilogue.has("nvfp4_out"):
+        result = nvfp4_out_tensor(out, nvfp4_out, m, cols, dev)
+    else:
+        result = out if out is not None else torch.empty((m, cols), dtype=kernel.out_dtype,
+                                                         device=dev)
     ws = split_workspace(kernel, m, n, dev) if kernel.schedule.split_k > 1 else None
     kernel.launch(*launch_args(a, b, result, alpha_t, ws, a_format, bias))
     return result

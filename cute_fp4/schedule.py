@@ -198,8 +198,12 @@ class Scheduler:
 #   2Gj .. 2Gj + G - 1 gate, the next G up: cute_fp4.ops.interleave_gate_up; G is
 #   plan.silu_group(schedule), the width at which the kernel's MMA gives one thread both);
 #   D has N / 2 columns, h = silu(g) * u with g and u rounded to the output type first and
-#   silu(g) rounded again: the bits of the unfused ``gemm -> F.silu(g) * u`` in that type.
-EPILOGUE_OPS = ("bias", "silu_mul")
+#   silu(g) rounded again: the bits of the unfused ``gemm -> F.silu(g) * u`` in that type;
+# * "nvfp4_out": the output written as NVFP4 (the next W4A4 layer's activation) with a given
+#   global scale. Rounding point: the output as the unfused pipeline has it, rounded to
+#   the output type (after bias and silu_mul), then nvfp4's quantize rule (``quantize(x,
+#   global_scale)``): the same codes and blocked scales, padding included, bit for bit.
+EPILOGUE_OPS = ("bias", "silu_mul", "nvfp4_out")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,3 +151,92 @@ def test_fused_kernels_compile_without_spills(name, fmt):
     row = compile_report(s, problem=Problem(a_format=fmt, groups=groups))
     assert row["ok"], row.get("reason")
     assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row
+
+
+# ----------------------------------------------------------------------------- nvfp4_out
+
+def test_plan_refuses_nvfp4_out_where_it_is_not_built_with_the_numbers():
+    nv = ("nvfp4_out",)
+    ok = plan(catalogue.get("sm120_default").replace(ops=nv), Problem(16, 1088, 1024, "nvfp4"))
+    assert ok.ok, ok.reasons
+    swap = plan(catalogue.get("sm90_decode_swapab").replace(ops=nv), Problem(1, 1024, 512, "bf16"))
+    assert any("D^T tiles of swap-AB" in r for r in swap.reasons), swap.reasons
+    rs = plan(catalogue.get("sm90_rs_packed").replace(ops=nv), Problem(64, 1024, 512, "bf16"))
+    assert any("mainloop=rs_packed" in r for r in rs.reasons), rs.reasons
+    split = plan(catalogue.get("sm120_decode_splitk4").replace(ops=nv),
+                 Problem(1, 1024, 4096, "nvfp4"))
+    assert any("split_k 4" in r for r in split.reasons), split.reasons
+    cols = plan(catalogue.get("sm90_default").replace(ops=nv), Problem(16, 1040, 512, "bf16"))
+    assert any("1040 output columns are not a multiple of 32" in r for r in cols.reasons)
+    both = catalogue.get("sm120_grouped").replace(ops=("silu_mul", "nvfp4_out"))
+    assert plan(both, Problem(16, 576, 512, "nvfp4", groups=8)).ok  # 288 = 9 x 32 columns
+    bad = plan(both, Problem(16, 640, 512, "nvfp4", groups=8))  # 320 = 10 x 32: fine too
+    assert bad.ok, bad.reasons
+    bad = plan(both, Problem(16, 704, 512, "nvfp4", groups=8))  # 352 = 11 x 32
+    assert bad.ok, bad.reasons
+    bad = plan(catalogue.get("sm120_default").replace(ops=("silu_mul", "nvfp4_out")),
+               Problem(16, 1984, 512, "nvfp4"))  # 992 = 31 x 32 output columns
+    assert bad.ok, bad.reasons
+    bad = plan(catalogue.get("sm120_default").replace(ops=("silu_mul", "nvfp4_out")),
+               Problem(16, 1088 + 16, 512, "nvfp4"))
+    assert any("552 output columns are not a multiple of 32" in r for r in bad.reasons), \
+        bad.reasons
+
+
+def _sm120_nvfp4_blocks(schedule) -> list:
+    """nvfp4_blocks over every thread of the schedule's tiled MMA (AssertionError if a 16-
+    column output block is not a butterfly group of lanes with adjacent column pairs)."""
+    import cutlass.cute as cute
+
+    from cute_fp4.compile import kernel_class
+    from cute_fp4.kernels.epilogue import nvfp4_blocks
+
+    problem = Problem(groups=8) if schedule.scheduler.grouped else Problem()
+    k = kernel_class(schedule)(schedule, problem)
+    found = []
+
+    def walk():
+        tm, tn, _ = k.tile_mnk
+        every = range(k.tiled_mma.size)
+        for ops in (("nvfp4_out",), ("silu_mul", "nvfp4_out")):
+            blocks, masks = nvfp4_blocks(k.tiled_mma, (tm, tn), 1, ops,
+                                         silu_group(schedule), every)
+            found.append((ops, len(blocks), len(blocks[0].refs), masks))
+
+    @cute.jit
+    def trace():
+        k._setup()
+        walk()
+
+    cute.compile(trace, options="--gpu-arch sm_120a")
+    return found
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", _sm120_mma_shapes())
+def test_every_sm120_thread_holds_its_nvfp4_blocks_in_a_quad(name):
+    s = catalogue.get(name)
+    wm, wn = s.warps.mma
+    if wn > 2:  # plan() refuses these: a block spans two warps, which the trace finds
+        assert any("at most 2 MMA warps along N" in r
+                   for r in plan(s.replace(ops=("nvfp4_out",))).reasons)
+        with pytest.raises(Exception, match="not a butterfly group of 8 lanes"):
+            _sm120_nvfp4_blocks(s)
+        return
+    values = s.tile.m * s.tile.n // (32 * wm * wn)
+    for ops, blocks, per, masks in _sm120_nvfp4_blocks(s):
+        out_values = values // 2 if "silu_mul" in ops else values
+        assert (per, masks) == (4, (1, 2)), (ops, per, masks)  # a quad, 2 x 2 columns each
+        assert blocks * per == out_values, (ops, blocks, per, values)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, fmt, ops", [
+    ("sm120_default", "nvfp4", ("silu_mul", "nvfp4_out"))])
+def test_nvfp4_out_kernels_compile_without_spills(name, fmt, ops):
+    from cute_fp4.compile import compile_report
+
+    s = catalogue.get(name).replace(ops=ops)
+    row = compile_report(s, problem=Problem(a_format=fmt))
+    assert row["ok"], row.get("reason")
+    assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row

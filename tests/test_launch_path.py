@@ -64,15 +64,16 @@ def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
         catalogue.get("sm90_decode_swapab").replace(split_k=2), Problem(a_format="bf16"))
     raw = kern.raw_args(a, None, b.data, b.scale, out, alpha, ws, 132, 0xABC0)
     dsl = kern.runtime_args(a, None, b.data, b.scale, out, alpha, ws, "stream")
-    assert len(raw) == len(dsl) == 14 and all(type(x) is int for x in raw)
-    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:9]] == list(raw[:9])
-    assert [int(x) for x in dsl[9:12]] == list(raw[9:12]) == [M, N, K]
-    assert raw[12:] == (132, 0xABC0) and dsl[13] == "stream"
+    assert len(raw) == len(dsl) == 16 and all(type(x) is int for x in raw)
+    assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:11]] == list(raw[:11])
+    assert [int(x) for x in dsl[11:14]] == list(raw[11:14]) == [M, N, K]
+    assert raw[14:] == (132, 0xABC0) and dsl[15] == "stream"
     sfb, pal = b.scale.data_ptr(), alpha.data_ptr()
     assert raw[:6] == (a.data_ptr(), sfb, b.data.data_ptr(), sfb, out.data_ptr(), pal)
     # pWork = the partials, pCount = the header and counters; pBias: alpha (no bias)
     assert raw[6:8] == ((ws[1].data_ptr(), ws[0].data_ptr()) if split_k > 1 else (pal, pal))
     assert raw[8] == pal
+    assert raw[9:11] == (pal, pal)  # pSFOut, pGSOut: alpha (no nvfp4_out)
 
 
 def test_raw_args_of_an_n_d_input_and_output(kernel):
@@ -82,7 +83,7 @@ def test_raw_args_of_an_n_d_input_and_output(kernel):
     lead = (M // 2, 2) if M % 2 == 0 else (M, 1)
     a3, out3 = a.reshape(*lead, K), torch.empty(*lead, N, dtype=torch.bfloat16)
     raw = kernel.raw_args(a3, None, b.data, b.scale, out3, torch.ones(1), None, 8, 0)
-    assert raw[9:12] == (M, N, K) and raw[0] == a3.data_ptr() and raw[4] == out3.data_ptr()
+    assert raw[11:14] == (M, N, K) and raw[0] == a3.data_ptr() and raw[4] == out3.data_ptr()
 
 
 def test_w4a4_raw_args_carry_both_scales(kernel):
@@ -130,11 +131,11 @@ def test_without_tvm_ffi_the_dsl_call_path_gets_its_objects(kernel):
 
     assert int(args[0].__tvm_ffi_opaque_ptr__()) == a.data_ptr()
     assert int(args[4].__tvm_ffi_opaque_ptr__()) == out.data_ptr()
-    assert isinstance(args[13], driver.CUstream) and int(args[13]) == 0x5000
-    assert [int(x) for x in args[9:13]] == [M, N, K, 7]  # max_ctas of compiled_gemm
+    assert isinstance(args[15], driver.CUstream) and int(args[15]) == 0x5000
+    assert [int(x) for x in args[11:15]] == [M, N, K, 7]  # max_ctas of compiled_gemm
     # the same types and alignments as runtime_args makes (what fake_args compiled)
     ref = kernel.runtime_args(a, None, b.data, b.scale, out, torch.ones(1), None, None)
-    for got, want in zip(args[:9], ref[:9]):
+    for got, want in zip(args[:11], ref[:11]):
         assert (got.dtype, got._assumed_align) == (want.dtype, want._assumed_align)
     kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
     assert rec.calls[1][:5] == args[:5]  # made once per address, then reused
@@ -231,10 +232,10 @@ def test_the_tvm_ffi_entry_takes_the_raw_args(ffi_kernel, kernel):
     a, b = w4a16()
     out = torch.empty(M, N, dtype=torch.bfloat16)
     args = list(kernel.raw_args(a, None, b.data, b.scale, out, torch.ones(1), None, 8, 0))
-    with pytest.raises(TypeError, match="Expects 13 parameters"):
+    with pytest.raises(TypeError, match="Expects 15 parameters"):
         loaded(*args[:-1])
-    args[9] = 1.5  # n must be an int
-    with pytest.raises(TypeError, match="argument #9"):
+    args[11] = 1.5  # m must be an int
+    with pytest.raises(TypeError, match="argument #11"):
         loaded(*args)
 
 

@@ -40,6 +40,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from cute_fp4.nvfp4 import sf_offset_shifts
+
 
 def subtile_sources(r2s, tiled_mma, tile_mn, epi_tile) -> list:
     """Which accumulator values make up each epilogue tile, in store order.
@@ -68,6 +70,25 @@ def subtile_sources(r2s, tiled_mma, tile_mn, epi_tile) -> list:
     return plan
 
 
+class NvOut(NamedTuple):
+    """The launch's ``"nvfp4_out"`` tensors (``launch.global_tensors``)."""
+
+    mQ: Any  # uint8 (M, N_out / 2): packed E2M1 codes, element 2j in the low nibble
+    mSF: Any  # uint8 flat: UE4M3 block scales, 128x4 blocked over round_up(M, 128) rows
+    mGS: Any  # (1,) float32: the given global scale (decode form)
+
+
+class NvTile(NamedTuple):
+    """Where an output tile's NVFP4 goes: the launch's :class:`NvOut`, the tile's first row
+    in it (grouped: the unit's ``row0``) and this thread among the ``threads`` of the tiled
+    MMA (they zero the scale padding no tile covers)."""
+
+    out: NvOut
+    row0: Any
+    tid: Any
+    threads: int
+
+
 class FusedOps(NamedTuple):
     """The fused epilogue operations of one output tile (a kernel builds it per tile)."""
 
@@ -75,18 +96,23 @@ class FusedOps(NamedTuple):
     n_mode: int  # the tile mode that is the GEMM's N: 1, or 0 for a D^T tile (swap-AB, stream)
     group: int  # "silu_mul": gate/up rows per group (planning.common.silu_group)
     gBias: Any = None  # "bias": FP32 values indexed by the tile's N coordinate
+    n0: Any = 0  # the tile's first GEMM column
+    nv: NvTile | None = None  # "nvfp4_out"
 
 
-def fused_tile(schedule, n_mode: int, mBias, n0) -> FusedOps | None:
+def fused_tile(schedule, n_mode: int, mBias, n0, nv: NvTile | None = None) -> FusedOps | None:
     """The :class:`FusedOps` of an output tile whose N coordinates start at ``n0`` (``mBias``:
-    the launch's bias, one group's column of it for grouped kernels); None without ops."""
+    the launch's bias, one group's column of it for grouped kernels; ``nv``: where the
+    tile's NVFP4 goes, with ``"nvfp4_out"``); None without ops."""
     from cute_fp4.planning.common import silu_group
 
     ops = schedule.epilogue.ops
     if not ops:
         return None
     gBias = cute.domain_offset((n0,), mBias) if "bias" in ops else None
-    return FusedOps(ops, n_mode, silu_group(schedule), gBias)
+    if ("nvfp4_out" in ops) != (nv is not None):
+        raise AssertionError("nvfp4_out: the kernel must give fused_tile its NvTile")
+    return FusedOps(ops, n_mode, silu_group(schedule), gBias, n0, nv)
 
 
 def d_tile(tile_shape: tuple, n_mode: int, ops: tuple) -> tuple:
@@ -122,6 +148,91 @@ def silu_mul_pairs(thr_mma, tile_shape, n_mode: int, group: int) -> list[tuple[i
             raise AssertionError(f"silu_mul: thread {t}'s gate/up pairs differ from thread 0's")
         pairs = mine
     return pairs
+
+
+NV_BLOCK = 16  # output columns per NVFP4 block scale
+
+
+class NvBlock(NamedTuple):
+    """One 16-column output block of one row, as a thread holds it (:func:`nvfp4_blocks`)."""
+
+    refs: tuple  # value indices (pairs (gate, up) with silu_mul), in output column order
+    cols: tuple  # their output columns, relative to the first one (pairs 2j, 2j + 1)
+
+
+def _out_entries(part, n_mode: int, pairs) -> dict:
+    """``{(row, block): [(output column, ref), ...]}`` of one thread's accumulator ``part``
+    (identity coordinates); ``pairs``: silu_mul's (gate, up) indices and group, or None."""
+    blocks: dict = {}
+    size = cute.size(part)
+    items = ([(i, i) for i in range(size)] if pairs is None
+             else [(gi, (gi, ui)) for gi, ui in pairs[0]])
+    for i, ref in items:
+        c = tuple(part[i])
+        n, r = c[n_mode], c[1 - n_mode]
+        if pairs is not None:
+            g = pairs[1]
+            n = n // (2 * g) * g + n % g
+        blocks.setdefault((r, n // NV_BLOCK), []).append((n, ref))
+    return {k: sorted(v) for k, v in blocks.items()}
+
+
+def nvfp4_blocks(thr_mma, tile_shape, n_mode: int, ops: tuple, group: int,
+                 threads=None) -> tuple[list[NvBlock], tuple[int, ...]]:
+    """A thread's 16-column output blocks and the lane masks of the shuffle reduction of a
+    block's amax: ``([NvBlock, ...], masks)``. The lanes holding one (row, block) must be
+    ``lane ^ span(masks)`` for every lane, each with the same value indices and relative
+    columns as thread 0 (block by block, in (row, block) order), and cover the block's 16
+    columns with adjacent pairs (one byte of codes each). Derived while tracing from the
+    threads ``threads`` (default: warp 0; the CPU test walks every warp of every SM120 MMA
+    shape); any other layout is an AssertionError at compile time.
+
+    Normal orientation (WGMMA, SM120): a thread holds columns ``2 (lane % 4) + {0, 1}`` of
+    each 8-column atom, so a block is the 4 lanes of a quad over 2 atoms (masks 1, 2); with
+    ``silu_mul`` the output column of gate column ``c`` is ``c // 2G * G + c % G``, and the
+    block's 16 output columns are gate columns of the same quad."""
+    pairs = (silu_mul_pairs(thr_mma, tile_shape, n_mode, group), group) \
+        if "silu_mul" in ops else None
+    lanes = list(range(32)) if threads is None else list(threads)
+    held = {}
+    for t in lanes:
+        part = thr_mma.get_slice(t).partition_C(cute.make_identity_tensor(tile_shape))
+        held[t] = _out_entries(part, n_mode, pairs)
+
+    def shape_of(entries):
+        n0 = entries[0][0]
+        return tuple(r for _, r in entries), tuple(n - n0 for n, _ in entries)
+
+    keys0 = sorted(held[lanes[0]])
+    blocks = [NvBlock(*shape_of(held[lanes[0]][k])) for k in keys0]
+    first = keys0[0]
+    group0 = sorted(t for t in lanes if first in held[t] and t // 32 == lanes[0] // 32)
+    base = group0[0]
+    masks = tuple(sorted({(t ^ base) & -(t ^ base) for t in group0 if t != base}))
+    span = {0}
+    for mk in masks:
+        span |= {x ^ mk for x in span}
+    per = len(blocks[0].refs)
+    for t in lanes:
+        keys = sorted(held[t])
+        if [NvBlock(*shape_of(held[t][k])) for k in keys] != blocks:
+            raise AssertionError(f"nvfp4_out: thread {t}'s blocks differ from thread "
+                                 f"{lanes[0]}'s")
+        for k in keys:
+            if held[t][k][0][0] % 2:
+                raise AssertionError(f"nvfp4_out: thread {t}'s block {k} starts at an odd "
+                                     "column")
+            sharing = {u % 32 for u in lanes if u // 32 == t // 32 and k in held[u]}
+            if sharing != {(t % 32) ^ x for x in span} or len(sharing) * per != NV_BLOCK:
+                raise AssertionError(f"nvfp4_out: block {k} of thread {t} is held by lanes "
+                                     f"{sorted(sharing)}, not a butterfly group of "
+                                     f"{NV_BLOCK // per} lanes")
+    for b in blocks:
+        if any(c % 2 != i % 2 or (i % 2 and c != b.cols[i - 1] + 1)
+               for i, c in enumerate(b.cols)) or b.cols[0] != 0:
+            raise AssertionError(f"nvfp4_out: a thread's columns {b.cols} of a block are not "
+                                 "adjacent pairs (2j, 2j + 1)")
+    return blocks, masks
 
 
 def same_n_values(thr_mma, tile_shape, n_mode: int) -> list[tuple[int, list[int]]]:
@@ -238,25 +349,147 @@ def _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape: cutlass.Constex
             b = fused.gBias[cutlass.min(tCcD[first][nm], n_valid - 1)]
             for i in members:
                 vals[i] = vals[i] + b
-    if cutlass.const_expr("silu_mul" not in fused.ops):
+    if cutlass.const_expr("nvfp4_out" in fused.ops):
+        _store_nvfp4(thr_mma, vals, tCcD, tile_shape, rows, cols, d_dtype, fused)
+    elif cutlass.const_expr("silu_mul" not in fused.ops):
         tCgD = thr_mma.partition_C(gD_tile)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = tCcD[i]
             if r < rows and c < cols:
                 tCgD[i] = vals[i].to(d_dtype)
     else:
-        f32 = cutlass.Float32
         gr = fused.group
         for gi, ui in silu_mul_pairs(thr_mma, tile_shape, nm, gr):
             r, c = tCcD[gi]
-            g = f32(vals[gi].to(d_dtype))
-            s = f32(silu(g).to(d_dtype))
-            h = (s * f32(vals[ui].to(d_dtype))).to(d_dtype)
+            h = _silu_mul_value(vals, gi, ui, d_dtype)
             if r < rows and c < cols:
                 if cutlass.const_expr(nm == 1):
                     gD_tile[r, c // (2 * gr) * gr + c % gr] = h
                 else:
                     gD_tile[r // (2 * gr) * gr + r % gr, c] = h
+
+
+def _silu_mul_value(vals, gi: int, ui: int, d_dtype):
+    """``silu(g) * u`` of the gate and up values ``gi``, ``ui`` in ``d_dtype``, rounded where
+    the unfused ``F.silu(g) * u`` on the GEMM's ``d_dtype`` output rounds."""
+    f32 = cutlass.Float32
+    g = f32(vals[gi].to(d_dtype))
+    s = f32(silu(g).to(d_dtype))
+    return (s * f32(vals[ui].to(d_dtype))).to(d_dtype)
+
+
+# The block scale of nvfp4's rule (cute_fp4.nvfp4 docstring): $r0 bamax, $r1 gs -> $w0 the
+# UE4M3 byte, $w1 d = float(scale) * gs. t = RN(bamax * fl32(1/6)), u = min(RN(t / gs), 448),
+# e4m3 by RNE (satfinite), 2^-9 for a non-zero block whose scale rounds to 0.
+_NV_SCALE_PTX = "\n".join([
+    "{", ".reg .b32 t, u, sfb, sfv;", ".reg .b16 s16, hl, hh;", ".reg .pred p0, p1;",
+    "mul.rn.f32 t, {$r0}, 0f3E2AAAAB;", "div.rn.f32 u, t, {$r1};",
+    "min.f32 u, u, 0f43E00000;", "cvt.rn.satfinite.e4m3x2.f32 s16, u, u;",
+    "cvt.u32.u16 sfb, s16;", "and.b32 sfb, sfb, 255;", "setp.eq.u32 p0, sfb, 0;",
+    "setp.gt.f32 p1, {$r0}, 0f00000000;", "and.pred p0, p0, p1;", "@p0 mov.b32 sfb, 1;",
+    "cvt.u16.u32 s16, sfb;", "cvt.rn.f16x2.e4m3x2 sfv, s16;", "mov.b32 {hl, hh}, sfv;",
+    "cvt.f32.f16 u, hl;", "mul.rn.f32 {$w1}, u, {$r1};", "mov.b32 {$w0}, sfb;", "}"])
+
+
+def _nv_code_lines(x: str, out: str) -> list[str]:
+    """E2M1 code of ``x / d`` into ``out`` (0..15): the IEEE quotient (0 when d is 0), its
+    sign from a compare (so -0 gives code 0, as ``quantize``), the magnitude clamped to 6 and
+    rounded to the E2M1 grid by one float add (``kernels.quantize``'s M2 constant: the code
+    lands in the low mantissa bits)."""
+    from cute_fp4.kernels.quantize import _m2_sum
+
+    return [f"@pd div.rn.f32 q, {x}, {{$r2}};", "@!pd mov.b32 q, 0;",
+            "setp.lt.f32 ps, q, 0f00000000;", "abs.f32 q, q;", "min.f32 q, q, 0f40C00000;",
+            *_m2_sum("q"), f"and.b32 {out}, fm, 7;", f"@ps or.b32 {out}, {out}, 8;"]
+
+
+# $r0, $r1 two adjacent elements (columns 2j, 2j + 1), $r2 d -> $w0 their byte of codes
+_NV_PAIR_PTX = "\n".join([
+    "{", ".reg .b32 q, ex, em, mg, fm, c0, c1;", ".reg .pred pd, ps;",
+    "setp.gt.f32 pd, {$r2}, 0f00000000;", *_nv_code_lines("{$r0}", "c0"),
+    *_nv_code_lines("{$r1}", "c1"), "shl.b32 c1, c1, 4;", "or.b32 {$w0}, c0, c1;", "}"])
+
+
+@cute.jit
+def _store_nvfp4(thr_mma, vals, tCcD, tile_shape: cutlass.Constexpr, rows, cols,
+                 d_dtype: cutlass.Constexpr, fused: cutlass.Constexpr):
+    """``"nvfp4_out"``: each 16-column output block of a row rounded to ``d_dtype`` (after
+    bias and silu_mul), then quantized by nvfp4's rule with the given global scale: the
+    block amax reduced over the lanes that share the block (:func:`nvfp4_blocks`), the
+    scale byte written by the group's first lane into the 128x4 layout, each thread's codes
+    as bytes. Scale bytes of padding (rows M .. round_up(M, 128), block columns N_out / 16
+    .. round_up(, 4)) are zero, as ``quantize`` leaves them: inside the tile by the block's
+    lanes, beyond the last tiles in M and N by every thread of the tile, strided."""
+    f32, u8 = cutlass.Float32, cutlass.Uint8
+    nm, nv = fused.n_mode, fused.nv
+    silu_mul = "silu_mul" in fused.ops
+    blocks, masks = nvfp4_blocks(thr_mma, tile_shape, nm, fused.ops, fused.group)
+    mQ, mSF = nv.out.mQ, nv.out.mSF
+    gs = nv.out.mGS[0]
+    m_total = mQ.shape[0]
+    n_b = mQ.shape[1] // (NV_BLOCK // 2)  # output blocks per row
+    kbp = (n_b + 3) // 4 * 4
+    out_cols = 2 if silu_mul else 1
+    n0_out = fused.n0 // out_cols
+    lane = cute.arch.lane_idx()
+    leader = (lane & sum(masks)) == 0
+    for b in cutlass.range_constexpr(len(blocks)):
+        refs, rel = blocks[b].refs, blocks[b].cols
+        xs = []
+        for j in cutlass.range_constexpr(len(refs)):
+            if cutlass.const_expr(silu_mul):
+                xs.append(f32(_silu_mul_value(vals, refs[j][0], refs[j][1], d_dtype)))
+            else:
+                xs.append(f32(vals[refs[j]].to(d_dtype)))
+        amax = abs(xs[0])
+        for j in cutlass.range_constexpr(1, len(xs)):
+            amax = cute.arch.fmax(amax, abs(xs[j]))
+        for mk in cutlass.range_constexpr(len(masks)):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=masks[mk]))
+        sfb, d = cute.arch.inline_ptx(_NV_SCALE_PTX, write_only_types=[cutlass.Uint32, f32],
+                                      read_only_args=[amax, gs])
+        first = refs[0][0] if cutlass.const_expr(silu_mul) else refs[0]
+        r, c = tCcD[first][1 - nm], tCcD[first][nm]
+        oc = n0_out + (c // (2 * fused.group) * fused.group + c % fused.group
+                       if cutlass.const_expr(silu_mul) else c)
+        row = nv.row0 + r
+        if r < rows and c < cols:
+            for j in cutlass.range_constexpr(0, len(xs), 2):
+                byte = cute.arch.inline_ptx(_NV_PAIR_PTX, write_only_types=[cutlass.Uint32],
+                                            read_only_args=[xs[j], xs[j + 1], d])
+                mQ[row, (oc + rel[j]) // 2] = u8(byte)
+        blk = oc // NV_BLOCK
+        if leader and r < rows and blk < kbp:
+            mSF[sf_offset_shifts(row, blk, kbp)] = u8(cutlass.select_(c < cols, sfb,
+                                                                      cutlass.Uint32(0)))
+    _zero_nvfp4_padding(nv, rows, tile_shape[1 - nm], tile_shape[nm] // out_cols, n0_out,
+                        m_total, n_b, kbp)
+
+
+@cute.jit
+def _zero_nvfp4_padding(nv: cutlass.Constexpr, rows, tm: cutlass.Constexpr,
+                        tn_out: cutlass.Constexpr, n0_out, m_total, n_b, kbp):
+    """Zero the scale bytes of padding no tile holds: rows ``M .. round_up(M, 128)`` below
+    the tile that holds row ``M - 1`` (the last tile in M: ``rows <= tm`` valid rows ending
+    at M), over its block columns (to ``kbp`` for the last tile in N), and block columns
+    past the last tile in N over its valid rows. Every thread of the tile, strided."""
+    mSF = nv.out.mSF
+    b0 = n0_out // NV_BLOCK
+    tb = tn_out // NV_BLOCK
+    last_n = b0 + tb >= n_b
+    b_hi = cutlass.min(b0 + tb, kbp)
+    if last_n:
+        b_hi = kbp
+    if (rows <= tm) & (nv.row0 + rows == m_total):
+        width = b_hi - b0
+        for p in cutlass.range(nv.tid, ((m_total + 127) // 128 * 128 - m_total) * width,
+                               nv.threads, unroll=1):
+            mSF[sf_offset_shifts(m_total + p // width, b0 + p % width, kbp)] = cutlass.Uint8(0)
+    if last_n & (b0 + tb < kbp):
+        width = kbp - b0 - tb
+        for p in cutlass.range(nv.tid, cutlass.min(rows, tm) * width, nv.threads, unroll=1):
+            mSF[sf_offset_shifts(nv.row0 + p // width, b0 + tb + p % width, kbp)] = \
+                cutlass.Uint8(0)
 
 
 def split_vector(values: int) -> int:
@@ -330,6 +563,7 @@ def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
         store_direct(thr_mma, acc, scale, gD_tile, tile_shape, rows, cols, d_dtype, fused)
 
 
-__all__ = ["FusedOps", "SmemEpilogue", "d_tile", "fused_tile", "silu", "silu_mul_pairs",
-           "smem_epilogue", "store_direct", "store_smem_tma", "SPLIT_HEADER",
-           "split_partial_offset", "split_vector", "store_split_k", "subtile_sources"]
+__all__ = ["FusedOps", "NvBlock", "NvOut", "NvTile", "SmemEpilogue", "d_tile", "fused_tile",
+           "nvfp4_blocks", "silu", "silu_mul_pairs", "smem_epilogue", "store_direct",
+           "store_smem_tma", "SPLIT_HEADER", "split_partial_offset", "split_vector",
+           "store_split_k", "subtile_sources"]

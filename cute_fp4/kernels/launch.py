@@ -2,7 +2,8 @@
 
 Compiled signature (all families)::
 
-    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, pCount, pBias, m, n, k, max_ctas, stream)
+    (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, pCount, pBias, pSFOut, pGSOut, m, n, k,
+     max_ctas, stream)
 
 raw global pointers and Int32 sizes, so one compile serves every shape and a launch reads
 only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call). Compiled with
@@ -21,6 +22,11 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
   for eager launches and two for a CUDA-graph capture (``cute_fp4.run.split_workspace``);
 * ``pBias``: the fused epilogue's per-column bias, float32 ``[N]`` (``Epilogue.ops`` with
   ``"bias"``; otherwise ``pAlpha`` again, never read);
+* ``pSFOut``, ``pGSOut`` (``"nvfp4_out"``): the output's UE4M3 block scales (uint8, 128x4
+  blocked over ``round_up(M, 128)`` rows and ``round_up(N_out / 16, 4)`` columns) and its
+  given global scale (one float32); ``pC`` is then the packed codes, uint8 ``[M, N_out /
+  2]`` (otherwise both are ``pAlpha`` again, never read). The host passes an
+  ``NVFP4Tensor`` as ``out`` (:func:`raw_args`);
 * ``n`` is the GEMM's N (the weight's rows): with ``"silu_mul"`` the output has N / 2
   columns;
 * ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count).
@@ -40,6 +46,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from cute_fp4.kernels.epilogue import NvOut
 from cute_fp4.nvfp4 import SF_ATOM_BYTES
 from cute_fp4.schedule import OutDtype, Schedule
 
@@ -66,6 +73,7 @@ class GemmTensors(NamedTuple):
     mWork: cute.Tensor  # split-K: the workspace as flat FP32 (without split-K: unused)
     mCount: cute.Tensor  # split-K: the header and counters, flat int32 (without: unused)
     mBias: cute.Tensor  # (N,) float32: the fused bias (without "bias": unused)
+    nv: NvOut | None = None  # "nvfp4_out": codes, blocked scales, global scale
 
 
 def out_dtype(schedule: Schedule) -> type:
@@ -91,7 +99,7 @@ def _ptr(dtype, address, align):
     return make_ptr(dtype, address, _GMEM, assumed_align=align)
 
 
-N_POINTERS = 9  # pointer arguments of the launch signature (then m, n, k, max_ctas, stream)
+N_POINTERS = 11  # pointer arguments of the launch signature (then m, n, k, max_ctas, stream)
 
 
 def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], ...]:
@@ -100,7 +108,7 @@ def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], 
     u8, f32, i32 = cutlass.Uint8, cutlass.Float32, cutlass.Int32
     work = 16 if split_k > 1 else 4
     return ((types.a, 16), (u8, 16), (u8, 16), (u8, 16), (types.c, 16), (f32, 4),
-            (f32, work), (i32, work), (f32, 4))
+            (f32, work), (i32, work), (f32, 4), (u8, 4), (f32, 4))
 
 
 def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
@@ -116,14 +124,15 @@ def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out,
                  workspace, stream, bias=None, out_cols: int = 1) -> tuple:
     """The compiled signature's arguments from checked torch tensors (``workspace``: the
     (counters, partials) pair of ``cute_fp4.run.split_workspace``, or None)."""
+    dev = nv_parts(out, 0)[0].device
     raw = raw_args(split_k, a, a_scale, b, b_scale, out, alpha, workspace,
-                   sm_count(out.device.index) if out.is_cuda else 1, 0, bias, out_cols)
+                   sm_count(dev.index) if dev.type == "cuda" else 1, 0, bias, out_cols)
     slots = pointer_slots(types, split_k)
     ptrs = tuple(_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw))
     return (*ptrs, *(cutlass.Int32(v) for v in raw[N_POINTERS:-1]), stream)
 
 
-RAW_A, RAW_OUT, RAW_STREAM = 0, 4, 13  # where raw_args puts A's and C's addresses, the stream
+RAW_A, RAW_OUT, RAW_STREAM = 0, 4, 15  # where raw_args puts A's and C's addresses, the stream
 
 
 def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
@@ -132,16 +141,27 @@ def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ct
     handle), for a kernel compiled with ``--enable-tvm-ffi``: its TVM-FFI entry takes ints
     for pointers, Int32s and the stream, so no DSL object is built per launch. Same order
     and the same aliasing as :func:`runtime_args`. ``out_cols``: GEMM columns per output
-    column (2 with ``"silu_mul"``)."""
+    column (2 with ``"silu_mul"``). ``out``: a tensor, or with ``"nvfp4_out"`` the
+    ``NVFP4Tensor`` the kernel writes (codes, scales, its global scale read)."""
     sfb = b_scale.data_ptr()
     pal = alpha.data_ptr()
-    cols = out.shape[-1]  # out: [M, N], or [..., N] contiguous (NVFP4Linear's N-D outputs)
-    m = out.numel() // cols if out.dim() != 2 else out.shape[0]
+    out, sfo, gso, per = nv_parts(out, pal)
+    cols = out.shape[-1] * per  # out: [M, N], or [..., N] contiguous (NVFP4Linear's N-D)
+    m = out.numel() // out.shape[-1] if out.dim() != 2 else out.shape[0]
     count, work = ((workspace[0].data_ptr(), workspace[1].data_ptr()) if split_k > 1
                    else (pal, pal))
     return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(), sfb,
-            out.data_ptr(), pal, work, count, pal if bias is None else bias.data_ptr(), m,
-            cols * out_cols, b.shape[1] * 2, max_ctas, stream)
+            out.data_ptr(), pal, work, count, pal if bias is None else bias.data_ptr(), sfo,
+            gso, m, cols * out_cols, b.shape[1] * 2, max_ctas, stream)
+
+
+def nv_parts(out, pal: int) -> tuple:
+    """``(tensor, scale address, global scale address, output columns per element of the
+    tensor)`` of a launch's ``out``: an ``NVFP4Tensor`` (``"nvfp4_out"``: its packed codes,
+    two columns per byte) or a plain tensor (both addresses ``pal``, never read)."""
+    if hasattr(out, "global_scale"):
+        return out.data, out.scale.data_ptr(), out.global_scale.data_ptr(), 2
+    return out, pal, pal, 1
 
 
 @functools.cache
@@ -162,7 +182,8 @@ def _sf_bytes(ptr, rows, half_k):
 
 
 def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pWork,
-                   pCount, pBias, m, n, k, ops: tuple = ()) -> GemmTensors:
+                   pCount, pBias, m, n, k, ops: tuple = (), pSFOut=None,
+                   pGSOut=None) -> GemmTensors:
     """The launch's global tensors over the raw pointers (call while tracing); ``ops``: the
     schedule's fused epilogue operations (``"silu_mul"``: D has N / 2 columns)."""
     n = cute.assume(n, divby=8)
@@ -184,8 +205,17 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
         mCount = cute.make_tensor(pCount, cute.make_layout((1 << 30,)))
     if "bias" in ops:
         mBias = cute.make_tensor(pBias, cute.make_layout((n,)))
+    nv = None
+    if "nvfp4_out" in ops:  # plan(): N_out % 32 == 0; mD: the codes' shape in elements
+        half_d = cute.assume(n_d // 2, divby=16)
+        mQ = cute.make_tensor(cute.recast_ptr(pC, dtype=cutlass.Uint8), cute.make_layout(
+            (m, half_d), stride=(cute.assume(cutlass.Int64(half_d), divby=16), 1)))
+        kbp = (n_d // 16 + 3) // 4 * 4
+        sf_len = cute.assume((m + 127) // 128 * 128 * kbp, divby=SF_ATOM_BYTES)
+        nv = NvOut(mQ, cute.make_tensor(pSFOut, cute.make_layout((sf_len,))),
+                   cute.make_tensor(pGSOut, cute.make_layout((1,))))
     return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
-                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount, mBias)
+                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount, mBias, nv)
 
 
 class GemmLaunch:
@@ -210,11 +240,13 @@ class GemmLaunch:
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
                  pWork: cute.Pointer, pCount: cute.Pointer, pBias: cute.Pointer,
+                 pSFOut: cute.Pointer, pGSOut: cute.Pointer,
                  m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
                  max_ctas: cutlass.Int32, stream: cuda.CUstream):
         """Entry point: raw global pointers and sizes (see the module docstring)."""
         self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
-                                    pAlpha, pWork, pCount, pBias, m, n, k, self.ops),
+                                    pAlpha, pWork, pCount, pBias, m, n, k, self.ops,
+                                    pSFOut, pGSOut),
                      max_ctas, stream)
 
     def fake_args(self) -> tuple:
@@ -248,6 +280,7 @@ class NoopLaunch:
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
                  pWork: cute.Pointer, pCount: cute.Pointer, pBias: cute.Pointer,
+                 pSFOut: cute.Pointer, pGSOut: cute.Pointer,
                  m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
                  max_ctas: cutlass.Int32, stream):
         pass
@@ -266,15 +299,17 @@ class GroupedTensors(NamedTuple):
     mAlpha: cute.Tensor  # (groups,) float32
     mOffsets: cute.Tensor  # (groups + 1,) int32: group g owns rows offsets[g] .. [g + 1]
     mBias: cute.Tensor  # (N, groups) float32: each group's fused bias (without "bias": unused)
+    nv: NvOut | None = None  # "nvfp4_out": over the M_total rows (as quantize of D has it)
 
 
 def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets,
-                    pBias, m, n, k, groups, ops: tuple = ()) -> GroupedTensors:
+                    pBias, m, n, k, groups, ops: tuple = (), pSFOut=None,
+                    pGSOut=None) -> GroupedTensors:
     """The grouped launch's global tensors over the raw pointers (call while tracing).
     ``b_row_align``: the weight's stored rows per group are ``n`` rounded up to it (64 for
     the fragment-order packed weight, 1 for the plain one)."""
     dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, pAlpha, pAlpha,
-                           m, n, k, ops)
+                           m, n, k, ops, pSFOut, pGSOut)
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
     rows = (n + b_row_align - 1) // b_row_align * b_row_align
@@ -290,27 +325,31 @@ def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlph
     if "bias" in ops:
         mBias = cute.make_tensor(pBias, cute.make_layout((n, groups), stride=(1, n)))
     return GroupedTensors(dense.mA, dense.mSFA, mB, mSFB, dense.mD, mAlpha,
-                          cute.make_tensor(pOffsets, cute.make_layout((groups + 1,))), mBias)
+                          cute.make_tensor(pOffsets, cute.make_layout((groups + 1,))), mBias,
+                          dense.nv)
 
 
 class GroupedLaunch(GemmLaunch):
     """Mixin of the grouped kernels: the grouped entry point and its arguments.
 
-    Compiled signature ``(pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets, pBias, m, n, k, groups,
-    max_ctas, stream)``: the dense one with ``pWork`` replaced by the int32 group offsets
-    ``[groups + 1]``, ``pAlpha`` one float32 per group, ``pBias`` float32 ``[groups, N]``
-    (or ``pAlpha``, unread), ``m`` the total rows and ``groups`` added.
+    Compiled signature ``(pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets, pBias, pSFOut, pGSOut, m,
+    n, k, groups, max_ctas, stream)``: the dense one with ``pWork`` replaced by the int32
+    group offsets ``[groups + 1]``, ``pAlpha`` one float32 per group, ``pBias`` float32
+    ``[groups, N]`` (or ``pAlpha``, unread), ``m`` the total rows and ``groups`` added;
+    ``pSFOut``/``pGSOut`` as the dense one's (NVFP4 over all ``M_total`` rows).
     ``self.b_row_align`` as in :func:`grouped_tensors`.
     """
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
                  pSFB: cute.Pointer, pC: cute.Pointer, pAlpha: cute.Pointer,
-                 pOffsets: cute.Pointer, pBias: cute.Pointer, m: cutlass.Int32,
+                 pOffsets: cute.Pointer, pBias: cute.Pointer, pSFOut: cute.Pointer,
+                 pGSOut: cute.Pointer, m: cutlass.Int32,
                  n: cutlass.Int32, k: cutlass.Int32, groups: cutlass.Int32,
                  max_ctas: cutlass.Int32, stream: cuda.CUstream):
         self._launch(grouped_tensors(self.w4a16, self.b_row_align, pA, pSFA, pB, pSFB, pC,
-                                     pAlpha, pOffsets, pBias, m, n, k, groups, self.ops),
+                                     pAlpha, pOffsets, pBias, m, n, k, groups, self.ops,
+                                     pSFOut, pGSOut),
                      max_ctas, stream)
 
     def fake_args(self) -> tuple:
@@ -322,8 +361,9 @@ class GroupedLaunch(GemmLaunch):
 
     def runtime_args(self, a, a_scale, b, b_scale, out, alpha, offsets, stream,
                      bias=None) -> tuple:
+        dev = nv_parts(out, 0)[0].device
         raw = self.raw_args(a, a_scale, b, b_scale, out, alpha, offsets,
-                            sm_count(out.device.index) if out.is_cuda else 1, stream, bias)
+                            sm_count(dev.index) if dev.type == "cuda" else 1, stream, bias)
         slots = self.pointer_slots()
         ptrs = [_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw)]
         return (*ptrs, *(cutlass.Int32(v) for v in raw[len(slots):-1]), stream)
@@ -331,21 +371,24 @@ class GroupedLaunch(GemmLaunch):
     def raw_args(self, a, a_scale, b, b_scale, out, alpha, offsets, max_ctas: int,
                  stream: int, bias=None) -> tuple[int, ...]:
         """``(pointers..., m, n, k, groups, max_ctas, stream)`` as ints (W4A16: ``pSFA``
-        repeats ``pSFB``, never read; no bias: ``pBias`` repeats ``pAlpha``)."""
+        repeats ``pSFB``, never read; no bias: ``pBias`` repeats ``pAlpha``; ``out`` an
+        ``NVFP4Tensor`` with ``"nvfp4_out"``, see :func:`nv_parts`)."""
         sfb, pal = b_scale.data_ptr(), alpha.data_ptr()
+        out, sfo, gso, per = nv_parts(out, pal)
         m, cols = out.shape
         return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(),
                 sfb, out.data_ptr(), pal, offsets.data_ptr(),
-                pal if bias is None else bias.data_ptr(), m, cols * self.out_cols,
-                b.shape[-1] * 2, offsets.shape[0] - 1, max_ctas, stream)
+                pal if bias is None else bias.data_ptr(), sfo, gso, m,
+                cols * per * self.out_cols, b.shape[-1] * 2, offsets.shape[0] - 1, max_ctas,
+                stream)
 
     def pointer_slots(self) -> tuple[tuple[type, int], ...]:
         u8, f32 = cutlass.Uint8, cutlass.Float32
         return ((self.ptr_types.a, 16), (u8, 16), (u8, 16), (u8, 16), (self.ptr_types.c, 16),
-                (f32, 4), (cutlass.Int32, 4), (f32, 4))
+                (f32, 4), (cutlass.Int32, 4), (f32, 4), (u8, 4), (f32, 4))
 
 
 __all__ = ["N_POINTERS", "GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors",
            "NoopLaunch", "PointerTypes", "fake_args", "global_tensors", "grouped_tensors",
-           "out_dtype", "pointer_slots", "raw_args", "runtime_args", "sm_count",
+           "nv_parts", "out_dtype", "pointer_slots", "raw_args", "runtime_args", "sm_count",
            "split_workspace_needs"]

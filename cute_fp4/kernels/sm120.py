@@ -84,6 +84,8 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
 from cute_fp4.kernels.epilogue import (
+    NvOut,
+    NvTile,
     SmemEpilogue,
     d_tile,
     fused_tile,
@@ -132,6 +134,7 @@ class Sm120Params(NamedTuple):
     mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors); else None
     mCount: cute.Tensor | None
     mBias: cute.Tensor | None  # fused "bias": (N,) or (N, groups) FP32; None without it
+    nv: NvOut | None = None  # fused "nvfp4_out": codes, blocked scales, global scale
 
 
 class Sm120Consumer(NamedTuple):
@@ -155,6 +158,7 @@ class Sm120Consumer(NamedTuple):
     mCount: cute.Tensor | None
     units: TileScheduler | GroupedScheduler
     mBias: cute.Tensor | None  # fused "bias" only
+    nv: NvOut | None = None  # fused "nvfp4_out" only
 
 
 class Sm120Gemm(Sm120Mainloop, GemmLaunch):
@@ -321,7 +325,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
                                          self.sched.group_size, self.along_m)
         params = Sm120Params(tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB,
                              tma_c, tma_mC, t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32,
-                             offsets, m, work, count, t.mBias if self.ops else None)
+                             offsets, m, work, count, t.mBias if self.ops else None, t.nv)
         self.kernel(params).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], cluster=[1, 1, 1],
                                    smem=self.smem_bytes, stream=stream,
@@ -462,7 +466,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         if cutlass.const_expr(not self.grouped):
             scale = alpha[0]
         c = Sm120Consumer(mainloop, frags, turn_bars, group, gtid, mma_warp, bar, scale, epi,
-                          sC, gC, tma_c, mC, alpha, mWork, mCount, units, p.mBias)
+                          sC, gC, tma_c, mC, alpha, mWork, mCount, units, p.mBias, p.nv)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for_each_unit(units, functools.partial(self._mma_unit, c),
                       (state, cutlass.Int32(0), cutlass.Int32(0)))
@@ -482,10 +486,10 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
             roles.turn_arrive(self.pingpong, c.turn_bars, c.group, Turn.MAINLOOP)
             roles.turn_wait(self.pingpong, c.turn_bars, c.group, turn, Turn.EPILOGUE)
             if cutlass.const_expr(self.grouped):
-                self._store_grouped(c.frags.acc, c.alpha, c.mC, c.mBias, w, c.gtid)
+                self._store_grouped(c.frags.acc, c.alpha, c.mC, c.mBias, w, c.gtid, c.nv)
             elif cutlass.const_expr(self.split_k > 1 or not self.staged_c):
                 self._store_registers(c.frags.acc, c.scale, c.mC, c.mWork, c.mCount, c.mBias,
-                                  c.units, w, unit, c.gtid)
+                                      c.units, w, unit, c.gtid, c.nv)
             else:
                 store_smem_tma(c.epi, c.tma_c, c.gC[(None, None, w.m, w.n, w.split)], c.sC,
                                c.scale, self.epi_tile, self.epi_stages, c.bar,
@@ -498,13 +502,14 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         return state, turn, step
 
     @cute.jit
-    def _store_registers(self, acc, scale, mD, mWork, mCount, mBias, units, w, unit, gtid):
+    def _store_registers(self, acc, scale, mD, mWork, mCount, mBias, units, w, unit, gtid,
+                         nv):
         """A tile from registers (fused ops), or a split-K partial, of which the tile's last
         split stores the sum."""
         tm, tn, _ = self.tile_mnk
         gD = cute.local_tile(mD, d_tile((tm, tn), 1, self.ops), (None, None, None))
         rows, cols = mD.shape[0] - w.m * tm, mD.shape[1] * self.out_cols - w.n * tn
-        fused = fused_tile(self.schedule, 1, mBias, w.n * tn)
+        fused = fused_tile(self.schedule, 1, mBias, w.n * tn, self._nv_tile(nv, w.m * tm, gtid))
         if cutlass.const_expr(self.split_k > 1):
             assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
             store_split_k(self.tiled_mma.get_slice(gtid), acc, scale, mWork, mCount,
@@ -518,7 +523,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
                          fused)
 
     @cute.jit
-    def _store_grouped(self, acc, alpha, mD, mBias, w, gtid):
+    def _store_grouped(self, acc, alpha, mD, mBias, w, gtid, nv):
         """A grouped tile from registers: rows ``w.row0 ..`` of D, masked at the group's
         last row (the rows after it belong to the next group) and at N."""
         tm, tn, _ = self.tile_mnk
@@ -528,7 +533,14 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         store_direct(self.tiled_mma.get_slice(gtid), acc, alpha[w.l],
                      gD[(None, None, 0, w.n, 0)], (tm, tn), w.rows,
                      mD.shape[1] * self.out_cols - w.n * tn, self.c_dtype,
-                     fused_tile(self.schedule, 1, bias, w.n * tn))
+                     fused_tile(self.schedule, 1, bias, w.n * tn,
+                                self._nv_tile(nv, w.row0, gtid)))
+
+    def _nv_tile(self, nv, row0, gtid) -> NvTile | None:
+        """``"nvfp4_out"``: where a tile whose first row is ``row0`` goes (None without)."""
+        if nv is None:
+            return None
+        return NvTile(nv, row0, gtid, self.tiled_mma.size)
 
     def _r2s_copy(self):
         """Register -> shared copy of the accumulator, matching the tiled MMA's C layout.

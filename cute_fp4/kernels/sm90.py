@@ -62,6 +62,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from cute_fp4.kernels import loads, roles, sf_layout
 from cute_fp4.kernels.epilogue import (
+    NvOut,
+    NvTile,
     SmemEpilogue,
     d_tile,
     fused_tile,
@@ -115,6 +117,7 @@ class Sm90Params(NamedTuple):
     mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors), flat FP32
     mCount: cute.Tensor | None  # split-K: the header and counters, flat int32
     mBias: cute.Tensor | None  # fused "bias": (N,) or (N, groups) FP32; None without it
+    nv: NvOut | None = None  # fused "nvfp4_out" (normal orientation, no split-K: plan())
 
 
 class SmemTensors(NamedTuple):
@@ -338,7 +341,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)
         bias = t.mBias if "bias" in self.ops else None
         params = Sm90Params(tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB, tma_c, gD,
-                            t.mAlpha, units, m, n, offsets, *work, bias)
+                            t.mAlpha, units, m, n, offsets, *work, bias, t.nv)
         self.kernel(params).launch(grid=[units.grid(self.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
                                    stream=stream, use_pdl=roles.PDL)
@@ -468,7 +471,11 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         gD_t = cute.local_tile(p.gD, d_tile(tile_shape, self.n_mode, self.ops),
                                (None, None, None))
         n_tile = (ti, tj)[self.n_mode]
-        fused = fused_tile(self.schedule, self.n_mode, p.mBias, n_tile * tile_shape[self.n_mode])
+        nv = None
+        if cutlass.const_expr(p.nv is not None):  # plan(): n_mode 1, no split-K
+            nv = NvTile(p.nv, ti * tile_shape[0], slot, thr_mma.size)
+        fused = fused_tile(self.schedule, self.n_mode, p.mBias, n_tile * tile_shape[self.n_mode],
+                           nv)
         if cutlass.const_expr(self.split_k > 1):
             assert cute.size(acc) == self.split_values, (cute.size(acc), self.split_values)
             store_split_k(thr_mma, acc, scale, p.mWork, p.mCount, p.units.total // self.split_k,

@@ -201,15 +201,50 @@ def silu_group(s: Schedule) -> int:
     return 8
 
 
+NV_OUT_COLS = 32  # nvfp4_out: output columns a multiple of this (16-byte rows of codes)
+
+
 def check_epilogue_ops(s: Schedule, p: Problem) -> list[str]:
     """``silu_mul`` pairs gate and up groups of :func:`silu_group` rows, so N is a multiple
-    of twice that (the output has N / 2 columns)."""
+    of twice that (the output has N / 2 columns). ``nvfp4_out`` (:func:`check_nvfp4_out`)."""
     g = silu_group(s)
+    out = []
     if "silu_mul" in s.epilogue.ops and p.n and p.n % (2 * g):
-        return [f"N = {p.n} is not a multiple of {2 * g}: silu_mul on {s.target} takes the "
-                f"weight's rows as gate/up groups of {g} (cute_fp4.ops.interleave_gate_up) "
-                f"and stores N / 2 columns"]
-    return []
+        out.append(f"N = {p.n} is not a multiple of {2 * g}: silu_mul on {s.target} takes "
+                   f"the weight's rows as gate/up groups of {g} "
+                   "(cute_fp4.ops.interleave_gate_up) and stores N / 2 columns")
+    if "nvfp4_out" in s.epilogue.ops:
+        out += check_nvfp4_out(s, p)
+    return out
+
+
+def check_nvfp4_out(s: Schedule, p: Problem) -> list[str]:
+    """``nvfp4_out`` needs a tile whose rows are output rows (the 16 columns of a block are
+    the 4 lanes of a quad, reduced by shuffles: ``epilogue.nvfp4_blocks``), every thread of
+    a tile storing at once (no split-K, whose last split is per thread), and output rows of
+    packed codes in 16-byte multiples (N_out % 32)."""
+    out = []
+    if s.swap_ab or s.mainloop is not Mainloop.STANDARD:
+        kind = "swap-AB" if s.swap_ab else f"mainloop={s.mainloop.value}"
+        out.append(f"nvfp4_out is not built for the D^T tiles of {kind} kernels: a thread "
+                   "holds output rows lane / 4 + {0, 8} of one column, so a block of 16 "
+                   "output columns spans the rows of 16 threads in other warps; use a "
+                   "normal-orientation schedule")
+    warps_n = s.warps.mma[1]
+    if s.arch.family == "sm120" and s.mainloop is Mainloop.STANDARD and warps_n > 2:
+        out.append(f"nvfp4_out needs at most 2 MMA warps along N on {s.target}, got "
+                   f"{warps_n}: the MMA's 32-column permutation step over {warps_n} warps "
+                   f"gives a warp {32 // warps_n} columns of each 16-column block (the "
+                   "block's amax is reduced by shuffles within a warp)")
+    if s.split_k > 1:
+        out.append(f"nvfp4_out does not take split-K (split_k {s.split_k}): the last split "
+                   "of a tile is decided per thread, and a block's amax needs the 4 lanes "
+                   "that hold it")
+    cols = p.n // 2 if "silu_mul" in s.epilogue.ops else p.n
+    if p.n and cols % NV_OUT_COLS:
+        out.append(f"nvfp4_out: {cols} output columns are not a multiple of {NV_OUT_COLS} "
+                   f"(blocks of 16 and rows of {cols} / 2 bytes of codes, 16-byte aligned)")
+    return out
 
 
 # run after the family's own checks, for every family
@@ -232,4 +267,5 @@ class FamilyRules(NamedTuple):
 
 __all__ = ["ALIGN", "MAX_GROUPS", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
            "RegisterSplit", "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
-           "epilogue_tile", "epi_stages", "c_elem_bytes", "silu_group"]
+           "epilogue_tile", "epi_stages", "c_elem_bytes", "silu_group", "NV_OUT_COLS",
+           "check_nvfp4_out"]

@@ -239,3 +239,114 @@ def test_gated_mlp_is_the_float_mlp_on_its_weights(m):
     out = mlp(x)
     assert out.shape == (m, h) and torch.isfinite(out).all()
     assert (out.double() - ref).norm() / ref.norm() < 2e-2
+
+
+# ----------------------------------------------------------------------------- nvfp4_out
+# The unfused pipeline nvfp4_out replaces: the output above (bias, silu_mul), rounded to
+# BF16, then quantize(y, global_scale). Codes and blocked scales, padding included, must be
+# the same bytes; the output buffers are filled with 0xFF first.
+
+NV_OPS = [("nvfp4_out",), ("bias", "silu_mul", "nvfp4_out")]
+NV_DENSE = {"sm90": [("sm90_default", "bf16"), ("sm90_default", "nvfp4")],
+            "sm120": [("sm120_default", "nvfp4"), ("sm120_pingpong", "nvfp4"),
+                      ("sm120_128x64", "nvfp4")]}
+NV_GROUPED = {"sm90": [], "sm120": [("sm120_grouped", "nvfp4"),
+                                    ("sm120_grouped_decode", "nvfp4")]}
+# global scales relative to amax / 2688: the usual one, scales saturated at 448, and
+# scales rounded down to subnormals or 2^-9
+NV_SCALES = (1.0, 1 / 64, 512.0)
+
+
+def _nv_cases(table):
+    return [pytest.param(name, fmt, ops, id=f"{name}-{fmt}-{'+'.join(ops)}")
+            for fam in ("sm90", "sm120") for name, fmt in table[fam] for ops in NV_OPS]
+
+
+def _poisoned_nvfp4(rows: int, cols: int, gs: torch.Tensor) -> NVFP4Tensor:
+    from cute_fp4.nvfp4 import scale_shape
+
+    rp, cp = scale_shape(rows, cols)
+    return NVFP4Tensor._unchecked(
+        torch.full((rows, cols // 2), 0xFF, dtype=torch.uint8, device="cuda"),
+        torch.full((rp, cp), 0xFF, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
+        gs, (rows, cols))
+
+
+def _assert_same_nvfp4(got: NVFP4Tensor, y: torch.Tensor, what: str) -> None:
+    want = cf.quantize(y, got.global_scale)
+    bad = (got.data != want.data)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} code bytes differ, "
+                           f"first at {tuple(bad.nonzero()[0].tolist())}")
+    bad = got.scale.view(torch.uint8) != want.scale.view(torch.uint8)
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} scale bytes differ "
+                           f"(blocked layout, padding included), first at "
+                           f"{tuple(bad.nonzero()[0].tolist())}")
+
+
+def _nv_scales(y: torch.Tensor):
+    amax = float(y.float().abs().max()) or 1.0
+    return [torch.tensor(amax / 2688 * f, dtype=torch.float32, device="cuda")
+            for f in NV_SCALES]
+
+
+@pytest.mark.parametrize("name, fmt, ops", _nv_cases(NV_DENSE))
+def test_nvfp4_out_dense_is_quantize_of_the_unfused_output(name, fmt, ops):
+    base = catalogue.get(name)
+    s = base.replace(ops=ops)
+    _runnable(s, fmt)
+    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    g = silu_group(s)
+    for i, (m, n, k) in enumerate(SHAPES):
+        a, b = make_operands(m, n, k, fmt, seed=i)
+        bias = torch.randn(n, device="cuda") if "bias" in ops else None
+        raw = run_compiled(plain, a, b)
+        assert reference.check(raw, a, b).passed, (name, m, n, k)
+        y = _unfused(raw, bias, ops, torch.bfloat16, g)
+        for gs in _nv_scales(y):
+            out = _poisoned_nvfp4(m, y.shape[1], gs)
+            got = run_compiled(fused, a, b, out=out, bias=bias)
+            assert got is out
+            _assert_same_nvfp4(got, y, f"{s.name} {(m, n, k)} gs {float(gs):g}")
+
+
+@pytest.mark.parametrize("name, fmt, ops", _nv_cases(NV_GROUPED))
+def test_nvfp4_out_grouped_is_quantize_of_the_unfused_output(name, fmt, ops):
+    base = catalogue.get(name)
+    s = base.replace(ops=ops)
+    _runnable(s, fmt, groups=8)
+    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    g = silu_group(s)
+    for i, (counts, n, k) in enumerate(ROUTINGS):
+        a, b, offsets = _grouped_case(counts, n, k, fmt, i, s.mainloop.reads_packed)
+        bias = torch.randn(len(counts), n, device="cuda") if "bias" in ops else None
+        raw = run_grouped(plain, a, b, offsets)
+        if bias is not None:
+            expert = torch.repeat_interleave(torch.arange(len(counts), device="cuda"),
+                                             torch.tensor(counts, device="cuda"))
+            raw = raw + bias[expert]
+        y = _unfused(raw, None, ops, torch.bfloat16, g)
+        for gs in _nv_scales(y):
+            out = _poisoned_nvfp4(sum(counts), y.shape[1], gs)
+            got = run_grouped(fused, a, b, offsets, out=out, bias=bias)
+            assert got is out
+            _assert_same_nvfp4(got, y, f"{s.name} {counts} gs {float(gs):g}")
+
+
+@pytest.mark.gpu("sm90")
+@pytest.mark.parametrize("m", [1, 129])
+def test_gemm_nvfp4_out_checks_itself_and_feeds_a_w4a4_gemm(m):
+    """``gemm(..., nvfp4_out=gs, check=True)`` returns an NVFP4Tensor (checked against the
+    unfused pipeline's bytes), which a following W4A4 GEMM takes as its activation."""
+    n, k = 512, 256
+    g = torch.Generator().manual_seed(m)
+    w = cf.quantize(torch.randn(n, k, generator=g).cuda())
+    w2 = cf.quantize(torch.randn(128, n, generator=g).cuda())
+    x = torch.randn(m, k, generator=g).cuda().to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).cuda()
+    gs = torch.tensor(0.01, device="cuda")
+    h = cf.gemm(x, w, schedule="sm90_default", bias=bias, nvfp4_out=gs, check=True)
+    assert isinstance(h, NVFP4Tensor) and h.shape == (m, n)
+    y = cf.gemm(h, w2, check=True)
+    assert y.shape == (m, 128) and torch.isfinite(y).all()
+    with pytest.raises(InputError, match="D\\^T tiles of swap-AB"):
+        cf.gemm(x, w, schedule="sm90_decode_swapab", nvfp4_out=gs)
