@@ -250,8 +250,8 @@ NV_OPS = [("nvfp4_out",), ("bias", "silu_mul", "nvfp4_out")]
 NV_DENSE = {"sm90": [("sm90_default", "bf16"), ("sm90_default", "nvfp4")],
             "sm120": [("sm120_default", "nvfp4"), ("sm120_pingpong", "nvfp4"),
                       ("sm120_128x64", "nvfp4")]}
-NV_GROUPED = {"sm90": [], "sm120": [("sm120_grouped", "nvfp4"),
-                                    ("sm120_grouped_decode", "nvfp4")]}
+# (sm120_grouped_decode: 4 MMA warps along N put a 16-column block in two warps: refused)
+NV_GROUPED = {"sm90": [], "sm120": [("sm120_grouped", "nvfp4")]}
 # global scales relative to amax / 2688: the usual one, scales saturated at 448, and
 # scales rounded down to subnormals or 2^-9
 NV_SCALES = (1.0, 1 / 64, 512.0)
