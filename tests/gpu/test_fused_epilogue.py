@@ -22,7 +22,7 @@ import cute_fp4 as cf
 from cute_fp4 import catalogue, packed, reference
 from cute_fp4.api import make_operands, run_compiled
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004
-from cute_fp4.errors import InputError
+from cute_fp4.errors import InputError, ScheduleError
 from cute_fp4.fused import interleave_gate_up, silu_mul_unfused
 from cute_fp4.grouped import run_grouped
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
@@ -348,5 +348,5 @@ def test_gemm_nvfp4_out_checks_itself_and_feeds_a_w4a4_gemm(m):
     assert isinstance(h, NVFP4Tensor) and h.shape == (m, n)
     y = cf.gemm(h, w2, check=True)
     assert y.shape == (m, 128) and torch.isfinite(y).all()
-    with pytest.raises(InputError, match="D\\^T tiles of swap-AB"):
+    with pytest.raises(ScheduleError, match="D\\^T tiles of swap-AB"):
         cf.gemm(x, w, schedule="sm90_decode_swapab", nvfp4_out=gs)

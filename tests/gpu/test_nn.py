@@ -428,13 +428,17 @@ def test_gated_mlp_graph_capture_of_the_eager_forward(mode, static):
 @pytest.mark.parametrize("mode, static", MODES, ids=IDS)
 def test_gated_mlp_compiled_matches_eager(mode, static):
     """Under torch.compile the fused MLP runs the unfused activation on the interleaved
-    gate_up (the custom ops take no epilogue operands): the same bits."""
+    gate_up (the custom ops take no epilogue operands). Inductor computes ``silu(g) * u``
+    in FP32 without rounding ``silu(g)`` to BF16 first, so the bits differ from eager's
+    by that rounding (measured on the H200: up to 2 BF16 ulps in the activation); the
+    outputs agree to well within the NVFP4 error."""
     _skip_unsupported(mode)
     _, mlp = _gated(mode, static)
     x = _x(16, 4096)
     torch._dynamo.reset()
     f = torch.compile(mlp, fullgraph=True)
-    assert torch.equal(f(x), mlp(x))
+    got, want = f(x).double(), mlp(x).double()
+    assert (got - want).norm() / want.norm() < 3e-2
 
 
 def test_convert_fuses_a_transformers_llama():
