@@ -8,6 +8,7 @@ import types
 
 import torch
 import transformers as tf
+from exact import exact_run
 
 from cute_fp4 import mlp as cmlp
 from cute_fp4 import moe, reference
@@ -16,7 +17,7 @@ from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.grouped import check_grouped_operands
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf.quantize import fake_quantize
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.nvfp4 import quantize
 from cute_fp4.packed import PackedNVFP4Weight
 
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -155,14 +156,7 @@ def exact_kernels(monkeypatch) -> list:
 
     def run(kern, a, w, alpha, dims, out=None):
         calls.append(("gemm", dims))
-        w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
-        m, n, k, _ = dims
-        a = a if isinstance(a, NVFP4Tensor) else a.reshape(m, k)
-        y = reference.gemm(a, w, alpha, out_dtype=kern.out_dtype)
-        if out is None:
-            return y
-        out.view(m, n).copy_(y)
-        return out
+        return exact_run(kern, a, w, alpha, dims, out)
 
     def grouped(a, b, offsets, schedule, out_dtype, alpha):
         calls.append(("grouped", tuple(b.shape)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exact import exact_run
 from torch import nn
 
 import cute_fp4 as cf
@@ -64,16 +65,6 @@ def exact(monkeypatch):
     activation quantizer by cute_fp4.quantize. Records the fused calls."""
     calls = []
 
-    def run(kern, a, w, alpha, dims, out=None):
-        w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
-        m, n, k, _ = dims
-        a = a if isinstance(a, NVFP4Tensor) else a.reshape(m, k)
-        y = reference.gemm(a, w, alpha, out_dtype=kern.out_dtype)
-        if out is None:
-            return y
-        out.view(m, n).copy_(y)
-        return out
-
     def fused(a, w, schedule, out_dtype, alpha, group):
         calls.append((tuple(a.shape), alpha, group))
         w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
@@ -81,7 +72,7 @@ def exact(monkeypatch):
 
     monkeypatch.setattr(cnn, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False:
                         type("K", (), {"out_dtype": dt})())
-    monkeypatch.setattr(cnn, "_run", run)
+    monkeypatch.setattr(cnn, "_run", exact_run)
     monkeypatch.setattr(cnn, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(cmlp, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(cmlp, "_fused_gemm", fused)
