@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cute_fp4.errors import CompileError, InputError
 from cute_fp4.plan import Plan, plan
-from cute_fp4.schedule import Mainloop, Problem, Schedule
+from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 from cute_fp4.targets import Target, get_target
 
 
@@ -338,6 +338,12 @@ class CompiledGemm:
         ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
         return self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
                                      ctas, self._stream_of(dev), bias)
+
+    @property
+    def unfused_schedule(self) -> Schedule:
+        """This kernel's schedule without its fused epilogue ops and with FP32 output: the
+        GEMM of the unfused pipeline ``check=True`` compares a fused call with."""
+        return self.schedule.replace(ops=(), out_dtype=OutDtype.FP32)
 
     @property
     def silu_group(self) -> int:

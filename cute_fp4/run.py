@@ -24,6 +24,7 @@ goes into :func:`launch_args` and the binding keys, :func:`gemm_key` and :func:`
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -45,7 +46,7 @@ from cute_fp4.operands import (
 )
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import OutDtype, Schedule
-from cute_fp4.tuning import heuristic
+from cute_fp4.tuning import heuristic, with_ops
 
 # ----------------------------------------------------------------------------- the schedule
 
@@ -112,6 +113,12 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
     return s
 
 
+def _resolve_with_ops(resolve, ops: tuple[str, ...], schedule, m: int, n: int, k: int,
+                      a_format: str, out_dtype: torch.dtype) -> Schedule:
+    """"auto" for a call with fused epilogue ``ops`` (``tuning.with_ops``)."""
+    return with_ops(resolve(schedule, m, n, k, a_format, out_dtype), ops, m, n, k, a_format)
+
+
 # ----------------------------------------------------------------------------- a call
 
 class GemmPath:
@@ -133,11 +140,12 @@ class GemmPath:
         ("auto" resolved again every :data:`AUTO_RECHECK_S`); ``packed``: for a
         fragment-order weight ("auto" memoised under its own key, resolved by the packed
         heuristic); ``ops``: fused epilogue operations."""
-        if not packed:
-            return self._kernel_for(schedule, dims, out_dtype, device_index, resolve_schedule,
-                                    ops)
-        key = _AUTO_PACKED if isinstance(schedule, str) and schedule == "auto" else schedule
-        return self._kernel_for(key, dims, out_dtype, device_index, _resolve_packed, ops)
+        auto = isinstance(schedule, str) and schedule == "auto"
+        resolve = _resolve_packed if packed else resolve_schedule
+        if auto and ops:  # the ops given here: "auto" may take another tile for them
+            resolve = functools.partial(_resolve_with_ops, resolve, ops)
+        key = _AUTO_PACKED if packed and auto else schedule
+        return self._kernel_for(key, dims, out_dtype, device_index, resolve, ops)
 
     def run_gemm(self, a, b: NVFP4Tensor, schedule, out, out_dtype, alpha, check: bool,
                  bind: bool = True, key: tuple | None = None, bias=None,
@@ -205,8 +213,9 @@ class GemmPath:
             dims = (m, n, k, "bf16")
         kern = self.kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops)
         result = run_checked(kern, a, b, out, alpha, dims, bias, nvfp4_out)
-        if check and not kern.validated:  # the same schedule argument, no ops, FP32 out
-            plain = self.kernel(schedule, dims, torch.float32, b.data.get_device(), packed)
+        if check and not kern.validated:  # the same schedule, no ops, FP32 output
+            plain = self.kernel(kern.unfused_schedule, dims, torch.float32,
+                                b.data.get_device(), packed)
             raw = run_checked(plain, a, b, None, alpha, dims)
             reference.assert_close(raw, a, b.unpack() if packed else b, alpha)
             reference.assert_fused(result, raw, bias, ops, kern.silu_group,

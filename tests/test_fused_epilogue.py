@@ -240,3 +240,24 @@ def test_nvfp4_out_kernels_compile_without_spills(name, fmt, ops):
     row = compile_report(s, problem=Problem(a_format=fmt))
     assert row["ok"], row.get("reason")
     assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row
+
+
+def test_auto_takes_a_tile_that_writes_nvfp4_for_nvfp4_out():
+    """"auto" keeps its pick where plan() takes the ops on it; for nvfp4_out on a D^T,
+    split-K or SM12x decode tile it takes the family's validated tile instead; a packed
+    weight (D^T kernels only) is refused with the way out."""
+    from cute_fp4.tuning import NVFP4_OUT_SCHEDULES, with_ops
+
+    dims = (16, 4096, 4096, "nvfp4")
+    for picked in ("sm90_decode_swapab", "sm90_decode", "sm120_decode_splitk4"):
+        s = with_ops(catalogue.get(picked).replace(out_dtype="fp16"), ("nvfp4_out",), *dims)
+        assert s.name.startswith(NVFP4_OUT_SCHEDULES[s.arch.family]), s.name
+        assert s.epilogue.ops == ("nvfp4_out",) and s.epilogue.out_dtype.value == "fp16"
+        assert plan(s, Problem(*dims)).ok
+    s = with_ops(catalogue.get("sm90_decode_swapab"), ("bias", "silu_mul"), *dims)
+    assert s.name.startswith("sm90_decode_swapab") and s.epilogue.ops == ("bias", "silu_mul")
+    s = with_ops(catalogue.get("sm120_default"), ("nvfp4_out",), *dims)
+    assert s.name.startswith("sm120_default")
+    with pytest.raises(InputError, match="nvfp4_out on a packed weight"):
+        with_ops(catalogue.get("sm90_rs_packed_decode"), ("nvfp4_out",), 16, 4096, 4096,
+                 "bf16")
