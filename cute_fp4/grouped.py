@@ -56,6 +56,7 @@ from cute_fp4.operands import (
 from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
+from cute_fp4.tuning import with_ops
 
 __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
            "check_offsets", "grouped_alpha", "grouped_gemm", "grouped_mm", "register_op",
@@ -395,7 +396,9 @@ def _kernel_for(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
         check_schedule(hit[1].schedule, dims)
         return hit[1]
     s = _schedule_for(schedule, out_dtype, dev, dims)
-    if ops and s.epilogue.ops != ops:
+    if ops and schedule == "auto":  # "auto" may take another tile for the ops
+        s = with_ops(s, ops, dims.total_m, dims.n, dims.k, dims.a_format, dims.experts)
+    elif ops and s.epilogue.ops != ops:
         s = s.replace(ops=ops)
     check_schedule(s, dims)
     _require_cuda(b)

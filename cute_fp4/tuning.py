@@ -314,28 +314,30 @@ def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16",
 
 # "auto" with nvfp4_out: the schedule auto picks when plan() takes the op on it, else this
 # one of the family (normal-orientation tiles, no split-K, at most 2 MMA warps along N on
-# SM12x: the kernels whose NVFP4 output the H200 validated, perf/results/2026-12-03-h200-final.md)
-NVFP4_OUT_SCHEDULES = {"sm90": "sm90_default", "sm120": "sm120_default"}
+# SM12x: the kernels whose NVFP4 output the H200 validated,
+# perf/results/2026-12-03-h200-final.md), by (family, grouped)
+NVFP4_OUT_SCHEDULES = {("sm90", False): "sm90_default", ("sm120", False): "sm120_default",
+                       ("sm120", True): "sm120_grouped"}
 
 
-def with_ops(s: Schedule, ops: tuple[str, ...], m: int, n: int, k: int,
-             a_format: str) -> Schedule:
+def with_ops(s: Schedule, ops: tuple[str, ...], m: int, n: int, k: int, a_format: str,
+             groups: int = 0) -> Schedule:
     """What "auto" runs for a call with fused epilogue ``ops``: ``s`` (its pick without
     them) given the ops, or, where plan() refuses ``nvfp4_out`` there (the D^T kernels of
-    decode, split-K, SM12x's decode tiles), :data:`NVFP4_OUT_SCHEDULES`'s schedule of the
-    family with the same output dtype. InputError for a packed weight, whose kernels all
-    store D^T tiles."""
+    decode, split-K, SM12x's decode tiles), :data:`NVFP4_OUT_SCHEDULES`'s schedule with the
+    same output dtype. InputError for a packed weight, whose kernels all store D^T tiles."""
     from cute_fp4 import catalogue
     from cute_fp4.plan import plan
     from cute_fp4.schedule import Problem
 
     fused = s.replace(ops=ops) if s.epilogue.ops != ops else s
-    if "nvfp4_out" not in ops or plan(fused, Problem(m, n, k, a_format)).ok:
+    if "nvfp4_out" not in ops or plan(fused, Problem(m, n, k, a_format, groups)).ok:
         return fused
     if s.mainloop.reads_packed:
         raise InputError("nvfp4_out on a packed weight: its kernels (rs_packed, stream) store "
                          "D^T tiles, whose 16-column output blocks lie in other warps; hold "
                          "the weight in the plain layout (NVFP4Linear(layout='plain'), or "
                          "w.unpack())")
-    base = catalogue.get(NVFP4_OUT_SCHEDULES[s.arch.family])
-    return base.replace(target=s.target, out_dtype=s.epilogue.out_dtype, ops=ops)
+    name = NVFP4_OUT_SCHEDULES[(s.arch.family, s.scheduler.grouped)]
+    return catalogue.get(name).replace(target=s.target, out_dtype=s.epilogue.out_dtype,
+                                       ops=ops)

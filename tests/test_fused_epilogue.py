@@ -251,13 +251,16 @@ def test_auto_takes_a_tile_that_writes_nvfp4_for_nvfp4_out():
     dims = (16, 4096, 4096, "nvfp4")
     for picked in ("sm90_decode_swapab", "sm90_decode", "sm120_decode_splitk4"):
         s = with_ops(catalogue.get(picked).replace(out_dtype="fp16"), ("nvfp4_out",), *dims)
-        assert s.name.startswith(NVFP4_OUT_SCHEDULES[s.arch.family]), s.name
+        assert s.name.startswith(NVFP4_OUT_SCHEDULES[(s.arch.family, False)]), s.name
         assert s.epilogue.ops == ("nvfp4_out",) and s.epilogue.out_dtype.value == "fp16"
         assert plan(s, Problem(*dims)).ok
     s = with_ops(catalogue.get("sm90_decode_swapab"), ("bias", "silu_mul"), *dims)
     assert s.name.startswith("sm90_decode_swapab") and s.epilogue.ops == ("bias", "silu_mul")
     s = with_ops(catalogue.get("sm120_default"), ("nvfp4_out",), *dims)
     assert s.name.startswith("sm120_default")
+    s = with_ops(catalogue.get("sm120_grouped_decode"), ("nvfp4_out",), 64, 1536, 2048,
+                 "nvfp4", 8)  # grouped: the grouped tile
+    assert s.name.startswith("sm120_grouped+") and s.scheduler.grouped
     with pytest.raises(InputError, match="nvfp4_out on a packed weight"):
         with_ops(catalogue.get("sm90_rs_packed_decode"), ("nvfp4_out",), 16, 4096, 4096,
                  "bf16")
