@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from cute_fp4 import quant
-from cute_fp4.api import gemm_kernel, mm, mm_packed, quantize_op
+from cute_fp4.api import gemm, gemm_kernel, mm, mm_packed, quantize_op
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.operands import alpha_tensor
@@ -56,7 +56,8 @@ _ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _K_MULTIPLE = 32  # packed FP4 rows must be a multiple of 16 bytes
 _N_MULTIPLE = 8  # bf16/fp16 output rows must be a multiple of 16 bytes
 # buffers that hold the NVFP4 encoding: their dtypes never follow module.to(dtype)/half()
-_FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "alpha")
+_FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "alpha",
+                   "out_scale")
 _CHECKPOINT_KEYS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 
@@ -209,6 +210,8 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else
                              _scalar(input_scale, "input_scale", dev), persistent=False)
         self.register_buffer("alpha", None, persistent=False)
+        # emit_nvfp4: the next W4A4 layer's input scale; forward then returns NVFP4
+        self.register_buffer("out_scale", None, persistent=False)
         self.bias = bias
         self._view: NVFP4Tensor | None = None
         self._bound: dict[tuple, object] = {}  # (M, dtype) -> run.BoundLaunch (forward)
@@ -276,6 +279,19 @@ class NVFP4Linear(torch.nn.Module):
             self.alpha = self.input_scale * self.weight_scale_2
         else:
             torch.mul(self.input_scale, self.weight_scale_2, out=self.alpha)
+
+    def emit_nvfp4(self, next_input_scale) -> None:
+        """Make forward return its output as NVFP4 quantized with ``next_input_scale`` (the
+        following W4A4 layer's static input scale, decode form): the GEMM's epilogue writes
+        it (``gemm(..., nvfp4_out=)``: the bytes ``quantize`` gives for the output rounded
+        to BF16), so that layer, which takes an NVFP4Tensor input as it is, needs no
+        quantize kernel. None: back to a BF16/FP16 output. The NVFP4 output needs a tile
+        that writes NVFP4 (``docs/fused.md``): a plain-layout weight on sm_90a."""
+        if next_input_scale is None:
+            self.out_scale = None
+            return
+        self.out_scale = _scalar(next_input_scale, "next_input_scale",
+                                 self.weight_scale.device)
 
     # ------------------------------------------------------------------ views, state
 
@@ -390,6 +406,8 @@ class NVFP4Linear(torch.nn.Module):
                              "(convert the model's activations, e.g. model.to(torch.bfloat16))")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, NVFP4Tensor) or self.out_scale is not None:
+            return self._forward_nvfp4_io(x)
         self._check_input(x)
         if torch.compiler.is_compiling():
             return self._forward_traced(x)
@@ -415,6 +433,29 @@ class NVFP4Linear(torch.nn.Module):
         if self.bias is not None:
             out.add_(self.bias)
         return out
+
+    def _forward_nvfp4_io(self, x):
+        """An NVFP4 input (a W4A4 layer after one that emits NVFP4: used as it is, its
+        own global scale in alpha) or an NVFP4 output (:meth:`emit_nvfp4`), through
+        ``gemm``'s full path (no binding); the bias is fused in FP32. 2-D [M, K] inputs for
+        an NVFP4 one; the NVFP4 output is [M, N]."""
+        if torch.compiler.is_compiling():
+            raise InputError("NVFP4 inputs and outputs of NVFP4Linear are not supported under "
+                             "torch.compile yet (the custom ops take no NVFP4 output)")
+        dtype = torch.bfloat16
+        if isinstance(x, NVFP4Tensor):
+            if self.mode != "w4a4":
+                raise InputError("an NVFP4 input needs mode='w4a4' (this layer is "
+                                 f"{self.mode}); give it the BF16/FP16 activation")
+            a = x
+        else:
+            self._check_input(x)
+            dtype = x.dtype
+            x2 = x.reshape(-1, self.in_features)
+            a = x2 if self.mode == "w4a16" else quantize_activation(x2, self.input_scale)
+        bias = None if self.bias is None else self.bias.float()
+        return gemm(a, self._stored_weight(), schedule=self.schedule, out_dtype=dtype,
+                    bias=bias, nvfp4_out=self.out_scale)
 
     def _launch_w4a16(self, x, w, m: int, dev: int, out: torch.Tensor) -> None:
         """The full launch (kernel lookup, checks, workspace), then a binding of it that

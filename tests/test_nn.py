@@ -743,3 +743,34 @@ def test_packed_fake_implementation_has_the_kernel_shape():
                                                   dtype=torch.float8_e4m3fn),
                           torch.empty((), dtype=torch.float32), 72, 128, torch.bfloat16, "auto")
     assert y.shape == (3, 72) and y.dtype == torch.bfloat16
+
+
+def test_emit_nvfp4_hands_the_next_layer_its_activation(monkeypatch):
+    """emit_nvfp4(scale): forward is gemm(..., nvfp4_out=scale) (the epilogue quantizes;
+    tests/gpu/test_fused_epilogue.py holds its bytes to quantize's); an NVFP4Tensor input
+    goes into a W4A4 layer as it is; typed refusals."""
+    from cute_fp4 import nn as cnn
+
+    calls = []
+
+    def fake_gemm(a, w, **kw):
+        calls.append((a, kw))
+        return "out"
+
+    monkeypatch.setattr(cnn, "gemm", fake_gemm)
+    w = quantize(torch.randn(64, 128))
+    first = cnn.NVFP4Linear(w, bias=torch.randn(64, dtype=torch.bfloat16), layout="plain")
+    second = cnn.NVFP4Linear(quantize(torch.randn(32, 64)), mode="w4a4", input_scale=0.01,
+                             layout="plain")
+    first.emit_nvfp4(second.input_scale)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert first(x) == "out"
+    a, kw = calls[-1]
+    assert a.shape == (3, 128) and float(kw["nvfp4_out"]) == pytest.approx(0.01)
+    assert kw["bias"].dtype == torch.float32 and kw["out_dtype"] == torch.bfloat16
+    h = quantize(torch.randn(3, 64), 0.01)
+    assert second(h) == "out" and calls[-1][0] is h and calls[-1][1]["nvfp4_out"] is None
+    with pytest.raises(InputError, match="an NVFP4 input needs mode='w4a4'"):
+        first(h)
+    first.emit_nvfp4(None)
+    assert first.out_scale is None

@@ -463,3 +463,27 @@ def test_convert_fuses_a_transformers_llama():
         a, b, c = (m(ids).logits.float() for m in (fused, unfused, bf16))
     assert float((a - b).norm() / b.norm()) < 0.1
     assert float((a - c).norm() / c.norm()) < 0.2
+
+
+@pytest.mark.parametrize("m", [1, 16, 200])
+def test_a_layer_emitting_nvfp4_feeds_a_w4a4_layer(m):
+    """first.emit_nvfp4(second.input_scale): the first layer's epilogue writes the second's
+    NVFP4 activation (no quantize kernel between them). Against the same chain with a
+    BF16 hand-off (the second layer quantizing it): the codes are those of quantize on the
+    first GEMM's BF16 output, whose tile may differ (auto's pick vs a tile that writes
+    NVFP4), so the outputs agree within the NVFP4 error, not bit for bit."""
+    _skip_unsupported("w4a4")
+    g = torch.Generator().manual_seed(m)
+    mode1 = "w4a16" if selection.family() == "sm90" else "w4a4"
+    first = cnn.NVFP4Linear(cf.quantize(torch.randn(512, 256, generator=g).cuda() * 0.05),
+                            mode=mode1, input_scale=None if mode1 == "w4a16" else 0.01,
+                            layout="plain")
+    second = cnn.NVFP4Linear(cf.quantize(torch.randn(128, 512, generator=g).cuda() * 0.05),
+                             mode="w4a4", input_scale=0.004, layout="plain")
+    x = _x(m, 256, seed=m)
+    want = second(first(x)).double()
+    first.emit_nvfp4(second.input_scale)
+    h = first(x)
+    assert isinstance(h, cf.NVFP4Tensor) and h.shape == (m, 512)
+    got = second(h).double()
+    assert (got - want).norm() / want.norm() < 5e-2
