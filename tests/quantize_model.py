@@ -24,7 +24,7 @@ import torch
 from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape, sf_offset_shifts
 
 F32 = np.float32
-M2_BIAS = (22 << 23) - 254  # the kernel's _M2_BIAS
+M2_BIAS = (22 << 23) - 254  # kernels/e2m1.py M2_BIAS
 FAST_GS = (2.0**-80, 64.0)
 
 

@@ -40,6 +40,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from cute_fp4.kernels.e2m1 import m2_sum
 from cute_fp4.nvfp4 import sf_offset_shifts
 
 
@@ -396,11 +397,9 @@ def _nv_code_lines(x: str, out: str) -> list[str]:
     sign from a compare (so -0 gives code 0, as ``quantize``), the magnitude clamped to 6 and
     rounded to the E2M1 grid by one float add (``kernels.quantize``'s M2 constant: the code
     lands in the low mantissa bits)."""
-    from cute_fp4.kernels.quantize import _m2_sum
-
     return [f"@pd div.rn.f32 q, {x}, {{$r2}};", "@!pd mov.b32 q, 0;",
             "setp.lt.f32 ps, q, 0f00000000;", "abs.f32 q, q;", "min.f32 q, q, 0f40C00000;",
-            *_m2_sum("q"), f"and.b32 {out}, fm, 7;", f"@ps or.b32 {out}, {out}, 8;"]
+            *m2_sum("q"), f"and.b32 {out}, fm, 7;", f"@ps or.b32 {out}, {out}, 8;"]
 
 
 # $r0, $r1 two adjacent elements (columns 2j, 2j + 1), $r2 d -> $w0 their byte of codes

@@ -101,6 +101,7 @@ import cutlass.memory
 from cutlass.cute.runtime import make_ptr
 
 from cute_fp4.kernels import roles
+from cute_fp4.kernels.e2m1 import m2_sum
 from cute_fp4.nvfp4 import sf_offset_shifts
 
 _GMEM = cute.AddressSpace.gmem
@@ -187,26 +188,12 @@ def _unpack(half: str, word: str, hi: bool, dst: str) -> list[str]:
     return [f"mov.b32 {{hl, hh}}, {word};", f"cvt.f32.f16 {dst}, {'hh' if hi else 'hl'};"]
 
 
-# E2M1 by one float add: M2(em) = 2^(em - 105) + (2 em - 254) ulps (em = max(exponent(q),
-# 127)) has a grid of 2^(em - 128) (the E2M1 spacing of q's binade) and a mantissa offset of
-# 2 (em - 127), so RN(q + M2) = M2 + n ulps with n = RNE(q / spacing): its mantissa field is
-# the code n + 2 (em - 127) (offset even: ties keep E2M1's even codes). Bits of M2: em *
-# (2^23 + 2) + _M2_BIAS.
-_M2_BIAS = (22 << 23) - 254
-
-
-def _m2_sum(q: str) -> list[str]:
-    """``fm = RN(q + M2(em))`` and ``mg`` = M2's bits, for ``0 <= q <= 6.5``."""
-    return [f"shr.u32 ex, {q}, 23;", "max.u32 em, ex, 127;",
-            f"mad.lo.u32 mg, em, 0x800002, {_M2_BIAS:#x};", f"add.rn.f32 fm, {q}, mg;"]
-
-
 def _encode_sw(q: str, k: int, acc: str, sign: str) -> list[str]:
     """Software E2M1 of ``q`` (0 <= q <= 6.5) added into ``acc`` as nibble ``k``. Nibbles 0..2
     go into ``acc`` with the exponent bits of their sums above bit 22 (masked off by
     :func:`_mask_low`), nibbles 3..7 shift them out of the word."""
     add = f"mov.b32 {acc}, fm;" if k == 0 else f"mad.lo.u32 {acc}, fm, {_pow16(k)}, {acc};"
-    return [*_m2_sum(q), add, f"@{sign} add.u32 {acc}, {acc}, {_pow16(k, 8)};"]
+    return [*m2_sum(q), add, f"@{sign} add.u32 {acc}, {acc}, {_pow16(k, 8)};"]
 
 
 def _mask_low(acc: str) -> list[str]:
@@ -219,7 +206,7 @@ def _value(j: int, h: int) -> list[str]:
     is q rounded to its binade's E2M1 spacing (Sterbenz: exact), the E2M1 magnitude; times
     the UE4M3 value ``sfv`` (at most 2 x 4 significant bits: exact); negated where the
     element is negative (``pe{j}``: x < 0, so -0 stays +0 as its code does)."""
-    return [*_m2_sum("q"), "sub.rn.f32 fm, fm, mg;", f"mul.rn.f32 v{h}, fm, sfv;",
+    return [*m2_sum("q"), "sub.rn.f32 fm, fm, mg;", f"mul.rn.f32 v{h}, fm, sfv;",
             f"@pe{j} neg.f32 v{h}, v{h};"]
 
 
