@@ -140,15 +140,17 @@ def test_every_sm120_thread_holds_its_gate_and_up(name):
 
 @pytest.mark.compile
 # one per family, CI's time being short: sm_90a's D^T split-K store (the stream kernel) and
-# SM120's grouped OMMA store (the other flavours compile in the GPU runs)
-@pytest.mark.parametrize("name, fmt", [("sm90_stream_decode", "bf16"),
-                                       ("sm120_grouped_decode", "nvfp4")])
-def test_fused_kernels_compile_without_spills(name, fmt):
+# SM120's grouped OMMA store, for sm_121a (GB10; the nvfp4_out compile below is sm_120a's;
+# the other flavours compile in the GPU runs)
+@pytest.mark.parametrize("name, fmt, target", [("sm90_stream_decode", "bf16", "sm_90a"),
+                                               ("sm120_grouped_decode", "nvfp4", "sm_121a")])
+def test_fused_kernels_compile_without_spills(name, fmt, target):
     from cute_fp4.compile import compile_report
 
     s = catalogue.get(name).replace(ops=("bias", "silu_mul"))
     groups = 8 if s.scheduler.grouped else 0
-    row = compile_report(s, problem=Problem(a_format=fmt, groups=groups))
+    row = compile_report(s, target, problem=Problem(a_format=fmt, groups=groups))
+    assert row["target"] == target
     assert row["ok"], row.get("reason")
     assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row
 
