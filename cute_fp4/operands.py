@@ -167,12 +167,7 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
         _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
     else:
         _check_tensor(a, "a", (a.dtype,), (m, k), dev)
-    if out is not None:
-        _check_tensor(out, "out", (out_dtype,), (m, n), dev)
-    if (n * out_dtype.itemsize) % ALIGN:
-        raise InputError(f"N = {n} gives output rows of {n * out_dtype.itemsize} bytes; they "
-                         f"must be a multiple of {ALIGN} (N a multiple of "
-                         f"{ALIGN // out_dtype.itemsize})")
+    _check_out(out, m, n, out_dtype, dev, f"N = {n} gives output")
     if alpha is not None and isinstance(alpha, torch.Tensor) and alpha.numel() != 1:
         raise InputError(f"alpha must be a scalar, got {alpha.numel()} elements")
     return m, n, k, a_format
@@ -236,13 +231,19 @@ def check_fused_operands(bias, out, rows: int, n: int, out_dtype: torch.dtype,
             raise InputError(f"nvfp4_out: the output's {cols} columns must be a multiple of "
                              "32 (blocks of 16, rows of codes in 16-byte multiples)")
         return cols
+    _check_out(out, rows, cols, out_dtype, device, f"the output's {cols} columns give")
+    return cols
+
+
+def _check_out(out, rows: int, cols: int, out_dtype: torch.dtype, device, what: str) -> None:
+    """``out`` (when given) ``[rows, cols]`` of ``out_dtype``; rows of whole 16-byte units
+    (``what``: the message's subject and verb)."""
     if out is not None:
         _check_tensor(out, "out", (out_dtype,), (rows, cols), device)
     if (cols * out_dtype.itemsize) % ALIGN:
-        raise InputError(f"the output's {cols} columns give rows of "
-                         f"{cols * out_dtype.itemsize} bytes; they must be a multiple of "
-                         f"{ALIGN}")
-    return cols
+        raise InputError(f"{what} give rows of {cols * out_dtype.itemsize} bytes; they must "
+                         f"be a multiple of {ALIGN} (a multiple of "
+                         f"{ALIGN // out_dtype.itemsize} columns)")
 
 
 def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
