@@ -241,7 +241,7 @@ def _check_out(out, rows: int, cols: int, out_dtype: torch.dtype, device, what: 
     if out is not None:
         _check_tensor(out, "out", (out_dtype,), (rows, cols), device)
     if (cols * out_dtype.itemsize) % ALIGN:
-        raise InputError(f"{what} give rows of {cols * out_dtype.itemsize} bytes; they must "
+        raise InputError(f"{what} rows of {cols * out_dtype.itemsize} bytes; they must "
                          f"be a multiple of {ALIGN} (a multiple of "
                          f"{ALIGN // out_dtype.itemsize} columns)")
 
