@@ -195,7 +195,7 @@ class Scheduler:
 # Fused epilogue operations, in the order they apply (kernels/epilogue.py):
 # * "bias": D[:, n] += bias[n] in FP32, before the conversion (one rounding);
 # * "silu_mul": the weight's rows are gate and up interleaved in groups of G rows (rows
-#   2Gj .. 2Gj + G - 1 gate, the next G up: cute_fp4.ops.interleave_gate_up; G is
+#   2Gj .. 2Gj + G - 1 gate, the next G up: cute_fp4.fused.interleave_gate_up; G is
 #   plan.silu_group(schedule), the width at which the kernel's MMA gives one thread both);
 #   D has N / 2 columns, h = silu(g) * u with g and u rounded to the output type first and
 #   silu(g) rounded again: the bits of the unfused ``gemm -> F.silu(g) * u`` in that type;

@@ -6,9 +6,10 @@ conversion offset of the SM90 mainloops), then convert to the stored element typ
 :func:`store_direct` (and so split-K) also applies the schedule's fused operations
 (:class:`FusedOps`, ``Epilogue.ops``): a per-column FP32 bias before the conversion, and
 SiLU-and-mul of interleaved gate/up columns (see :func:`silu_mul_pairs` for why the pairs
-are always in one thread's registers, and ``cute_fp4.schedule.EPILOGUE_OPS`` for the
-rounding points, which are the unfused pipeline's). Kernels store from registers whenever
-a schedule has fused operations.
+are always in one thread's registers), and the NVFP4 output (per-16 block amax over the
+lanes of a quad, UE4M3 scale, E2M1 codes and the 128x4 scale layout: :func:`nvfp4_blocks`);
+``cute_fp4.schedule.EPILOGUE_OPS`` gives the rounding points, which are the unfused
+pipeline's. Kernels store from registers whenever a schedule has fused operations.
 
 * :class:`SmemEpilogue` (16-bit outputs, and SM120 FP32): the tile is cut into epilogue
   tiles; each is gathered from the accumulator, converted, copied register -> shared

@@ -212,7 +212,7 @@ def check_epilogue_ops(s: Schedule, p: Problem) -> list[str]:
     if "silu_mul" in s.epilogue.ops and p.n and p.n % (2 * g):
         out.append(f"N = {p.n} is not a multiple of {2 * g}: silu_mul on {s.target} takes "
                    f"the weight's rows as gate/up groups of {g} "
-                   "(cute_fp4.ops.interleave_gate_up) and stores N / 2 columns")
+                   "(cute_fp4.fused.interleave_gate_up) and stores N / 2 columns")
     if "nvfp4_out" in s.epilogue.ops:
         out += check_nvfp4_out(s, p)
     return out
