@@ -74,18 +74,29 @@ def natural_gate_up(w, group: int):
                        w.shape)
 
 
+def _gate_up_views(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strided views ``[..., I / G, G]`` of the gate and the up columns of an interleaved
+    ``[..., 2I]`` (column ``2Gj + i`` is gate ``Gj + i``, ``2Gj + G + i`` its up): in the
+    natural order once flattened, without a copy."""
+    *lead, n = t.shape
+    if n % (2 * group):
+        raise InputError(f"{n} gate/up columns do not split into groups of {group}: they "
+                         f"must be a multiple of {2 * group}")
+    v = t.reshape(*lead, n // (2 * group), 2, group)
+    return v[..., 0, :], v[..., 1, :]
+
+
 def deinterleave_gate_up(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up) columns, in natural order, of a GEMM output ``[..., 2I]`` computed with an
     interleaved weight."""
-    order = gate_up_order(t.shape[-1], group, t.device)
-    natural = torch.empty_like(t)
-    natural[..., order] = t
+    gate, up = _gate_up_views(t, group)
     half = t.shape[-1] // 2
-    return natural[..., :half], natural[..., half:]
+    return gate.reshape(*t.shape[:-1], half), up.reshape(*t.shape[:-1], half)
 
 
 def silu_mul_unfused(gate_up: torch.Tensor, group: int) -> torch.Tensor:
     """What ``"silu_mul"`` fuses: ``F.silu(gate) * up`` in ``gate_up``'s dtype, from the
-    GEMM's interleaved output (the fused output has the same bits)."""
-    gate, up = deinterleave_gate_up(gate_up, group)
-    return F.silu(gate) * up
+    GEMM's interleaved output (the fused output has the same bits): one pass over strided
+    views, no reordering copy."""
+    gate, up = _gate_up_views(gate_up, group)
+    return (F.silu(gate) * up).reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
