@@ -87,14 +87,11 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
     ``NVFP4Tensor`` (``out``: an ``NVFP4Tensor`` to write). Normal-orientation kernels
     without split-K only (plan() refuses the others with the reason).
     """
-    if bias is not None or silu_mul or nvfp4_out is not None:
-        if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        if bias is not None or silu_mul or nvfp4_out is not None:
             raise InputError("gemm with bias=, silu_mul= or nvfp4_out= is not supported "
                              "under torch.compile yet (the cute_fp4::mm op has no epilogue "
                              "operands)")
-        return _PATH.run_gemm(a, b, schedule, out, out_dtype, alpha, check, bias=bias,
-                              silu_mul=silu_mul, nvfp4_out=nvfp4_out)
-    if torch.compiler.is_compiling():
         if isinstance(b, PackedNVFP4Weight):
             raise InputError("a PackedNVFP4Weight is not supported under torch.compile yet "
                              "(the cute_fp4::mm op takes the plain layout); use the plain "
@@ -102,7 +99,8 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
         return _op_call(a, b, schedule, out_dtype, alpha)
     if not _OP.registered:
         _OP.register()
-    return _PATH.run_gemm(a, b, schedule, out, out_dtype, alpha, check)
+    return _PATH.run_gemm(a, b, schedule, out, out_dtype, alpha, check, bias=bias,
+                          silu_mul=silu_mul, nvfp4_out=nvfp4_out)
 
 
 # ----------------------------------------------------------------------------- custom ops
