@@ -288,6 +288,10 @@ class GroupedScheduler:
             return cutlass.min(self.bound, max_ctas)
         return self.bound
 
+    def rows(self, lo_offset, hi_offset):
+        """A group's rows ``[lo, hi)`` from its two offsets (:func:`group_rows`: clamped)."""
+        return group_rows(lo_offset, hi_offset, self.m_total, cutlass.min, cutlass.max)
+
     def prepare(self, offsets) -> GroupedScheduler:
         """Every lane: its groups' inclusive prefix sums of row tiles, and the unit count."""
         lane = cute.arch.lane_idx()
@@ -297,7 +301,7 @@ class GroupedScheduler:
         local = []
         for j in range(GROUPS_PER_LANE):
             nxt = offsets[cutlass.min(first + j + 1, self.groups)]
-            lo, hi = group_rows(prev, nxt, self.m_total, cutlass.min, cutlass.max)
+            lo, hi = self.rows(prev, nxt)
             run = run + (hi - lo + self.tile_m - 1) // self.tile_m
             local.append(run)
             prev = nxt
@@ -317,8 +321,7 @@ class GroupedScheduler:
             t, self.prefix, lambda x: cute.arch.warp_redux_sync(cutlass.Int32(x), "add"),
             cute.arch.shuffle_sync, _select_i32, cutlass.max)
         mt = t - first
-        lo, hi = group_rows(self.offsets[g], self.offsets[g + 1], self.m_total, cutlass.min,
-                            cutlass.max)
+        lo, hi = self.rows(self.offsets[g], self.offsets[g + 1])
         row0 = lo + mt * self.tile_m
         return WorkTile(mt, unit - t * self.tiles_n, g, 0, 0, self.k_tiles, row0, hi - row0)
 

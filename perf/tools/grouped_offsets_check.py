@@ -28,20 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-
 import cute_fp4 as cf  # noqa: E402
 from cute_fp4 import catalogue, grouped, packed  # noqa: E402
 from cute_fp4.compile import Signature, _build, compile, compile_emulated, retarget  # noqa: E402
 from cute_fp4.kernels import sm90, sm120  # noqa: E402
-from cute_fp4.kernels.scheduler import (  # noqa: E402
-    GROUPS_PER_LANE,
-    GroupedScheduler,
-    WorkTile,  # noqa: E402
-    _select_i32,  # noqa: E402
-    group_of_tile,
-)
+from cute_fp4.kernels.scheduler import GroupedScheduler  # noqa: E402
 from cute_fp4.plan import plan  # noqa: E402
 from cute_fp4.schedule import Mainloop, Problem  # noqa: E402
 from cute_fp4.targets import require_device  # noqa: E402
@@ -56,36 +47,8 @@ class UnclampedScheduler(GroupedScheduler):
     """The grouped scheduler before the clamp: a group's rows straight from the offsets
     (for the memcheck control and the timing baseline only)."""
 
-    def prepare(self, offsets):
-        lane = cute.arch.lane_idx()
-        first = lane * GROUPS_PER_LANE
-        prev = offsets[cutlass.min(first, self.groups)]
-        run = cutlass.Int32(0)
-        local = []
-        for j in range(GROUPS_PER_LANE):
-            nxt = offsets[cutlass.min(first + j + 1, self.groups)]
-            run = run + (nxt - prev + self.tile_m - 1) // self.tile_m
-            local.append(run)
-            prev = nxt
-        scan = run
-        for d in (1, 2, 4, 8, 16):
-            up = cute.arch.shuffle_sync_up(scan, d)
-            scan = scan + cutlass.select_(lane >= d, up, 0)
-        base = scan - run
-        total_tiles = cute.arch.shuffle_sync(scan, 31)
-        return type(self)(self.groups, self.tiles_n, self.k_tiles, self.tile_m, self.m_total,
-                          self.bound, offsets, [base + v for v in local],
-                          total_tiles * self.tiles_n)
-
-    def coords(self, unit):
-        t = unit // self.tiles_n
-        g, first = group_of_tile(
-            t, self.prefix, lambda x: cute.arch.warp_redux_sync(cutlass.Int32(x), "add"),
-            cute.arch.shuffle_sync, _select_i32, cutlass.max)
-        mt = t - first
-        row0 = self.offsets[g] + mt * self.tile_m
-        return WorkTile(mt, unit - t * self.tiles_n, g, 0, 0, self.k_tiles, row0,
-                        self.offsets[g + 1] - row0)
+    def rows(self, lo_offset, hi_offset):
+        return lo_offset, hi_offset
 
 
 def unclamped_kernel(s, fmt: str):
