@@ -94,17 +94,32 @@ def test_interleaved_weights_give_the_natural_gate_and_up():
     torch.testing.assert_close(u, x @ w[1, 64:].T)
 
 
-def _sm120_pairs_hold(schedule) -> list[str]:
+def _trace_sm120(schedule, walk) -> None:
+    """``walk(kernel)`` (plain Python over the layouts) inside a trace of the schedule's
+    SM120 kernel after its setup; the arch is a compile option (CUTE_DSL_ARCH is read once,
+    when the DSL first starts)."""
     import cutlass.cute as cute
 
     from cute_fp4.compile import kernel_class
 
     problem = Problem(groups=8) if schedule.scheduler.grouped else Problem()
     k = kernel_class(schedule)(schedule, problem)
+
+    @cute.jit
+    def trace():
+        k._setup()
+        walk(k)
+
+    cute.compile(trace, options="--gpu-arch sm_120a")
+
+
+def _sm120_pairs_hold(schedule) -> list[str]:
+    import cutlass.cute as cute
+
     g = silu_group(schedule)
     bad = []
 
-    def walk():  # plain Python: the jit function below only sets up the layouts
+    def walk(k):
         tm, tn, _ = k.tile_mnk
         size = k.tiled_mma.size  # every lane of warp 0, then lanes 0 and 31 of each warp
         for t in sorted(set(range(32)) | {w + d for w in range(32, size, 32) for d in (0, 31)}):
@@ -113,13 +128,7 @@ def _sm120_pairs_hold(schedule) -> list[str]:
             bad.extend(f"thread {t} ({m}, {n})" for m, n in held
                        if n % (2 * g) < g and (m, n + g) not in held)
 
-    @cute.jit
-    def trace():
-        k._setup()
-        walk()
-
-    # the arch as a compile option: CUTE_DSL_ARCH is read once, when the DSL first starts
-    cute.compile(trace, options="--gpu-arch sm_120a")
+    _trace_sm120(schedule, walk)
     return bad
 
 
@@ -188,16 +197,11 @@ def test_plan_refuses_nvfp4_out_where_it_is_not_built_with_the_numbers():
 def _sm120_nvfp4_blocks(schedule) -> list:
     """nvfp4_blocks over the threads of the schedule's tiled MMA (AssertionError if a 16-
     column output block is not a butterfly group of lanes with adjacent column pairs)."""
-    import cutlass.cute as cute
-
-    from cute_fp4.compile import kernel_class
     from cute_fp4.kernels.epilogue import nvfp4_blocks
 
-    problem = Problem(groups=8) if schedule.scheduler.grouped else Problem()
-    k = kernel_class(schedule)(schedule, problem)
     found = []
 
-    def walk():
+    def walk(k):
         tm, tn, _ = k.tile_mnk
         size = k.tiled_mma.size  # whole warps (lanes group within one): the first, last
         every = sorted(set(range(32)) | set(range(size - 32, size)))
@@ -206,12 +210,7 @@ def _sm120_nvfp4_blocks(schedule) -> list:
                                          silu_group(schedule), every)
             found.append((ops, len(blocks), len(blocks[0].refs), masks))
 
-    @cute.jit
-    def trace():
-        k._setup()
-        walk()
-
-    cute.compile(trace, options="--gpu-arch sm_120a")
+    _trace_sm120(schedule, walk)
     return found
 
 
