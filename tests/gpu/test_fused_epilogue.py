@@ -73,6 +73,15 @@ def _compile(s, fmt):
     return compile_emulated(s, Signature(fmt)) if emulated else compile(s, Signature(fmt))
 
 
+def _fused_and_plain(name: str, fmt: str, ops: tuple, groups: int = 0):
+    """The catalogue schedule ``name`` with ``ops`` (skipped where it cannot run here), its
+    kernel, and the kernel of the unfused pipeline's GEMM (the schedule, FP32 output)."""
+    base = catalogue.get(name)
+    s = base.replace(ops=ops)
+    _runnable(s, fmt, groups)
+    return s, _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
@@ -90,10 +99,7 @@ def _assert_same_bits(got, want, what):
 
 @pytest.mark.parametrize("name, fmt, ops", _cases(DENSE))
 def test_fused_dense_is_the_unfused_pipeline_bit_for_bit(name, fmt, ops):
-    base = catalogue.get(name)
-    s = base.replace(ops=ops)
-    _runnable(s, fmt)
-    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    s, fused, plain = _fused_and_plain(name, fmt, ops)
     dt, g = torch.bfloat16, silu_group(s)
     for i, (m, n, k) in enumerate(SHAPES):
         if not plan(plain.schedule, Problem(m, n, k, fmt)).ok:  # e.g. split-K past K's tiles
@@ -125,10 +131,7 @@ ROUTINGS = [([0, 5, 17, 0, 3, 9, 2, 0], 576, 512), ([1] * 16, 320, 256),
 
 @pytest.mark.parametrize("name, fmt, ops", _cases(GROUPED))
 def test_fused_grouped_is_the_unfused_pipeline_bit_for_bit(name, fmt, ops):
-    base = catalogue.get(name)
-    s = base.replace(ops=ops)
-    _runnable(s, fmt, groups=8)
-    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    s, fused, plain = _fused_and_plain(name, fmt, ops, groups=8)
     dt, g = torch.bfloat16, silu_group(s)
     for i, (counts, n, k) in enumerate(ROUTINGS):
         a, b, offsets = _grouped_case(counts, n, k, fmt, i, s.mainloop.reads_packed)
@@ -291,10 +294,7 @@ def _nv_scales(y: torch.Tensor):
 
 @pytest.mark.parametrize("name, fmt, ops", _nv_cases(NV_DENSE))
 def test_nvfp4_out_dense_is_quantize_of_the_unfused_output(name, fmt, ops):
-    base = catalogue.get(name)
-    s = base.replace(ops=ops)
-    _runnable(s, fmt)
-    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    s, fused, plain = _fused_and_plain(name, fmt, ops)
     g = silu_group(s)
     for i, (m, n, k) in enumerate(SHAPES):
         a, b = make_operands(m, n, k, fmt, seed=i)
@@ -311,10 +311,7 @@ def test_nvfp4_out_dense_is_quantize_of_the_unfused_output(name, fmt, ops):
 
 @pytest.mark.parametrize("name, fmt, ops", _nv_cases(NV_GROUPED))
 def test_nvfp4_out_grouped_is_quantize_of_the_unfused_output(name, fmt, ops):
-    base = catalogue.get(name)
-    s = base.replace(ops=ops)
-    _runnable(s, fmt, groups=8)
-    fused, plain = _compile(s, fmt), _compile(base.replace(out_dtype="fp32"), fmt)
+    s, fused, plain = _fused_and_plain(name, fmt, ops, groups=8)
     g = silu_group(s)
     for i, (counts, n, k) in enumerate(ROUTINGS):
         a, b, offsets = _grouped_case(counts, n, k, fmt, i, s.mainloop.reads_packed)
