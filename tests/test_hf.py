@@ -143,18 +143,22 @@ def test_transformers_save_pretrained_points_to_ours(saved, tmp_path):
 
 # ----------------------------------------------------------------------------- experts
 
+def _copy_with_scaled(path, to, key: str, factor: float) -> None:
+    """The checkpoint at ``path`` written to ``to`` with tensor ``key`` times ``factor``."""
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    stored[key] = stored[key] * factor
+    save_file(stored, os.path.join(to, "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(path, name)) as f, open(os.path.join(to, name), "w") as g:
+            g.write(f.read())
+
+
 def test_up_projection_with_its_own_global_scale(saved, tmp_path, monkeypatch):
     """A checkpoint whose up_proj global scale differs from gate_proj's (expert 1) loads
     with the ratio applied after the GEMM, saves back unchanged, and computes what the
     checkpoint says; without the ratio the logits are off."""
     bf16, _, path = saved["qwen3_moe"]
-    stored = load_file(os.path.join(path, "model.safetensors"))
-    key = "model.layers.0.mlp.experts.1.up_proj.weight_scale_2"
-    stored[key] = stored[key] * 1.5
-    save_file(stored, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json"):
-        with open(os.path.join(path, name)) as f, open(os.path.join(tmp_path, name), "w") as g:
-            g.write(f.read())
+    _copy_with_scaled(path, tmp_path, "model.layers.0.mlp.experts.1.up_proj.weight_scale_2", 1.5)
     model = hf.from_pretrained(tmp_path, device="cpu")
     experts = model.model.layers[0].mlp.experts
     assert experts.up_ratio.tolist() == [1.0, 1.5, 1.0, 1.0]
@@ -297,13 +301,7 @@ def test_an_mlp_with_different_gate_up_scales_stays_unfused(saved, tmp_path):
     three NVFP4Linear (with the reason, never requantized), the other fuses, and the
     checkpoint saves back unchanged."""
     _, _, path = saved["llama"]
-    stored = load_file(os.path.join(path, "model.safetensors"))
-    key = "model.layers.1.mlp.up_proj.weight_scale_2"
-    stored[key] = stored[key] * 1.5
-    save_file(stored, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json"):
-        with open(os.path.join(path, name)) as f, open(os.path.join(tmp_path, name), "w") as g:
-            g.write(f.read())
+    _copy_with_scaled(path, tmp_path, "model.layers.1.mlp.up_proj.weight_scale_2", 1.5)
     model = hf.from_pretrained(tmp_path, device="cpu", gate_up_group=8)
     fused, unfused = model.cute_fp4_mlps
     assert fused == ("model.layers.0.mlp",)
