@@ -22,8 +22,17 @@ import torch.nn.functional as F
 from cute_fp4.errors import InputError
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
 
-__all__ = ["gate_up_order", "interleave_gate_up", "natural_gate_up", "deinterleave_gate_up",
-           "silu_mul_unfused"]
+__all__ = ["device_group", "gate_up_order", "interleave_gate_up", "natural_gate_up",
+           "deinterleave_gate_up", "silu_mul_unfused"]
+
+
+def device_group(device: torch.device, layout: str) -> int:
+    """Gate/up rows per group for a weight in ``layout`` ("plain" or "packed") on the CUDA
+    ``device``: ``planning.common.silu_group`` of the kernels that read it there (8 on
+    sm_90a and for the packed layout's kernels, rs_packed and stream, on either family; 32
+    for SM12x's block-scaled MMA on the plain layout)."""
+    major = torch.cuda.get_device_capability(device)[0]
+    return 8 if major == 9 or layout == "packed" else 32
 
 
 def gate_up_order(n: int, group: int, device=None) -> torch.Tensor:

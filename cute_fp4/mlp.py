@@ -33,7 +33,7 @@ import torch
 
 from cute_fp4.api import gemm
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
-from cute_fp4.fused import gate_up_order, interleave_gate_up, silu_mul_unfused
+from cute_fp4.fused import device_group, gate_up_order, interleave_gate_up, silu_mul_unfused
 from cute_fp4.nn import NVFP4Linear, _check_schedule, _resolve_layout
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
 from cute_fp4.quant import quantize_activation
@@ -59,8 +59,7 @@ def gate_up_group(device: torch.device, layout: str, schedule="auto") -> int:
         raise DeviceError(f"the weights are on {device}: the gate/up row order depends on the "
                           "GPU's kernels; build on the GPU, or pass group (8 for sm_90a and "
                           "SM12x's packed layout, 32 for SM12x's plain layout)")
-    major = torch.cuda.get_device_capability(device)[0]
-    return 8 if major == 9 or layout == "packed" else 32
+    return device_group(device, layout)
 
 
 def _fused_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:

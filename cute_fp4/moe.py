@@ -64,6 +64,7 @@ from cute_fp4.api import quantize_op
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.fused import (
     deinterleave_gate_up,
+    device_group,
     interleave_gate_up,
     natural_gate_up,
     silu_mul_unfused,
@@ -241,7 +242,7 @@ class NVFP4MoE(torch.nn.Module):
         dev = w13.data.device
         self.layout = _pick_layout(layout, w13, w2, self.hidden, self.intermediate, dev,
                                    mode)
-        self.gate_up_group = _gate_up_group or _pick_group(fused, mode, dev,
+        self.gate_up_group = _gate_up_group or _pick_group(fused, self.layout, dev,
                                                            self.intermediate)
         if self.gate_up_group and not _gate_up_group:  # w13 in the natural order
             if isinstance(w13, PackedNVFP4Weight):
@@ -289,8 +290,9 @@ class NVFP4MoE(torch.nn.Module):
         e, h, i = _check_weights(*stacks)
         if layout not in LAYOUTS:
             raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        group = _pick_group(fused, mode, stacks[0].device, i)
-        if _pick_layout(layout, *stacks, h, i, stacks[0].device, mode) == "packed":
+        resolved = _pick_layout(layout, *stacks, h, i, stacks[0].device, mode)
+        group = _pick_group(fused, resolved, stacks[0].device, i)
+        if resolved == "packed":
             stacks = [_pack_by_expert(stacks[0], group), _pack_by_expert(stacks[1])]
         elif group:
             stacks[0] = interleave_gate_up(stacks[0], group)
@@ -509,13 +511,10 @@ def _pack_by_expert(w: NVFP4Tensor, group: int | None = None) -> PackedNVFP4Weig
     return PackedNVFP4Weight(data, scale, w.global_scale, w.shape)
 
 
-def _pick_group(fused, mode: str, dev: torch.device, i: int) -> int | None:
-    """The gate/up group of a fused layer (``planning.common.silu_group`` of the grouped
-    kernels it runs: 8 on sm_90a and for SM12x's W4A16 stream kernel, 32 for SM12x's W4A4
-    kernels), or None: unfused ("auto" off a GPU, or where I does not split into groups)."""
-    from cute_fp4 import catalogue
-    from cute_fp4.planning.common import silu_group
-
+def _pick_group(fused, layout: str, dev: torch.device, i: int) -> int | None:
+    """The gate/up group of a fused layer whose weights are in ``layout`` on ``dev``
+    (``cute_fp4.fused.device_group``: the group of the grouped kernels it runs), or None:
+    unfused ("auto" off a GPU, or where I does not split into groups)."""
     if fused not in ("auto", True, False):
         raise InputError(f"fused must be 'auto', True or False, got {fused!r}")
     if fused is False:
@@ -525,10 +524,7 @@ def _pick_group(fused, mode: str, dev: torch.device, i: int) -> int | None:
             raise DeviceError("fused=True needs the weights on a CUDA GPU: the gate/up row "
                               "order depends on its kernels")
         return None
-    major = torch.cuda.get_device_capability(dev)[0]
-    name = ("sm90_grouped_decode" if major == 9 else "sm120_grouped" if mode == "w4a4"
-            else "sm120_stream_grouped_decode")
-    group = silu_group(catalogue.get(name))
+    group = device_group(dev, layout)
     if i % group:
         if fused is True:
             raise FormatError(f"fused=True: intermediate {i} does not split into gate/up "
