@@ -175,11 +175,7 @@ class GemmPath:
         """gemm with a fragment-order packed weight: the plain checks on a view of its
         first N rows (same bytes count per row, same scales), then an rs_packed or stream
         kernel (W4A4 with ``schedule="auto"``: :meth:`_w4a4_via_bf16`)."""
-        if len(b.shape) != 2:
-            raise InputError(f"b is a stack of {b.shape[0]} packed experts {list(b.shape)}: "
-                             "gemm takes one [N, K] weight; cute_fp4.grouped_gemm runs stacks")
-        n, k = b.shape
-        view = NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
+        view = _plain_view(b)
         dims = check_operands(a, view, out, alpha, out_dtype)
         if dims[3] == "nvfp4" and isinstance(schedule, str) and schedule == "auto":
             result = self._w4a4_via_bf16(a, b, view, out, out_dtype, alpha, dims)
@@ -343,7 +339,7 @@ def run_compiled(kernel, a, b: NVFP4Tensor, out=None, alpha=None, bias=None,
     ``NVFP4Tensor`` ``out`` to write) and returns the ``NVFP4Tensor``."""
     check_b = b
     if isinstance(b, PackedNVFP4Weight):
-        check_b = NVFP4Tensor._unchecked(b.data[:b.shape[0]], b.scale, b.global_scale, b.shape)
+        check_b = _plain_view(b)
     elif kernel.schedule.mainloop.reads_packed and isinstance(b, NVFP4Tensor):
         b = PackedNVFP4Weight.from_tensor(b)
     ops = kernel.schedule.epilogue.ops
