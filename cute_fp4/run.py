@@ -4,8 +4,9 @@
 1. a binding an earlier call like this one left (:func:`bound_gemm`, :func:`bound_op`):
    one validity test, then the launch;
 2. else the operand checks (``operands.check_operands``), the schedule (:func:`resolve_schedule`:
-   a Schedule, a catalogue name, or "auto": the tuning store, else the heuristic of
-   ``cute_fp4.tuning``; :func:`_resolve_packed` for a packed weight) and its compiled
+   a Schedule, or a name that ``tuning.pick`` turns into one: a catalogue name's, or for
+   "auto" the tuning store's, else the heuristic's; :func:`_resolve_packed` for a packed
+   weight) and its compiled
    kernel (:meth:`GemmPath.kernel`, through ``compile.kernel_for``'s memo);
 3. the checked launch (:func:`run_checked`: the plan check per shape, the output, the
    split-K workspace of :func:`split_workspace`, the arguments of :func:`launch_args`);
@@ -46,7 +47,7 @@ from cute_fp4.operands import (
 )
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import OutDtype, Schedule
-from cute_fp4.tuning import heuristic, with_ops
+from cute_fp4.tuning import heuristic, pick, with_ops
 
 # ----------------------------------------------------------------------------- the schedule
 
@@ -65,22 +66,10 @@ def resolution_deadline(schedule) -> float:
 
 def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
                      out_dtype: torch.dtype) -> Schedule:
-    """A Schedule from a Schedule, a catalogue name, or "auto" (tuned, else heuristic)."""
-    from cute_fp4 import catalogue
-    from cute_fp4.targets import require_device
-
-    if isinstance(schedule, str) and schedule != "auto":
-        schedule = catalogue.get(schedule)
-    if schedule == "auto":
-        from cute_fp4.tuning import lookup
-
-        dev = require_device()
-        if dev.target.family == "sm120" and a_format != "nvfp4":
-            raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
-                             "stream kernel, which reads the fragment-order packed weight: "
-                             "pass cute_fp4.packed.repack(w) once (NVFP4Linear holds it so), "
-                             "or quantize the activations (W4A4)")
-        schedule = lookup(dev, m, n, k, a_format) or heuristic(dev.target.family, m, n, k)
+    """A Schedule from a Schedule, a catalogue name, or "auto" (tuned, else heuristic:
+    ``tuning.pick``), with ``out_dtype``."""
+    if isinstance(schedule, str):
+        schedule = pick(schedule, m, n, k, a_format)
     if not isinstance(schedule, Schedule):
         raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
                              f"got {type(schedule).__name__}")

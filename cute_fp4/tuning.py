@@ -1,7 +1,8 @@
 """What ``schedule="auto"`` picks: the tuning store (which schedule won for a GPU, an A
 format and a shape bucket), else the heuristic (:func:`heuristic`: a catalogue schedule by
 family and shape, split-K and the decode tiles derived from the shape and the SM count).
-Both are pure choices; the launch path (``cute_fp4.run.resolve_schedule``) asks them.
+Both are pure choices; :func:`pick` makes them for a schedule name, and the launch path
+(``cute_fp4.run.resolve_schedule``) asks it.
 
 ``cute_fp4.tune.tune`` writes the store, ``schedule="auto"`` reads it (before the
 heuristic).
@@ -155,6 +156,25 @@ def _find(entry, key: str) -> Schedule | None:
                   "gone or changed since it was tuned")
         return None
     return s
+
+
+def pick(name: str, m: int, n: int, k: int, a_format: str) -> Schedule:
+    """What a schedule name picks for a call of (M, N, K, a_format): a catalogue name's
+    schedule, or for "auto" on the present GPU the tuned one (:func:`lookup`), else the
+    :func:`heuristic`'s. The launch path (``cute_fp4.run.resolve_schedule``) asks it once
+    per memoised resolution and fits the output dtype."""
+    from cute_fp4 import catalogue
+    from cute_fp4.targets import require_device
+
+    if name != "auto":
+        return catalogue.get(name)
+    dev = require_device()
+    if dev.target.family == "sm120" and a_format != "nvfp4":
+        raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
+                         "stream kernel, which reads the fragment-order packed weight: "
+                         "pass cute_fp4.packed.repack(w) once (NVFP4Linear holds it so), "
+                         "or quantize the activations (W4A4)")
+    return lookup(dev, m, n, k, a_format) or heuristic(dev.target.family, m, n, k)
 
 
 # ----------------------------------------------------------------------------- heuristic
