@@ -156,7 +156,7 @@ class GemmPath:
         dims = check_operands(a, b, out, alpha, out_dtype)
         kern = self.kernel(schedule, dims, out_dtype, b.data.get_device())
         result = run_checked(kern, a, b, out, alpha, dims)  # checked once, above
-        _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, b, bind, key)
+        self._after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, bind, key)
         return result
 
     def _gemm_packed(self, a, b: PackedNVFP4Weight, schedule, out, out_dtype, alpha, check,
@@ -173,8 +173,7 @@ class GemmPath:
             return result
         kern = self.kernel(schedule, dims, out_dtype, b.data.get_device(), packed=True)
         result = run_checked(kern, a, b, out, alpha, dims)
-        _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check,
-               b.unpack() if check and not kern.validated else None, bind, key)
+        self._after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, bind, key)
         return result
 
     def run_fused(self, a, b, schedule, out, out_dtype, alpha, check: bool, bias,
@@ -182,10 +181,7 @@ class GemmPath:
         """A call with fused epilogue ``ops`` (bias, silu_mul): the schedule resolved as
         without them, then given them; the operand checks, then ``bias`` and the output's
         shape ([M, N / 2] with silu_mul). No binding (each call takes the full path).
-        ``check=True``: the first call of each kernel also runs the unfused pipeline (the
-        schedule without ops, FP32 output, bias added in FP32, rounded, then
-        ``F.silu(gate) * up``: ``cute_fp4.fused``), which must give the same bits, and
-        holds that GEMM to the exact reference."""
+        ``check=True``: :meth:`_validate` with the ops."""
         packed = isinstance(b, PackedNVFP4Weight)
         view = _plain_view(b) if packed else b
         dims = check_operands(a, view, None, alpha, out_dtype)
@@ -198,15 +194,42 @@ class GemmPath:
             dims = (m, n, k, "bf16")
         kern = self.kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops)
         result = run_checked(kern, a, b, out, alpha, dims, bias, nvfp4_out)
-        if check and not kern.validated:  # the same schedule, no ops, FP32 output
-            plain = self.kernel(kern.unfused_schedule, dims, torch.float32,
-                                b.data.get_device(), packed)
-            raw = run_checked(plain, a, b, None, alpha, dims)
-            reference.assert_close(raw, a, b.unpack() if packed else b, alpha)
-            reference.assert_fused(result, raw, bias, ops, kern.silu_group,
-                                   kern.schedule.name or kern.schedule.label(), out_dtype)
-            kern.validated = True
+        if check:
+            self._validate(kern, result, a, b, alpha, dims, ops, bias, out_dtype)
         return result
+
+    def _after(self, kern, a, b, result, schedule, out_dtype, alpha, dims, check: bool,
+               bind: bool, key: tuple | None) -> None:
+        """Validate the first call of ``kern`` (``check``: :meth:`_validate`) or, with
+        ``bind`` (or an op's ``key``), keep this call's launch for the next like it."""
+        if check:
+            self._validate(kern, result, a, b, alpha, dims)
+        elif key is not None:
+            remember_op(key, kern, a, b, result, alpha, dims, resolution_deadline(schedule))
+        elif bind:
+            remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims,
+                          resolution_deadline(schedule))
+
+    def _validate(self, kern, result, a, b, alpha, dims, ops: tuple[str, ...] = (),
+                  bias=None, out_dtype=None) -> None:
+        """``check=True``: the first call of ``kern`` held to the exact reference (a packed
+        ``b`` in its plain layout). With fused epilogue ``ops``, the unfused pipeline runs
+        too (the same schedule without ops, FP32 output, bias added in FP32, rounded, then
+        ``F.silu(gate) * up``: ``cute_fp4.fused``): its GEMM is held to the reference and
+        ``result`` must have its bits."""
+        if kern.validated:
+            return
+        packed = isinstance(b, PackedNVFP4Weight)
+        gemm = result
+        if ops:  # the GEMM of the unfused pipeline: the same schedule, no ops, FP32 output
+            unfused = self.kernel(kern.unfused_schedule, dims, torch.float32,
+                                  b.data.get_device(), packed)
+            gemm = run_checked(unfused, a, b, None, alpha, dims)
+        reference.assert_close(gemm, a, b.unpack() if packed else b, alpha)
+        if ops:
+            reference.assert_fused(result, gemm, bias, ops, kern.silu_group,
+                                   kern.schedule.name or kern.schedule.label(), out_dtype)
+        kern.validated = True
 
     def _w4a4_via_bf16(self, a: NVFP4Tensor, b: PackedNVFP4Weight, view: NVFP4Tensor, out,
                        out_dtype, alpha, dims) -> torch.Tensor:
@@ -270,23 +293,6 @@ def _plain_view(b: PackedNVFP4Weight) -> NVFP4Tensor:
                          "gemm takes one [N, K] weight; cute_fp4.grouped_gemm runs stacks")
     n, k = b.shape
     return NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
-
-
-def _after(kern, a, b, result, schedule, out_dtype, alpha, dims, check, plain,
-           bind: bool, key: tuple | None = None) -> None:
-    """Validate the first call of ``kern`` (``check``: against ``plain``, the weight in the
-    plain layout) or, with ``bind`` (or an op's ``key``), keep this call's launch for the
-    next like it."""
-    if check:
-        if not kern.validated:
-            reference.assert_close(result, a, plain, alpha)
-            kern.validated = True
-        return
-    if key is not None:
-        remember_op(key, kern, a, b, result, alpha, dims, resolution_deadline(schedule))
-    elif bind:
-        remember_gemm(kern, a, b, result, schedule, out_dtype, alpha, dims,
-                      resolution_deadline(schedule))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the ops' bindings accept
