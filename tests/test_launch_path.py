@@ -787,3 +787,40 @@ def test_may_keep_buffers_outside_op_bodies_and_on_the_default_stream():
     with run.private_workspaces():
         assert run.may_keep(0) and not run.may_keep(0x5000)
     assert run.may_keep(0x5000)
+
+
+def test_validate_holds_the_gemm_and_the_fused_bits_once(monkeypatch):
+    """check=True (GemmPath._validate): without ops the result itself is held to the
+    reference; with ops the unfused pipeline's FP32 GEMM (the same schedule without them)
+    is, and the result must have that pipeline's bits; a kernel is validated once."""
+    from cute_fp4 import reference
+    from cute_fp4.nvfp4 import quantize
+
+    calls = []
+    monkeypatch.setattr(run, "run_checked", lambda kern, *args: calls.append(("run", kern))
+                        or "gemm")
+    monkeypatch.setattr(reference, "assert_close", lambda got, *args: calls.append(
+        ("close", got)))
+    monkeypatch.setattr(reference, "assert_fused", lambda result, raw, bias, ops, *args:
+                        calls.append(("fused", result, raw, bias, ops)))
+    path = run.GemmPath(lambda s, dims, dt, dev, resolve, ops: calls.append(("kernel", s, dt))
+                        or "unfused", None)
+
+    class Kern:
+        validated = False
+        unfused_schedule = "without ops"
+        silu_group = 8
+        schedule = catalogue.get("sm90_default")
+
+    w, dims = quantize(torch.randn(64, 64)), (1, 64, 64, "bf16")
+    fused = Kern()
+    path._validate(fused, "result", "a", w, None, dims, ("bias",), "bias", torch.bfloat16)
+    assert calls == [("kernel", "without ops", torch.float32), ("run", "unfused"),
+                     ("close", "gemm"), ("fused", "result", "gemm", "bias", ("bias",))]
+    assert fused.validated
+    calls.clear()
+    path._validate(fused, "result", "a", w, None, dims, ("bias",), "bias", torch.bfloat16)
+    assert calls == []  # once per kernel
+    plain = Kern()
+    path._validate(plain, "result", "a", w, None, dims)
+    assert calls == [("close", "result")] and plain.validated
