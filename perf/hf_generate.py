@@ -183,6 +183,195 @@ def profile_measure(model, vocab: int) -> dict:
             "top_kernels_us_per_step": [(k, round(v, 1)) for k, v in top[:12]]}
 
 
+def _events_ms(fn, n: int) -> float:
+    """Milliseconds per call of ``n`` back-to-back calls of ``fn``, CUDA events (the host
+    enqueues ahead unless something in ``fn`` waits on the GPU)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _host_us(fn, n: int) -> float:
+    """Median host microseconds of one call of ``fn`` (the GPU drained before each)."""
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+LAUNCH_APIS = ("cudaGraphLaunch", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel",
+               "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaStreamSynchronize",
+               "cudaMemsetAsync")
+
+
+def trace_summary(fn, steps: int = 5) -> dict:
+    """torch.profiler (CPU and CUDA) over ``steps`` calls of ``fn``: per call, the top CPU
+    ops by self time, the count of each launch API, the GPU kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    cpu, launches, kernel_us = [], {}, 0.0
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += getattr(ev, "device_time_total", 0.0) or 0.0
+            continue
+        if ev.key in LAUNCH_APIS:
+            launches[ev.key] = ev.count / steps
+        cpu.append((ev.key[:70], round(ev.self_cpu_time_total / steps, 1), ev.count / steps))
+    cpu.sort(key=lambda r: -r[1])
+    return {"kernel_us_per_call": round(kernel_us / steps, 1), "launch_calls_per_call": launches,
+            "cpu_self_us_per_call": round(sum(r[1] for r in cpu), 1),
+            "top_cpu_self_us": cpu[:18]}
+
+
+def _tree_nodes() -> dict:
+    """The cudagraph trees of this process: recorded graphs and functions."""
+    from torch._inductor import cudagraph_trees as ct
+
+    mgr = ct.get_container(torch.cuda.current_device()).tree_manager
+    if mgr is None:
+        return {"tree_manager": None}
+    todo = [n for nodes in mgr.roots.values() for n in nodes]
+    count = 0
+    while todo:
+        node = todo.pop()
+        count += 1
+        todo.extend(c for cs in node.children.values() for c in cs)
+    hints = getattr(mgr, "non_cudagraph_managed_mutation_hint", {})
+    return {"graphs": count, "functions": len(mgr.ids_to_funcs),
+            "warmed_up": len(getattr(mgr, "warmed_up_functions", ())),
+            "eager_by_mutation": sum(bool(v) for h in hints.values() for v in h.values())}
+
+
+def _counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {f"{g}.{k}": v for g in ("inductor", "stats", "graph_break", "recompiles")
+            for k, v in counters[g].items()
+            if g != "inductor" or "cudagraph" in k or "partition" in k}
+
+
+def _rewind(cache, position: int) -> None:
+    """Set a static cache's write position (``cumulative_length``, a device tensor the step
+    advances) back to ``position``: repeated calls of one step stay inside the cache."""
+    for layer in cache.layers:
+        n = getattr(layer, "cumulative_length", None)
+        if isinstance(n, torch.Tensor):
+            n.fill_(position)
+
+
+def generate_step_diag(model, vocab: int) -> dict:
+    """generate's own compiled decode call (``model._compiled_call``, the kwargs of its last
+    decode step recorded) run alone: graph replays per call, host time per call, calls
+    back to back, and the CPU trace of a call."""
+    g = torch.Generator("cuda").manual_seed(9)
+    prompt = torch.randint(0, vocab, (1, PROMPT), device="cuda", generator=g)
+    orig, rec = model._compiled_call, {}
+
+    def spy(*a, **k):
+        rec.update(a=a, k=k)
+        return orig(*a, **k)
+
+    model._compiled_call = spy
+    try:
+        _generate(model, prompt, 8)
+    finally:
+        model._compiled_call = orig
+    a, k = rec["a"], rec["k"]
+    cache = next(v for v in (*k.values(), *a) if hasattr(v, "layers"))
+    at = PROMPT + 8
+
+    def call():
+        with torch.no_grad():
+            return orig(*a, **k)
+
+    def batch(fn, *args):  # every batch starts at the same cache position (<= 60 calls)
+        _rewind(cache, at)
+        return fn(*args)
+
+    _rewind(cache, at)
+    call()
+    replays, real = [0], torch.cuda.CUDAGraph.replay
+
+    def counted(self):
+        replays[0] += 1
+        return real(self)
+
+    torch.cuda.CUDAGraph.replay = counted
+    _rewind(cache, at)
+    try:
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.CUDAGraph.replay = real
+    return {"graph_replays_per_call": replays[0] / 10, "tree": _tree_nodes(),
+            "host_us_per_call": round(batch(_host_us, call, 30), 1),
+            "ms_per_call_back_to_back": batch(_events_ms, call, 50),
+            "trace": batch(trace_summary, call), "kwargs": sorted(k)}
+
+
+def own_step_measure(model, vocab: int) -> dict:
+    """A decode step of our own: static cache after a prefill, ``torch.compile`` (Inductor,
+    no CUDA graphs) of one token's forward, then that compiled step captured in one
+    ``torch.cuda.CUDAGraph`` and replayed (CUDA events): the kernels and the graph's own
+    overhead, without generate's loop or the cudagraph trees' bookkeeping."""
+    from transformers import StaticCache
+
+    g = torch.Generator("cuda").manual_seed(9)
+    prompt = torch.randint(0, vocab, (1, PROMPT), device="cuda", generator=g)
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + 16)
+    with torch.no_grad():
+        out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(PROMPT, device="cuda"))
+    ids = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([PROMPT], device="cuda")
+
+    def step():  # writes position PROMPT every time (the rewind is in the graph)
+        _rewind(cache, PROMPT)
+        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
+                     position_ids=pos.view(1, 1), use_cache=True).logits
+
+    fn = torch.compile(step, dynamic=False)
+    res: dict = {}
+    with torch.no_grad():
+        res["compile_s"] = round(_sync_time(fn), 1)
+        ref = fn().float()
+        res["inductor_ms_back_to_back"] = _events_ms(fn, 30)
+        res["inductor_host_us"] = round(_host_us(fn, 20), 1)
+        res["inductor_trace"] = trace_summary(fn, 3)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        res["graph_vs_compiled_rel"] = float((logits.float() - ref).norm() / ref.norm())
+        res["graph_ms"] = _events_ms(graph.replay, 100)
+        res["graph_host_us"] = round(_host_us(graph.replay, 20), 1)
+        res["graph_trace"] = trace_summary(graph.replay, 5)
+    return res
+
+
 def bytes_per_token(model) -> int:
     """Weight bytes a batch-1 decode step reads: every linear, the lm_head, one embedding
     row; MoE experts: top-k of E."""
@@ -208,7 +397,7 @@ def bytes_per_token(model) -> int:
 
 # ----------------------------------------------------------------------------- a model
 
-def run_model(kind: str, config, workdir: str) -> dict:
+def run_model(kind: str, config, workdir: str, diagnose: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     out: dict = {"model": kind, "layers": config.num_hidden_layers}
@@ -233,10 +422,28 @@ def run_model(kind: str, config, workdir: str) -> dict:
     out["logits"] = logits_measure(model, bf16, config.vocab_size)
     print(f"[{kind}] logits {out['logits']}", flush=True)
     out["bytes_per_token"] = {"nvfp4": bytes_per_token(model), "bf16": bytes_per_token(bf16)}
-    out["decode"] = {}
+    out["decode"], out["compile_counters"] = {}, {}
     for name, m in (("bf16", bf16), ("nvfp4", model)):
+        before = _counters()
         out["decode"][name] = decode_measure(m, config.vocab_size)
+        after = _counters()
+        out["compile_counters"][name] = {k: v - before.get(k, 0) for k, v in after.items()
+                                         if v != before.get(k, 0)}
         print(f"[{kind}] decode {name} {out['decode'][name]}", flush=True)
+    if diagnose:
+        out["generate_step"], out["own_step"] = {}, {}
+        for name, m in (("bf16", bf16), ("nvfp4", model)):
+            for key, fn in (("generate_step", generate_step_diag),
+                            ("own_step", own_step_measure)):
+                try:
+                    out[key][name] = fn(m, config.vocab_size)
+                except Exception as e:  # a diagnosis must not lose the run
+                    import traceback
+
+                    traceback.print_exc()
+                    out[key][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"[{kind}] {key} {name} {json.dumps(out[key][name], default=str)}",
+                      flush=True)
     d = out["decode"]
     out["speedup"] = d["bf16"]["ms_per_token"] / d["nvfp4"]["ms_per_token"]
     out["floor"] = {k: {"ms_per_token": b / HBM_BYTES_S * 1e3,
@@ -300,7 +507,32 @@ def markdown(res: dict) -> str:
             f"{lg['top1_agreement']:.3f} | {d['bf16']['tokens_s']:.0f} | "
             f"{d['nvfp4']['tokens_s']:.0f} | **{r['speedup']:.2f}x** | "
             f"{r['ideal_speedup']:.2f}x |")
+    lines += _diag_lines(res)
     return "\n".join(lines) + "\n"
+
+
+def _diag_lines(res: dict) -> list[str]:
+    """With --diagnose: where a token's time goes, per model and weights."""
+    rows = [r for r in res["models"] if "own_step" in r]
+    if not rows:
+        return []
+    out = ["", "| model | weights | generate ms/token | generate's step alone ms | host us "
+           "per step | graph replays per step | own graph replay ms | its kernels ms | "
+           "own step without graph ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for w in ("bf16", "nvfp4"):
+            gs, own = r["generate_step"].get(w, {}), r["own_step"].get(w, {})
+            if "error" in own or "error" in gs:
+                out.append(f"| {r['model']} | {w} | error: "
+                           f"{(gs.get('error') or own.get('error'))[:100]} |||||||")
+                continue
+            out.append(
+                f"| {r['model']} | {w} | {r['decode'][w]['ms_per_token']:.3f} | "
+                f"{gs['ms_per_call_back_to_back']:.3f} | {gs['host_us_per_call']:.0f} | "
+                f"{gs['graph_replays_per_call']:g} | {own['graph_ms']:.3f} | "
+                f"{own['graph_trace']['kernel_us_per_call'] / 1e3:.3f} | "
+                f"{own['inductor_ms_back_to_back']:.3f} |")
+    return out
 
 
 def main(argv=None) -> int:
@@ -311,8 +543,14 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, default=0.0,
                    help="seconds from start after which no new model is started")
     p.add_argument("--min-model-s", type=float, default=120.0)
+    p.add_argument("--diagnose", action="store_true",
+                   help="also generate's compiled step alone, a captured step of our own, "
+                        "CPU traces, cudagraph counters and logs")
     args = p.parse_args(argv)
     start = time.perf_counter()
+    if args.diagnose:
+        torch._logging.set_logs(perf_hints=True, recompiles=True, graph_breaks=True,
+                                cudagraphs=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"env": environment(), "models": []}
@@ -324,7 +562,7 @@ def main(argv=None) -> int:
                 res["models"].append({"model": kind, "error": f"skipped: {left:.0f} s left"})
                 continue
             try:
-                res["models"].append(run_model(kind, cfgs[kind], work))
+                res["models"].append(run_model(kind, cfgs[kind], work, args.diagnose))
             except Exception as e:
                 import traceback
 
