@@ -31,6 +31,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -118,26 +119,63 @@ def logits_measure(nv, ref, vocab: int) -> dict:
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
 
 
-def _generate(model, prompt, n: int):
+def _generate(model, prompt, n: int, cache=None):
+    """Greedy ``generate`` of ``n`` new tokens on a static cache: transformers' own (a new
+    ``StaticCache`` every call, ``cache=None``) or ``cache``, reset first (one cache, so its
+    tensors keep their addresses from call to call)."""
+    kw = {"cache_implementation": "static"} if cache is None else {"past_key_values": cache}
+    if cache is not None:
+        cache.reset()
     return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, cache_implementation="static",
-                          pad_token_id=0)
+                          min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
 
 
-def decode_measure(model, vocab: int) -> dict:
+class CaptureCount:
+    """Counts CUDA-graph captures (``torch.cuda.CUDAGraph.capture_begin``) while active:
+    the cudagraph trees record a graph again when a static input (the cache's tensors)
+    moved."""
+
+    def __enter__(self):
+        self.count, self._real = 0, torch.cuda.CUDAGraph.capture_begin
+
+        def counted(graph, *a, **k):
+            self.count += 1
+            return self._real(graph, *a, **k)
+
+        torch.cuda.CUDAGraph.capture_begin = counted
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.capture_begin = self._real
+
+
+def decode_measure(model, vocab: int, reuse_cache: bool = False) -> dict:
+    """ms per token: ``(t(LONG) - t(SHORT)) / (LONG - SHORT)``, median of 3; with
+    ``reuse_cache`` one StaticCache serves every call. Graph captures counted per call."""
+    from transformers import StaticCache
+
     g = torch.Generator("cuda").manual_seed(9)
     prompt = torch.randint(0, vocab, (1, PROMPT), device="cuda", generator=g)
-    first = _sync_time(lambda: _generate(model, prompt, LONG))  # compiles, records graphs
-    warm = _sync_time(lambda: _generate(model, prompt, LONG))
-    per_token = []
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + LONG) if reuse_cache \
+        else None
+    with CaptureCount() as c:  # compiles, records graphs
+        first = _sync_time(lambda: _generate(model, prompt, LONG, cache))
+    captures = {"first": c.count}
+    warm = _sync_time(lambda: _generate(model, prompt, LONG, cache))
+    per_token, caps = [], []
     for _ in range(3):
-        ts = _sync_time(lambda: _generate(model, prompt, SHORT))
-        tl = _sync_time(lambda: _generate(model, prompt, LONG))
+        with CaptureCount() as cs:
+            ts = _sync_time(lambda: _generate(model, prompt, SHORT, cache))
+        with CaptureCount() as cl:
+            tl = _sync_time(lambda: _generate(model, prompt, LONG, cache))
         per_token.append((tl - ts) / (LONG - SHORT))
+        caps.append((cs.count, cl.count))
     ms = statistics.median(per_token) * 1e3
     return {"first_generate_s": round(first, 2), "second_generate_s": round(warm, 3),
             "compiled": hasattr(model, "_compiled_call"), "ms_per_token": ms,
-            "tokens_s": 1e3 / ms, "ms_per_token_all": [t * 1e3 for t in per_token]}
+            "tokens_s": 1e3 / ms, "ms_per_token_all": [t * 1e3 for t in per_token],
+            "cache": "reused" if reuse_cache else "new per call",
+            "graph_captures": {**captures, "short_long": caps}}
 
 
 def _category(name: str) -> str:
@@ -274,7 +312,7 @@ def _rewind(cache, position: int) -> None:
             n.fill_(position)
 
 
-def generate_step_diag(model, vocab: int) -> dict:
+def generate_step_diag(model, vocab: int, cache=None) -> dict:
     """generate's own compiled decode call (``model._compiled_call``, the kwargs of its last
     decode step recorded) run alone: graph replays per call, host time per call, calls
     back to back, and the CPU trace of a call."""
@@ -288,7 +326,7 @@ def generate_step_diag(model, vocab: int) -> dict:
 
     model._compiled_call = spy
     try:
-        _generate(model, prompt, 8)
+        _generate(model, prompt, 8, cache)
     finally:
         model._compiled_call = orig
     a, k = rec["a"], rec["k"]
@@ -397,9 +435,34 @@ def bytes_per_token(model) -> int:
 
 # ----------------------------------------------------------------------------- a model
 
-def run_model(kind: str, config, workdir: str, diagnose: bool = False) -> dict:
+def _diagnose(out: dict, kind: str, config, bf16, model, opts: dict) -> None:
+    """generate's step alone (on one reused cache) and, with ``own_step``, a captured step
+    of our own, per weights; errors recorded, never raised."""
+    from transformers import StaticCache
+
+    out["generate_step"], out["own_step"] = {}, {}
+    for name, m in (("bf16", bf16), ("nvfp4", model)):
+        cache = StaticCache(config=m.config, max_cache_len=PROMPT + LONG)
+        fns = [("generate_step", lambda m=m, c=cache: generate_step_diag(
+            m, config.vocab_size, c))]
+        if opts.get("own_step"):
+            fns.append(("own_step", lambda m=m: own_step_measure(m, config.vocab_size)))
+        for key, fn in fns:
+            try:
+                out[key][name] = fn()
+            except Exception as e:  # a diagnosis must not lose the run
+                import traceback
+
+                traceback.print_exc()
+                out[key][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"[{kind}] {key} {name} {json.dumps(out[key][name], default=str)}",
+                  flush=True)
+
+
+def run_model(kind: str, config, workdir: str, opts: dict | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
+    opts = opts or {}
     out: dict = {"model": kind, "layers": config.num_hidden_layers}
     t = time.perf_counter()
     torch.manual_seed(0)
@@ -423,33 +486,27 @@ def run_model(kind: str, config, workdir: str, diagnose: bool = False) -> dict:
     print(f"[{kind}] logits {out['logits']}", flush=True)
     out["bytes_per_token"] = {"nvfp4": bytes_per_token(model), "bf16": bytes_per_token(bf16)}
     out["decode"], out["compile_counters"] = {}, {}
+    modes = {"reused": (True,), "new": (False,), "both": (True, False)}[opts.get("cache", "new")]
     for name, m in (("bf16", bf16), ("nvfp4", model)):
         before = _counters()
-        out["decode"][name] = decode_measure(m, config.vocab_size)
+        for reuse in modes:  # a reused cache first: its graphs are recorded before others
+            key = "decode_reused" if reuse and len(modes) == 2 else "decode"
+            out.setdefault(key, {})[name] = decode_measure(m, config.vocab_size, reuse)
+            print(f"[{kind}] {key} {name} {out[key][name]}", flush=True)
         after = _counters()
         out["compile_counters"][name] = {k: v - before.get(k, 0) for k, v in after.items()
                                          if v != before.get(k, 0)}
-        print(f"[{kind}] decode {name} {out['decode'][name]}", flush=True)
-    if diagnose:
-        out["generate_step"], out["own_step"] = {}, {}
-        for name, m in (("bf16", bf16), ("nvfp4", model)):
-            for key, fn in (("generate_step", generate_step_diag),
-                            ("own_step", own_step_measure)):
-                try:
-                    out[key][name] = fn(m, config.vocab_size)
-                except Exception as e:  # a diagnosis must not lose the run
-                    import traceback
-
-                    traceback.print_exc()
-                    out[key][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-                print(f"[{kind}] {key} {name} {json.dumps(out[key][name], default=str)}",
-                      flush=True)
+    if opts.get("diagnose"):
+        _diagnose(out, kind, config, bf16, model, opts)
     d = out["decode"]
     out["speedup"] = d["bf16"]["ms_per_token"] / d["nvfp4"]["ms_per_token"]
     out["floor"] = {k: {"ms_per_token": b / HBM_BYTES_S * 1e3,
                         "measured_over_floor": d[k]["ms_per_token"] / (b / HBM_BYTES_S * 1e3)}
                     for k, b in out["bytes_per_token"].items()}
     out["ideal_speedup"] = out["bytes_per_token"]["bf16"] / out["bytes_per_token"]["nvfp4"]
+    if "decode_reused" in out:
+        r = out["decode_reused"]
+        out["speedup_reused"] = r["bf16"]["ms_per_token"] / r["nvfp4"]["ms_per_token"]
     out["profile"] = {}
     for name, m in (("bf16", bf16), ("nvfp4", model)):
         try:
@@ -507,13 +564,18 @@ def markdown(res: dict) -> str:
             f"{lg['top1_agreement']:.3f} | {d['bf16']['tokens_s']:.0f} | "
             f"{d['nvfp4']['tokens_s']:.0f} | **{r['speedup']:.2f}x** | "
             f"{r['ideal_speedup']:.2f}x |")
+        if "speedup_reused" in r:
+            dr = r["decode_reused"]
+            lines.append(f"| {r['model']}, one reused cache | | | | "
+                         f"{dr['bf16']['tokens_s']:.0f} | {dr['nvfp4']['tokens_s']:.0f} | "
+                         f"**{r['speedup_reused']:.2f}x** | |")
     lines += _diag_lines(res)
     return "\n".join(lines) + "\n"
 
 
 def _diag_lines(res: dict) -> list[str]:
     """With --diagnose: where a token's time goes, per model and weights."""
-    rows = [r for r in res["models"] if "own_step" in r]
+    rows = [r for r in res["models"] if "generate_step" in r]
     if not rows:
         return []
     out = ["", "| model | weights | generate ms/token | generate's step alone ms | host us "
@@ -521,7 +583,9 @@ def _diag_lines(res: dict) -> list[str]:
            "own step without graph ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for w in ("bf16", "nvfp4"):
-            gs, own = r["generate_step"].get(w, {}), r["own_step"].get(w, {})
+            gs, own = r["generate_step"].get(w, {}), r["own_step"].get(w)
+            own = own or {"graph_ms": math.nan, "inductor_ms_back_to_back": math.nan,
+                          "graph_trace": {"kernel_us_per_call": math.nan}}
             if "error" in own or "error" in gs:
                 out.append(f"| {r['model']} | {w} | error: "
                            f"{(gs.get('error') or own.get('error'))[:100]} |||||||")
@@ -544,13 +608,22 @@ def main(argv=None) -> int:
                    help="seconds from start after which no new model is started")
     p.add_argument("--min-model-s", type=float, default=120.0)
     p.add_argument("--diagnose", action="store_true",
-                   help="also generate's compiled step alone, a captured step of our own, "
-                        "CPU traces, cudagraph counters and logs")
+                   help="also generate's compiled step alone (CPU trace, graph replays) "
+                        "and perf_hints / recompiles / graph_breaks logs")
+    p.add_argument("--own-step", action="store_true",
+                   help="with --diagnose: a decode step of our own captured in one CUDA graph")
+    p.add_argument("--cudagraph-log", action="store_true",
+                   help="torch's cudagraphs debug log (slow: it formats every failed graph "
+                        "match, which inflates the timings)")
+    p.add_argument("--cache", choices=("new", "reused", "both"), default="both",
+                   help="generate's static cache: transformers' new one per call, one "
+                        "reused cache, or both")
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.diagnose:
         torch._logging.set_logs(perf_hints=True, recompiles=True, graph_breaks=True,
-                                cudagraphs=True)
+                                cudagraphs=args.cudagraph_log)
+    opts = {"diagnose": args.diagnose, "own_step": args.own_step, "cache": args.cache}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"env": environment(), "models": []}
@@ -562,7 +635,7 @@ def main(argv=None) -> int:
                 res["models"].append({"model": kind, "error": f"skipped: {left:.0f} s left"})
                 continue
             try:
-                res["models"].append(run_model(kind, cfgs[kind], work, args.diagnose))
+                res["models"].append(run_model(kind, cfgs[kind], work, opts))
             except Exception as e:
                 import traceback
 
