@@ -272,6 +272,10 @@ def packed_decode_schedule(n: int, k: int) -> Schedule:
 STREAM_MIN_UNITS = 16  # 64-element K units per split at least
 STREAM_CTAS_PER_SM = 2  # the grid split-K grows to, at most
 STREAM_MAX_M = 8  # sm_90a: the stream kernel up to this M; rs_packed's decode tile above
+STREAM_SINGLE_UNIT_CTAS = 3  # grids over this many CTAs per SM batch one K unit per warp
+# H200, 2026-12-03 (perf/results/2026-12-03-h200-stream-probe.md): 28672 x 4096 (448 CTAs,
+# 3 resident per SM) 28.5 us with one unit per batch against 36.6 with two; every grid of
+# <= 2 CTAs per SM was 4-15% slower with one
 # H200, 2026-12-03 (perf/results/2026-12-03-h200-decode.md): the best split of each shape
 # at M = 1 gave ~2 CTAs per SM with >= 16 K units each (8192^2: 2; 28672 x 4096: 1;
 # 4096 x 14336 and 4096^2: 4); at M = 16 the rs_packed decode tile was faster on every
@@ -280,10 +284,11 @@ STREAM_MAX_M = 8  # sm_90a: the stream kernel up to this M; rs_packed's decode t
 
 def stream_decode_schedule(target: str, m: int, n: int, k: int) -> Schedule:
     """The weight-streaming decode kernel (``mainloop=stream``): an 8- or 16-row activation
-    tile, the default batch of a warp's ring, and split-K doubled (16 at most) while
-    the grid stays within :data:`STREAM_CTAS_PER_SM` CTAs per SM (the splits' partial sums
-    cost traffic, a second wave a tail) and each split keeps :data:`STREAM_MIN_UNITS` K
-    units."""
+    tile, split-K doubled (16 at most) while the grid stays within
+    :data:`STREAM_CTAS_PER_SM` CTAs per SM (the splits' partial sums cost traffic, a second
+    wave a tail) and each split keeps :data:`STREAM_MIN_UNITS` K units, and the default
+    batch of a warp's ring, or one K unit per batch when the grid exceeds
+    :data:`STREAM_SINGLE_UNIT_CTAS` CTAs per SM."""
     from cute_fp4.planning.common import MAX_SPLIT_K
     from cute_fp4.planning.stream import stream_schedule
 
@@ -296,6 +301,8 @@ def stream_decode_schedule(target: str, m: int, n: int, k: int) -> Schedule:
     while (tiles * split * 2 <= wave and split * 2 <= MAX_SPLIT_K
            and units // (split * 2) >= STREAM_MIN_UNITS):
         split *= 2
+    if tiles * split > STREAM_SINGLE_UNIT_CTAS * s.arch.sm_count:
+        s = s.replace(stages=1)
     return s.replace(split_k=split, name="stream_decode") if split > 1 else s
 
 

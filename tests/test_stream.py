@@ -172,12 +172,14 @@ def test_unit_words_are_the_packed_layout():
             assert torch.equal(got.flatten(), flat[ku * 512:(ku + 1) * 512])
 
 
-@pytest.mark.parametrize("m, n, k, tm, split", [
-    (1, 8192, 8192, 8, 2), (4, 28672, 4096, 8, 1), (16, 4096, 14336, 16, 4),
-    (1, 1024, 4096, 8, 4), (9, 4096, 4096, 16, 4)])
-def test_auto_picks_the_stream_kernel_at_decode(m, n, k, tm, split):
+@pytest.mark.parametrize("m, n, k, tm, split, stages", [
+    (1, 8192, 8192, 8, 2, None), (4, 28672, 4096, 8, 1, 1), (16, 4096, 14336, 16, 4, None),
+    (1, 1024, 4096, 8, 4, None), (9, 4096, 4096, 16, 4, None)])
+def test_auto_picks_the_stream_kernel_at_decode(m, n, k, tm, split, stages):
+    """The split, and one K unit per batch only where the grid is over 3 CTAs per SM
+    (28672 x 4096: 448 CTAs on 132 SMs)."""
     s = stream_decode_schedule("sm_90a", m, n, k)
-    assert (s.tile.m, s.split_k) == (tm, split)
+    assert (s.tile.m, s.split_k, s.stages) == (tm, split, stages)
     assert plan(s, Problem(m, n, k, "bf16")).ok
     picked = heuristic("sm120", m, n, k, packed=True, a_format="bf16", target="sm_120a")
     assert picked.mainloop.value == "stream" and picked.target == "sm_120a"

@@ -23,7 +23,8 @@ to spend few instructions per weight element:
   scale per pair of elements) into the A fragments (the WGMMA register fragment and the
   ``mma.sync`` one are the same per warp, which is why the packed layout serves both); each
   scale is read once per 16 elements of its row. The activation pairs of the B fragment
-  come from global memory (L1-resident: every CTA reads the same few kilobytes); rows of an
+  come from global memory (L1-resident: every CTA reads the same few kilobytes), all of a
+  unit's before its first decode, so their latency is paid once per unit; rows of an
   activation tile past M read row M - 1 and their columns of D are never stored;
 * K is split over ``split_k`` CTAs per output tile (``kernels/scheduler.py``: balanced
   ranges of 64-element units), and the partials are reduced in the kernel, in split order,
@@ -180,12 +181,19 @@ class StreamGemm(GemmLaunch):
         self.split_values = 4 * self.n_blocks
         self.ptr_types = PointerTypes(self.mma_dtype, self.out_dtype)
 
+    # static choices of the K loop (class attributes, so a probe subclass can vary them):
+    ring = RING  # batches in each warp's ring: ring - 1 are in flight while one is decoded
+    act_hoist = True  # a unit's activation pairs loaded before its first decode (H200,
+    # 1 x 8192 x 8192: 19.9 us against 22.3 loaded per K block, L1TEX stalls 41% -> 30%)
+    dual_acc = False  # even and odd units of a batch into two accumulator sets (added last)
+
     def _setup(self):
         """The rings' shared storage: per warp, ``RING`` batches of ``batch`` units of
         (4 words, 32 lanes, 4 row groups) weight words and (2 words, 4 pairs, 8 quads)
         scale words. After the K loop the weight region holds the warps' partial sums."""
-        self.sQ_layout = cute.make_layout((LANE_WORDS, 32, GROUPS, self.batch, RING, WARPS))
-        self.sS_layout = cute.make_layout((2, PAIRS, 8, self.batch, RING, WARPS))
+        self.sQ_layout = cute.make_layout((LANE_WORDS, 32, GROUPS, self.batch, self.ring,
+                                           WARPS))
+        self.sS_layout = cute.make_layout((2, PAIRS, 8, self.batch, self.ring, WARPS))
         self.red_layout = cute.make_layout((4 * self.n_blocks, 32, GROUPS, WARPS))
         assert cute.cosize(self.red_layout) <= cute.cosize(self.sQ_layout)
 
@@ -293,7 +301,8 @@ class StreamGemm(GemmLaunch):
         frB = mma1.make_fragment_B(thr1.partition_B(cute.make_identity_tensor((tm, 16))).shape)
         acc_shape = thr1.partition_C(cute.make_identity_tensor((16, tm))).shape
         accs = []
-        for _ in cutlass.range_constexpr(GROUPS):
+        sets = 2 if cutlass.const_expr(self.dual_acc and self.batch > 1) else 1
+        for _ in cutlass.range_constexpr(GROUPS * sets):
             a = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
             a.fill(0.0)
             accs.append(a)
@@ -308,20 +317,27 @@ class StreamGemm(GemmLaunch):
         if cutlass.const_expr(not self.grouped):
             roles.wait_for_inputs()
         n_batches = (mine + self.batch - 1) // self.batch
-        self._issue(ring, 0)
-        cute.arch.cp_async_commit_group()
-        for b in cutlass.range(n_batches, unroll=1):
-            if b + 1 < n_batches:
-                self._issue(ring, b + 1)
+        ahead = self.ring - 1  # batches issued before the first is decoded
+        for b in cutlass.range_constexpr(ahead):
+            self._issue(ring, b)  # (issues nothing past the warp's last unit)
             cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)
+        for b in cutlass.range(n_batches, unroll=1):
+            if b + ahead < n_batches:
+                self._issue(ring, b + ahead)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(ahead)
             cute.arch.sync_warp()  # the quad's scale words, copied by its four lanes
             for i in cutlass.range_constexpr(self.batch):
                 t = b * self.batch + i
                 if t < mine:
-                    self._unit(p, ring, b % RING, i, blk.k_begin + warp + WARPS * t, x_rows,
-                               tables, mma1, frA, frB, accs)
+                    mine_accs = accs[GROUPS * (i % sets): GROUPS * (i % sets + 1)]
+                    self._unit(p, ring, b % self.ring, i, blk.k_begin + warp + WARPS * t,
+                               x_rows, tables, mma1, frA, frB, mine_accs)
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(sets > 1):
+            for j in cutlass.range_constexpr(GROUPS):
+                for v in cutlass.range_constexpr(cute.size(accs[j])):
+                    accs[j][v] = accs[j][v] + accs[GROUPS + j][v]
         acc = self._reduce(sQ_all, accs, warp, lane)
         tiled_mma = self._tiled_mma()
         self._store(p, tiled_mma.get_slice(tidx), acc, blk, tidx)
@@ -340,7 +356,7 @@ class StreamGemm(GemmLaunch):
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint32,
             num_bits_per_copy=128)
         s_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint32, num_bits_per_copy=64)
-        slot = b % RING
+        slot = b % self.ring
         for i in cutlass.range_constexpr(self.batch):
             t = b * self.batch + i
             if t < mine:
@@ -373,10 +389,19 @@ class StreamGemm(GemmLaunch):
         a32 = cute.recast_tensor(frA, cutlass.Uint32)
         b32 = cute.recast_tensor(frB, cutlass.Uint32)
         col = ku * (UNIT_K // 2) + lane % 4  # the pair at K 2c of this unit, in words
+        xs = []  # act_hoist: every activation pair of the unit, loaded before any decode
+        if cutlass.const_expr(self.act_hoist):
+            for kb in cutlass.range_constexpr(4):
+                for nb in cutlass.range_constexpr(self.n_blocks):
+                    xs.append((p.mA32[x_rows[nb], col + kb * 8],
+                               p.mA32[x_rows[nb], col + kb * 8 + 4]))
         for kb in cutlass.range_constexpr(4):
             for nb in cutlass.range_constexpr(self.n_blocks):
-                b32[2 * nb] = p.mA32[x_rows[nb], col + kb * 8]
-                b32[2 * nb + 1] = p.mA32[x_rows[nb], col + kb * 8 + 4]
+                if cutlass.const_expr(self.act_hoist):
+                    b32[2 * nb], b32[2 * nb + 1] = xs[kb * self.n_blocks + nb]
+                else:
+                    b32[2 * nb] = p.mA32[x_rows[nb], col + kb * 8]
+                    b32[2 * nb + 1] = p.mA32[x_rows[nb], col + kb * 8 + 4]
             for j in cutlass.range_constexpr(GROUPS):
                 s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
                 s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
