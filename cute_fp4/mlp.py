@@ -378,7 +378,14 @@ def fuse_gated_mlps(model: torch.nn.Module, group: int | None = None
     GPU the weights are on (weights on the CPU are then left unfused, with that reason).
     Returns ``(fused names, (name, reason) of the gated MLPs left unfused)``."""
     fused, unfused = [], []
-    for name, module in list(model.named_modules()):
+    # names, not modules: a list of the modules would keep every replaced projection alive
+    # until the end (the whole model's gate and up weights twice at the peak); this way one
+    # MLP's old and new weights coexist at a time
+    for name in [n for n, _ in model.named_modules()]:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:  # inside an MLP fused above
+            continue
         projs = gated_mlp_projections(module)
         if projs is None or not name:  # the model itself: NVFP4GatedMLP.from_layers
             continue
@@ -398,4 +405,5 @@ def fuse_gated_mlps(model: torch.nn.Module, group: int | None = None
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
         fused.append(name)
+        module = projs = gate = new = None  # the replaced layers go now, not next round
     return tuple(fused), tuple(unfused)

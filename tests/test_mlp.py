@@ -380,3 +380,28 @@ def test_fuse_gated_mlps_of_converted_layers_keeps_their_bits(exact):
     cpu = Block()
     cf.convert(cpu, state_dict=sd, fuse_mlp=False)
     assert "on the CPU" in cmlp.fuse_gated_mlps(cpu)[1][0][1]
+
+
+def test_fusing_frees_each_mlps_old_layers_before_the_next_is_built(exact, monkeypatch):
+    """Peak memory while fusing: when the next MLP's fused layer is built, the projections
+    of the MLPs fused before are gone (a model holds its gate and up weights twice for one
+    MLP at a time, not for all of them; from_pretrained's bound counts on it)."""
+    import gc
+    import weakref
+
+    sd = _checkpoint()
+    model = torch.nn.ModuleList([Block() for _ in range(3)])
+    for b in model:
+        cf.convert(b, state_dict=sd, fuse_mlp=False)
+    olds = [weakref.ref(b.mlp.gate_proj) for b in model]
+    alive, build = [], cmlp.NVFP4GatedMLP.from_layers
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(r() is not None for r in olds))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(cmlp.NVFP4GatedMLP, "from_layers", counting)
+    fused, _ = cmlp.fuse_gated_mlps(model, group=8)
+    assert fused == ("0.mlp", "1.mlp", "2.mlp")
+    assert alive == [3, 2, 1]  # only the MLPs not yet fused still hold their layers
