@@ -45,6 +45,20 @@ def _x(*shape: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
 
+def _captured(module, x: torch.Tensor):
+    """Run ``module`` on ``x`` once outside a capture (kernels resolved and compiled), capture
+    one call in a CUDA graph, put new values into ``x`` and replay: (graph, the captured
+    output, the warm-up's output)."""
+    want = module(x).clone()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = module(x)
+    x.copy_(_x(*x.shape, seed=5))
+    g.replay()
+    return g, y, want
+
+
 def _activation(layer: cnn.NVFP4Linear, x2: torch.Tensor):
     from cute_fp4.quant import quantize_activation
 
@@ -135,13 +149,7 @@ def test_manual_graph_capture_of_the_eager_forward(mode, static):
     _skip_unsupported(mode)
     _, layer = _layer(mode, static)
     x = _x(1, 640)
-    want = layer(x).clone()  # warm-up: kernels resolved and compiled outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = layer(x)
-    x.copy_(_x(1, 640, seed=5))
-    g.replay()
+    g, y, want = _captured(layer, x)
     assert torch.equal(y, layer(x)) and not torch.equal(y, want)
     # the weights load in place: the captured graph reads the new ones
     _, other = _layer(mode, static, seed=7)
@@ -415,13 +423,7 @@ def test_gated_mlp_graph_capture_of_the_eager_forward(mode, static):
     _skip_unsupported(mode)
     _, mlp = _gated(mode, static)
     x = _x(1, 4096)
-    want = mlp(x).clone()  # warm-up outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = mlp(x)
-    x.copy_(_x(1, 4096, seed=5))
-    g.replay()
+    _, y, want = _captured(mlp, x)
     assert torch.equal(y, mlp(x)) and not torch.equal(y, want)
 
 
