@@ -393,15 +393,12 @@ class StreamGemm(GemmLaunch):
         if cutlass.const_expr(self.act_hoist):
             for kb in cutlass.range_constexpr(4):
                 for nb in cutlass.range_constexpr(self.n_blocks):
-                    xs.append((p.mA32[x_rows[nb], col + kb * 8],
-                               p.mA32[x_rows[nb], col + kb * 8 + 4]))
+                    xs.append(activation_pair(p.mA32, x_rows[nb], col, kb))
         for kb in cutlass.range_constexpr(4):
             for nb in cutlass.range_constexpr(self.n_blocks):
-                if cutlass.const_expr(self.act_hoist):
-                    b32[2 * nb], b32[2 * nb + 1] = xs[kb * self.n_blocks + nb]
-                else:
-                    b32[2 * nb] = p.mA32[x_rows[nb], col + kb * 8]
-                    b32[2 * nb + 1] = p.mA32[x_rows[nb], col + kb * 8 + 4]
+                b32[2 * nb], b32[2 * nb + 1] = (
+                    xs[kb * self.n_blocks + nb] if cutlass.const_expr(self.act_hoist)
+                    else activation_pair(p.mA32, x_rows[nb], col, kb))
             for j in cutlass.range_constexpr(GROUPS):
                 s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
                 s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
@@ -472,6 +469,13 @@ class StreamGroupedGemm(GroupedLaunch, StreamGemm):
     grouped signature (kernels/launch.py ``GroupedLaunch``)."""
 
     b_row_align = UNIT_ROWS  # each expert's packed weight has packed_rows(N) rows
+
+
+def activation_pair(mA32, row, col, kb):
+    """The two 32-bit words (pairs of 16-bit activations) of K block ``kb`` that a lane's B
+    fragment takes from activation row ``row``: K pairs ``col`` and ``col + 4`` of the
+    block (``col``: the unit's first pair of this lane, in words)."""
+    return mA32[row, col + kb * 8], mA32[row, col + kb * 8 + 4]
 
 
 def expert_words(n, half_k):
