@@ -19,11 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cute_fp4 import packed as pk
 from cute_fp4.errors import InputError
-from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
+from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales, unswizzle_scales
 
-__all__ = ["device_group", "gate_up_order", "interleave_gate_up", "natural_gate_up",
-           "deinterleave_gate_up", "silu_mul_unfused"]
+__all__ = ["device_group", "gate_up_order", "interleave_gate_up", "interleave_stored",
+           "natural_gate_up", "deinterleave_gate_up", "silu_mul_unfused"]
 
 
 def device_group(device: torch.device, layout: str) -> int:
@@ -65,6 +66,45 @@ def interleave_gate_up(w, group: int):
     else:
         scale = torch.stack([swizzle_scales(s) for s in linear])
     return NVFP4Tensor(data, scale, w.global_scale, w.shape)
+
+
+def _interleave_rows(gate: torch.Tensor, up: torch.Tensor, group: int) -> torch.Tensor:
+    """Natural gate rows and up rows (``[r, C]`` each, ``r`` a multiple of ``group``) ->
+    ``[2r, C]`` in the interleaved order."""
+    r, c = gate.shape
+    return torch.stack([gate.reshape(r // group, group, c), up.reshape(r // group, group, c)],
+                       1).reshape(2 * r, c)
+
+
+def interleave_stored(gate_data: torch.Tensor, up_data: torch.Tensor, gate_scale: torch.Tensor,
+                      up_scale: torch.Tensor, shape: tuple[int, int], group: int,
+                      packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of the interleaved ``[2I, K]`` gate_up weight, made from gate's and
+    up's tensors as an ``NVFP4Linear`` stores them (``shape`` ``(I, K)`` each; bytes plain
+    ``[I, K/2]``, or in fragment order when ``packed``; blocked scales), with the bits
+    :func:`interleave_gate_up` (and ``cute_fp4.packed.pack``) give the concatenation. The
+    bytes are done a chunk of whole units at a time (``cute_fp4.packed``): beside the
+    inputs and the result, only one chunk's temporaries exist, where the whole weight's
+    would be several times its size on the GPU a model is loaded onto."""
+    rows, k = shape
+    if rows % group:
+        raise InputError(f"{rows} gate rows do not split into gate/up groups of {group}")
+    half_k = k // 2
+    out = torch.empty((pk.packed_rows(2 * rows) if packed else 2 * rows, half_k),
+                      dtype=torch.uint8, device=gate_data.device)
+    step = pk.chunk_rows(half_k)
+    for r in range(0, rows, step):
+        r1 = min(r + step, rows)
+        if packed:
+            g = pk.unpack(gate_data[r:pk.packed_rows(r1)], r1 - r)
+            u = pk.unpack(up_data[r:pk.packed_rows(r1)], r1 - r)
+            both = pk.pack(_interleave_rows(g, u, group))
+        else:
+            both = _interleave_rows(gate_data[r:r1], up_data[r:r1], group)
+        out[2 * r:2 * r + both.shape[0]] = both
+    linear = _interleave_rows(unswizzle_scales(gate_scale, rows, k),
+                              unswizzle_scales(up_scale, rows, k), group)
+    return out, swizzle_scales(linear.contiguous())
 
 
 def natural_gate_up(w, group: int):

@@ -33,9 +33,16 @@ import torch
 
 from cute_fp4.api import gemm
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
-from cute_fp4.fused import device_group, gate_up_order, interleave_gate_up, silu_mul_unfused
+from cute_fp4.fused import (
+    device_group,
+    gate_up_order,
+    interleave_gate_up,
+    interleave_stored,
+    silu_mul_unfused,
+)
 from cute_fp4.nn import NVFP4Linear, _check_schedule, _resolve_layout
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.quant import quantize_activation
 
 __all__ = ["NVFP4GatedMLP", "fuse_gated_mlps", "gate_up_group", "gated_mlp_projections",
@@ -90,15 +97,20 @@ class NVFP4GatedMLP(torch.nn.Module):
     then the fused GEMM); ``input_scale``: W4A4's calibrated scale of the gate_up input,
     None for a dynamic one; ``layout``: the gate_up weight's (``NVFP4Linear``); ``group``:
     rows per gate/up group, None for the GPU's (:func:`gate_up_group`; a DeviceError on the
-    CPU). Children: ``gate_up_proj`` (interleaved) and ``down_proj``. Input bf16/fp16 of
+    CPU); ``interleaved``: ``gate_up`` is already in the interleaved order of ``group`` (an
+    NVFP4Tensor, or a PackedNVFP4Weight for the packed layout: :meth:`from_layers`).
+    Children: ``gate_up_proj`` (interleaved) and ``down_proj``. Input bf16/fp16 of
     any leading dims, output ``[..., H']`` in its dtype.
     """
 
     def __init__(self, gate_up: NVFP4Tensor, down: NVFP4Linear, mode: str = "w4a16",
                  schedule="auto", input_scale=None, layout: str = "auto",
-                 group: int | None = None):
+                 group: int | None = None, *, interleaved: bool = False):
         super().__init__()
-        if not isinstance(gate_up, NVFP4Tensor) or gate_up.experts is not None:
+        if interleaved and group is None:
+            raise InputError("interleaved=True needs the group the weight is interleaved in")
+        kinds = (NVFP4Tensor, PackedNVFP4Weight) if interleaved else NVFP4Tensor
+        if not isinstance(gate_up, kinds) or gate_up.experts is not None:
             raise InputTypeError(f"gate_up must be one NVFP4Tensor [2I, H], got "
                                  f"{type(gate_up).__name__}")
         if not isinstance(down, NVFP4Linear):
@@ -124,8 +136,9 @@ class NVFP4GatedMLP(torch.nn.Module):
                               f"{group}); use three NVFP4Linear layers")
         self.group, self.schedule = group, schedule
         self.hidden, self.intermediate = hidden, n13 // 2
-        self.gate_up_proj = GateUpLinear(interleave_gate_up(gate_up, group), None, mode,
-                                         schedule, input_scale, layout)
+        if not interleaved:
+            gate_up = interleave_gate_up(gate_up, group)
+        self.gate_up_proj = GateUpLinear(gate_up, None, mode, schedule, input_scale, layout)
         self.down_proj = down
 
     # ------------------------------------------------------------------ construction
@@ -185,11 +198,23 @@ class NVFP4GatedMLP(torch.nn.Module):
         why = unfusable_reason(gate, up, down)
         if why:
             raise FormatError(f"these layers cannot be fused: {why}")
-        g, u = gate.weight, up.weight  # the plain layout (packed: unpacked)
-        scale = torch.cat([g.scale_linear(), u.scale_linear()])
-        w13 = NVFP4Tensor(torch.cat([g.data, u.data]), swizzle_scales(scale.contiguous()),
-                          gate.weight_scale_2, (2 * g.shape[0], g.shape[1]))
-        return cls(w13, down, gate.mode, gate.schedule, gate.input_scale, gate.layout, group)
+        if group is None:
+            group = gate_up_group(gate.weight_packed.device, gate.layout, gate.schedule)
+        rows, k = gate.out_features, gate.in_features
+        if rows % group:
+            raise FormatError(f"intermediate size {rows} does not split into gate/up groups "
+                              f"of {group} rows (the fused GEMM needs a multiple of {group}); "
+                              "use three NVFP4Linear layers")
+        # from the stored bytes, a chunk at a time: loading onto a GPU fuses there, and the
+        # whole weight's unpack/concatenate/interleave/pack would hold several copies of it
+        packed = gate.layout == "packed"
+        data, scale = interleave_stored(gate.weight_packed, up.weight_packed,
+                                        gate.weight_scale, up.weight_scale, (rows, k), group,
+                                        packed)
+        kind = PackedNVFP4Weight if packed else NVFP4Tensor
+        w13 = kind(data, scale, gate.weight_scale_2, (2 * rows, k))
+        return cls(w13, down, gate.mode, gate.schedule, gate.input_scale, gate.layout, group,
+                   interleaved=True)
 
     # ------------------------------------------------------------------ views, state
 

@@ -170,7 +170,8 @@ def keep_format_dtypes(module: torch.nn.Module, parent_apply, fn, recurse: bool,
 class NVFP4Linear(torch.nn.Module):
     """``y = x @ W^T (+ bias)`` with ``W`` NVFP4 ``[out_features, in_features]``.
 
-    ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``);
+    ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``), or
+    a PackedNVFP4Weight (already in fragment order: stored as it is in the packed layout);
     ``mode``: "w4a16" or "w4a4"; ``schedule``: "auto", a catalogue name (both work under
     torch.compile) or a Schedule; ``input_scale``: W4A4's calibrated activation global
     scale (decode form, ``amax / 2688``), None for a dynamic one; ``layout``: "auto",
@@ -183,7 +184,7 @@ class NVFP4Linear(torch.nn.Module):
         super().__init__()
         if mode not in MODES:
             raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
-        if not isinstance(weight, NVFP4Tensor):
+        if not isinstance(weight, (NVFP4Tensor, PackedNVFP4Weight)):
             raise InputTypeError(f"weight must be an NVFP4Tensor, got {type(weight).__name__}")
         if weight.experts is not None:
             raise InputError(f"weight must be one [out_features, in_features] matrix, got an "
@@ -202,8 +203,11 @@ class NVFP4Linear(torch.nn.Module):
             bias = torch.nn.Parameter(bias.detach().clone().to(dev), requires_grad=False)
         self.mode, self.schedule = mode, schedule
         self.layout = _resolve_layout(layout, mode, weight, schedule)
-        self.register_buffer("weight_packed", self._layout_bytes(weight.data),
-                             persistent=False)
+        if isinstance(weight, PackedNVFP4Weight) and self.layout == "plain":
+            weight = weight.unpack()
+        stored = (weight.data if isinstance(weight, PackedNVFP4Weight)
+                  else self._layout_bytes(weight.data))
+        self.register_buffer("weight_packed", stored, persistent=False)
         self.register_buffer("weight_scale", weight.scale, persistent=False)
         self.register_buffer("weight_scale_2", _scalar(weight.global_scale, "weight global "
                                                        "scale", dev), persistent=False)

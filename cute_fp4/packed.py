@@ -77,28 +77,19 @@ def _lead_perm(lead: int, perm: tuple[int, ...]) -> tuple[int, ...]:
     return (*range(lead), *(lead + i for i in perm))
 
 
-def _words(data: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``data`` (contiguous, a multiple of 4 per row) as unsigned 32-bit words
-    in int64."""
-    return data.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-
-
-def _bytes(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    w = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return w.view(torch.uint8).reshape(like.shape)
-
-
 _NIBBLE_SIGN = tuple(4 * i + 3 for i in range(8))  # a nibble's own sign bit (plain layout)
 
 
 def _move_sign_bits(data: torch.Tensor, src: tuple[int, ...], dst: tuple[int, ...]
                     ) -> torch.Tensor:
-    """Each 32-bit word's sign bits from positions ``src`` to ``dst`` (magnitudes kept)."""
-    w = _words(data)
+    """Each 32-bit word's sign bits from positions ``src`` to ``dst`` (magnitudes kept):
+    int32 words (an arithmetic shift then ``& 1`` reads bit 31 as any other; ``1 << 31``
+    wraps onto it), so the working set is the data's size, not twice it."""
+    w = data.contiguous().view(torch.int32)
     out = w & _MAGNITUDES
     for a, b in zip(src, dst):
         out |= ((w >> a) & 1) << b
-    return _bytes(out, data)
+    return out.view(torch.uint8).reshape(data.shape)
 
 
 def move_signs(data: torch.Tensor) -> torch.Tensor:
@@ -118,28 +109,57 @@ def fragment_code(word: int, i: int) -> int:
     return (word >> (4 * i)) & 7 | ((word >> SIGN_BIT[i]) & 1) << 3
 
 
+# rows packed or unpacked at a time: a few times this many bytes is the transient (the
+# model loaders pack every weight on the GPU it lands on; the weight's own size would be)
+_CHUNK_BYTES = 1 << 23
+
+
+def chunk_rows(row_bytes: int) -> int:
+    """Rows per chunk: whole 64-row units, about :data:`_CHUNK_BYTES` of them."""
+    return max(1, _CHUNK_BYTES // max(1, row_bytes * UNIT_ROWS)) * UNIT_ROWS
+
+
+def _pack_units(data: torch.Tensor, rows: int) -> torch.Tensor:
+    """Plain rows (``[..., n, K/2]``, n <= rows) -> ``rows`` (whole units) in fragment order."""
+    *lead, n, half_k = data.shape
+    padded = data
+    if rows != n:
+        padded = torch.zeros((*lead, rows, half_k), dtype=torch.uint8, device=data.device)
+        padded[..., :n, :] = data
+    units = padded.reshape(*lead, rows // 64, 4, 2, 8, half_k // 32, 4, 2, 4)
+    order = units.permute(_lead_perm(len(lead), _TO_PACKED)).reshape(*lead, rows, half_k)
+    return move_signs(order)
+
+
+def _unpack_units(packed: torch.Tensor) -> torch.Tensor:
+    """Whole units in fragment order (``[..., rows, K/2]``) -> plain rows."""
+    *lead, rows, half_k = packed.shape
+    units = restore_signs(packed).reshape(*lead, rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
+    return units.permute(_lead_perm(len(lead), _TO_PLAIN)).reshape(*lead, rows, half_k)
+
+
 def pack(data: torch.Tensor) -> torch.Tensor:
     """Plain packed E2M1 bytes ``[N, K/2]`` -> fragment order ``[packed_rows(N), K/2]``
     (an expert stack ``[E, N, K/2]`` -> ``[E, packed_rows(N), K/2]``, each expert packed
-    alone)."""
+    alone). Works through the rows in chunks of whole units (:data:`_CHUNK_BYTES`), so
+    beside the input and the result it holds only a chunk's temporaries."""
     if data.dtype != torch.uint8 or data.dim() not in (2, 3):
         raise FormatError(f"data must be uint8 [N, K/2], got {data.dtype} with shape "
                           f"{tuple(data.shape)} (an expert stack is [E, N, K/2])")
     *lead, n, half_k = data.shape
     _check_k(2 * half_k)
     rows = packed_rows(n)
-    padded = data
-    if rows != n:
-        padded = torch.zeros((*lead, rows, half_k), dtype=torch.uint8, device=data.device)
-        padded[..., :n, :] = data
-    units = padded.reshape(*lead, rows // 64, 4, 2, 8, half_k // 32, 4, 2, 4)
-    perm = _lead_perm(len(lead), _TO_PACKED)
-    return move_signs(units.permute(perm).contiguous().reshape(*lead, rows, half_k))
+    out = torch.empty((*lead, rows, half_k), dtype=torch.uint8, device=data.device)
+    step = chunk_rows(half_k * (lead[0] if lead else 1))
+    for r in range(0, rows, step):
+        r1 = min(r + step, rows)
+        out[..., r:r1, :] = _pack_units(data[..., r:min(r1, n), :], r1 - r)
+    return out
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack`: fragment order -> plain ``[n, K/2]`` bytes (``[E, n, K/2]``
-    for an expert stack)."""
+    for an expert stack), in chunks of whole units as :func:`pack`."""
     if packed.dtype != torch.uint8 or packed.dim() not in (2, 3):
         raise FormatError(f"packed data must be uint8 [rows, K/2], got {packed.dtype} with "
                           f"shape {tuple(packed.shape)} (an expert stack is [E, rows, K/2])")
@@ -148,9 +168,12 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     if rows != packed_rows(n):
         raise FormatError(f"packed data of {n} rows must have {packed_rows(n)} rows, "
                           f"got {rows}")
-    units = restore_signs(packed).reshape(*lead, rows // 64, half_k // 32, 4, 8, 4, 4, 2, 2)
-    plain = units.permute(_lead_perm(len(lead), _TO_PLAIN)).contiguous()
-    return plain.reshape(*lead, rows, half_k)[..., :n, :].contiguous()
+    out = torch.empty((*lead, n, half_k), dtype=torch.uint8, device=packed.device)
+    step = chunk_rows(half_k * (lead[0] if lead else 1))
+    for r in range(0, n, step):
+        r1 = min(r + step, rows)
+        out[..., r:min(r1, n), :] = _unpack_units(packed[..., r:r1, :])[..., :min(r1, n) - r, :]
+    return out
 
 
 def source_of(t: int, kb: int, j: int) -> tuple[int, int]:
@@ -232,5 +255,5 @@ def repack(w: NVFP4Tensor) -> PackedNVFP4Weight:
 
 
 __all__ = ["SIGN_BIT", "UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedNVFP4Weight",
-           "fragment_code", "move_signs", "pack", "packed_rows", "repack", "restore_signs",
-           "source_of", "unpack"]
+           "chunk_rows", "fragment_code", "move_signs", "pack", "packed_rows", "repack",
+           "restore_signs", "source_of", "unpack"]

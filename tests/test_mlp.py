@@ -132,6 +132,34 @@ def test_state_dict_is_modelopt_per_projection_and_round_trips(layout, group):
     assert _same(made.state_dict(), sd)
 
 
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+@pytest.mark.parametrize("group", [8, 32])
+def test_from_layers_builds_the_stored_bytes_in_chunks_with_the_same_bits(layout, group,
+                                                                         monkeypatch):
+    """from_layers interleaves gate and up from the bytes as stored, a chunk of rows at a
+    time (one 64-row unit per chunk here: three): the bits of the whole-weight path
+    (concatenate, interleave, pack), and forward-ready buffers."""
+    from cute_fp4 import packed
+
+    inter = 192
+    ref = MLP(i=inter, seed=3)
+    whole = cmlp.NVFP4GatedMLP.from_linears(ref.gate_proj, ref.up_proj, ref.down_proj,
+                                            layout=layout, group=group)
+    sd = whole.state_dict()
+    gs = sd["gate_proj.weight_scale_2"]
+    gate, up = (cnn.NVFP4Linear.from_modelopt(sd[f"{p}.weight"], sd[f"{p}.weight_scale"], gs,
+                                              layout=layout) for p in ("gate_proj", "up_proj"))
+    monkeypatch.setattr(packed, "_CHUNK_BYTES", 1)
+    built = cmlp.NVFP4GatedMLP.from_layers(gate, up, whole.down_proj, group=group)
+    assert built.layout == layout and built.group == group
+    for name in ("weight_packed", "weight_scale", "weight_scale_2"):
+        a, b = (getattr(m.gate_up_proj, name) for m in (built, whole))
+        assert a.shape == b.shape and torch.equal(_bytes(a), _bytes(b)), name
+    assert _same(built.state_dict(), sd)
+    with pytest.raises(FormatError, match="192 does not split into gate/up groups of 128"):
+        cmlp.NVFP4GatedMLP.from_layers(gate, up, whole.down_proj, group=128)
+
+
 def test_w4a4_state_dict_holds_the_input_scales():
     ref = MLP()
     mlp = cmlp.NVFP4GatedMLP.from_linears(ref.gate_proj, ref.up_proj, ref.down_proj,

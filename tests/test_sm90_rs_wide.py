@@ -38,8 +38,13 @@ RS = [s for s in catalogue.all_schedules("sm90", grouped=False)
 
 # ----------------------------------------------------------------------------- packing
 
+@pytest.mark.parametrize("chunk", [None, 1], ids=["whole", "unit_chunks"])
 @pytest.mark.parametrize("n, k", [(64, 64), (8, 64), (200, 128), (1000, 192), (64, 4096)])
-def test_pack_round_trip_and_definition(n, k):
+def test_pack_round_trip_and_definition(n, k, chunk, monkeypatch):
+    """The definition byte by byte; ``unit_chunks``: pack and unpack one 64-row unit at a
+    time (as they do through a large weight), a wrong chunk offset moves bytes."""
+    if chunk is not None:
+        monkeypatch.setattr(packed, "_CHUNK_BYTES", chunk)
     data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     p = packed.pack(data)
     assert p.shape == (packed.packed_rows(n), k // 2)
@@ -70,6 +75,15 @@ def test_packed_weight_round_trip_and_refusals():
         packed.repack(quantize(torch.randn(64, 96)))
     with pytest.raises(FormatError, match="must have 192 rows"):
         packed.unpack(pw.data[:64], 136)
+
+
+def test_a_stack_packs_in_chunks_to_the_same_bytes(monkeypatch):
+    stack = torch.randint(0, 256, (3, 200, 64), dtype=torch.uint8)
+    whole = packed.pack(stack)
+    assert torch.equal(whole[1], packed.pack(stack[1]))
+    monkeypatch.setattr(packed, "_CHUNK_BYTES", 1)
+    assert torch.equal(packed.pack(stack), whole)
+    assert torch.equal(packed.unpack(whole, 200), stack)
 
 
 def test_pack_is_a_permutation():
