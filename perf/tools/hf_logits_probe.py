@@ -401,6 +401,7 @@ def environment(device: str) -> dict:
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(),
            "torch": torch.__version__, "transformers": transformers.__version__,
            "cuda": torch.version.cuda, "device": device,
+           "float32_matmul_precision": torch.get_float32_matmul_precision(),
            "bf16_reduced_precision_reduction":
                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}
     if device == "cuda":
