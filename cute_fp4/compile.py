@@ -437,10 +437,17 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
     Compiled once per (kernel class, schedule, signature) with symbolic M, N, K: any shape
     of that signature reuses it. ``CompiledGemm.source`` says whether it was loaded from
     disk or built."""
-    from cute_fp4.targets import require_device
+    from cute_fp4.targets import emulated_target, require_device
 
     sig = signature or Signature()
-    dev = require_device(schedule.arch.family)
+    if emulated_target() is not None and schedule.arch.family == "sm120":
+        # cute_fp4.emulation.emulate(): block-scaled kernels with the MMA emulated, the
+        # stream kernel (one for both families) as the present GPU's
+        if schedule.mainloop is not Mainloop.STREAM:
+            return compile_emulated(schedule, sig)
+        dev = require_device()
+    else:
+        dev = require_device(schedule.arch.family)
     s = retarget(schedule, dev.target.name)
     key = (kernel_class(s).__name__, s, sig, tvm_ffi_enabled())
     with _LOCK:

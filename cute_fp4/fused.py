@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from cute_fp4 import packed as pk
 from cute_fp4.errors import InputError
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales, unswizzle_scales
+from cute_fp4.targets import capability_major
 
 __all__ = ["device_group", "gate_up_order", "interleave_gate_up", "interleave_stored",
            "natural_gate_up", "deinterleave_gate_up", "silu_mul_unfused"]
@@ -32,7 +33,7 @@ def device_group(device: torch.device, layout: str) -> int:
     ``device``: ``planning.common.silu_group`` of the kernels that read it there (8 on
     sm_90a and for the packed layout's kernels, rs_packed and stream, on either family; 32
     for SM12x's block-scaled MMA on the plain layout)."""
-    major = torch.cuda.get_device_capability(device)[0]
+    major = capability_major(device)
     return 8 if major == 9 or layout == "packed" else 32
 
 

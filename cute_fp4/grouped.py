@@ -291,9 +291,9 @@ def resolve_grouped(schedule, out_dtype=torch.bfloat16,
 
     if isinstance(schedule, str):
         if schedule == "auto":
-            from cute_fp4.targets import require_device
+            from cute_fp4.targets import gemm_device
 
-            schedule = auto_schedule_name(str(require_device().target.family), dims)
+            schedule = auto_schedule_name(str(gemm_device().target.family), dims)
         schedule = catalogue.get(schedule)
     if not isinstance(schedule, Schedule):
         raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
@@ -335,6 +335,13 @@ def check_schedule(s: Schedule, dims: GroupedDims) -> None:
 _SCHEDULES: dict[tuple, tuple[object, Schedule]] = {}
 _KERNELS: dict[tuple, tuple[object, CompiledGemm]] = {}
 _MEMO_MAX = 1024
+
+
+def clear_memos() -> None:
+    """Forget the memoised schedule resolutions and kernels (``emulation.emulate`` changes
+    what "auto" resolves to)."""
+    _SCHEDULES.clear()
+    _KERNELS.clear()
 
 
 def _memo_put(memo: dict, key: tuple, value: tuple) -> None:

@@ -73,6 +73,7 @@ from cute_fp4.grouped import grouped_gemm
 from cute_fp4.nn import keep_format_dtypes
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape, swizzle_scales
 from cute_fp4.packed import PackedNVFP4Weight, pack, packed_rows, repack
+from cute_fp4.targets import capability_major
 
 __all__ = ["LAYOUTS", "MODES", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
            "check_stages", "combine", "expert", "moe_bf16", "moe_reference", "route",
@@ -544,7 +545,7 @@ def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
                              "weight takes layout 'packed' or 'auto'")
         return "packed"
     if layout == "auto":
-        major = torch.cuda.get_device_capability(dev)[0] if dev.type == "cuda" else 0
+        major = capability_major(dev)
         wants = major == 9 or (major == 12 and mode == "w4a16")
         layout = "packed" if wants and h % 64 == 0 and i % 64 == 0 else "plain"
     if layout == "packed" and (h % 64 or i % 64):

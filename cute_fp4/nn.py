@@ -47,6 +47,7 @@ from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.operands import alpha_tensor
 from cute_fp4.packed import UNIT_K, PackedNVFP4Weight, pack, unpack
 from cute_fp4.quant import quantize_activation
+from cute_fp4.targets import capability_major
 
 __all__ = ["LAYOUTS", "MODES", "NVFP4Linear"]
 
@@ -90,11 +91,11 @@ def _resolve_layout(layout: str, mode: str, weight: NVFP4Tensor, schedule="auto"
 
 
 def _on_sm90(dev: torch.device) -> bool:
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+    return capability_major(dev) == 9
 
 
 def _on_sm12x(dev: torch.device) -> bool:
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 12
+    return capability_major(dev) == 12
 
 
 def _reads_packed(schedule) -> bool:

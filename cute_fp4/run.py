@@ -88,10 +88,10 @@ def _resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
                     out_dtype: torch.dtype) -> Schedule:
     """resolve_schedule for a PackedNVFP4Weight: "auto" is the packed heuristic (the tuning
     store holds plain-weight schedules), anything else must be ``mainloop=rs_packed``."""
-    from cute_fp4.targets import require_device
+    from cute_fp4.targets import gemm_device
 
     if schedule == _AUTO_PACKED:
-        t = require_device().target
+        t = gemm_device().target
         s = heuristic(t.family, m, n, k, packed=True, a_format=a_format, target=t.name)
         return _with_out_dtype(s, out_dtype)
     s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)

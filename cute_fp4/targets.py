@@ -176,3 +176,38 @@ def require_device(family: Family | str | None = None) -> Device:
     if family is not None and dev.target.family != family:
         raise DeviceError(f"GPU {dev.name!r} is {dev.target.name}; this needs a {family} GPU")
     return dev
+
+
+# ----------------------------------------------------------------------------- emulation
+
+_EMULATING: list[Target] = []  # the target cute_fp4.emulation.emulate() stands in for
+
+
+def emulated_target() -> Target | None:
+    """The target ``cute_fp4.emulation.emulate`` stands in for, None outside it."""
+    return _EMULATING[-1] if _EMULATING else None
+
+
+def gemm_device() -> Device:
+    """:func:`require_device` as the GEMM side sees it: inside ``emulate()``, the present
+    GPU with the emulated target (and a name that says so, so no tuning of the real GPU
+    applies)."""
+    dev = require_device()
+    t = emulated_target()
+    if t is None:
+        return dev
+    return dataclasses.replace(dev, name=f"{dev.name} (emulating {t.name})", cc=t.cc,
+                               target=t)
+
+
+def capability_major(device) -> int:
+    """The compute-capability major of the torch ``device`` as the GEMM side sees it (the
+    emulated target's inside ``emulate()``); 0 off a GPU."""
+    if getattr(device, "type", None) != "cuda":
+        return 0
+    t = emulated_target()
+    if t is not None:
+        return t.cc[0]
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0]

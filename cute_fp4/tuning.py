@@ -164,11 +164,11 @@ def pick(name: str, m: int, n: int, k: int, a_format: str) -> Schedule:
     :func:`heuristic`'s. The launch path (``cute_fp4.run.resolve_schedule``) asks it once
     per memoised resolution and fits the output dtype."""
     from cute_fp4 import catalogue
-    from cute_fp4.targets import require_device
+    from cute_fp4.targets import gemm_device
 
     if name != "auto":
         return catalogue.get(name)
-    dev = require_device()
+    dev = gemm_device()
     if dev.target.family == "sm120" and a_format != "nvfp4":
         raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
                          "stream kernel, which reads the fragment-order packed weight: "

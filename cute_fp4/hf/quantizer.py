@@ -40,6 +40,7 @@ from cute_fp4.hf.checkpoint import (
     read_tensor_index,
 )
 from cute_fp4.nn import NVFP4Linear
+from cute_fp4.targets import capability_major
 
 __all__ = ["MODES", "ModelOptNVFP4Config", "ModelOptNVFP4Quantizer", "QuantizedLinear",
            "register", "resolve_mode"]
@@ -56,7 +57,7 @@ def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> str
         raise InputError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "auto":
         return mode
-    sm12x = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 12
+    sm12x = capability_major(device) == 12
     return "w4a4" if sm12x and has_input_scales else "w4a16"
 
 

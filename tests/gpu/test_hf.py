@@ -2,9 +2,13 @@
 a shared expert) quantized, saved, loaded back onto the GPU, and run by transformers:
 prefill logits against the fake-quantized BF16 model, and greedy and sampled ``generate``
 at batch 1 and 16 whose per-step logits (the decode path: KV cache, M = batch GEMMs)
-match the fake-quantized model's logits on the generated sequence."""
+match the fake-quantized model's logits on the generated sequence. On an SM90 GPU every
+test runs twice: natively (W4A16) and as on SM12x (``cute_fp4.emulation.emulate``: W4A4
+through the SM120 kernels, their MMA emulated)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -16,8 +20,10 @@ import hf_tiny  # noqa: E402
 
 import cute_fp4.hf as hf  # noqa: E402
 from cute_fp4 import nn as cnn  # noqa: E402
+from cute_fp4.emulation import emulate  # noqa: E402
 from cute_fp4.hf import experts as ex  # noqa: E402
 from cute_fp4.mlp import NVFP4GatedMLP  # noqa: E402
+from cute_fp4.targets import capability_major  # noqa: E402
 
 WATCHDOG_S = 240
 # GPU-sized tiny models: K multiples of 64 (SM90's packed layout), 8 experts
@@ -32,10 +38,18 @@ KINDS = ("llama", "qwen3_moe", "qwen2_moe")
 TOL = {"w4a16": 3e-2, "w4a4": 0.5}
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=[(k, e) for e in (False, True) for k in KINDS],
+                ids=[f"{k}{'-emulated_sm120' if e else ''}" for e in (False, True)
+                     for k in KINDS])
 def pair(request, tmp_path_factory):
-    """(kind, fake-quantized BF16 model, NVFP4 model loaded from its saved checkpoint)."""
-    kind = request.param
+    """(kind, fake-quantized BF16 model, NVFP4 model loaded from its saved checkpoint).
+    ``-emulated_sm120`` (an SM90 GPU only): loaded and run inside ``emulation.emulate()``,
+    the SM12x route (W4A4, plain layout, gate/up groups of 32, SM120 block-scaled GEMMs
+    with the MMA emulated) on the same checkpoint; every test below then checks it as it
+    would on an SM12x GPU."""
+    kind, emulated = request.param
+    if emulated and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the SM120 emulation runs on an SM90 GPU (SM12x runs the route natively)")
     sizes = {**SIZES, **MOE_SIZES.get(kind, {})}
     model = hf_tiny.build(kind, device="cuda", **sizes)
     bf16 = hf_tiny.build(kind, device="cuda", **sizes)
@@ -45,8 +59,11 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(kind)
     hf.save_pretrained(model, path)
     del model
-    loaded = hf.from_pretrained(path, device="cuda")
-    return kind, hf_tiny.fake_quant(bf16, loaded), loaded
+    with contextlib.ExitStack() as stack:
+        if emulated:
+            stack.enter_context(emulate())
+        loaded = hf.from_pretrained(path, device="cuda")
+        yield kind, hf_tiny.fake_quant(bf16, loaded), loaded
 
 
 def _tol(model) -> float:
@@ -70,7 +87,7 @@ def test_layers_are_cute_fp4s(pair):
     kind, _, model = pair
     q = model.model.layers[0].self_attn.q_proj
     assert isinstance(q, cnn.NVFP4Linear)
-    sm90 = torch.cuda.get_device_capability()[0] == 9
+    sm90 = capability_major(torch.device("cuda")) == 9  # emulate(): the SM120 target's
     assert q.layout == ("packed" if sm90 else "plain")
     assert q.mode == ("w4a16" if sm90 else "w4a4")  # auto: W4A4 where FP4 MMA exists
     fused, unfused = model.cute_fp4_mlps  # dense gated MLPs: one gate/up global scale
@@ -78,6 +95,7 @@ def test_layers_are_cute_fp4s(pair):
     if kind == "llama":
         assert fused == ("model.layers.0.mlp", "model.layers.1.mlp")
         assert isinstance(model.model.layers[0].mlp, NVFP4GatedMLP)
+        assert model.model.layers[0].mlp.group == (8 if sm90 else 32)  # the kernels' group
     if kind == "qwen2_moe":
         assert isinstance(model.model.layers[0].mlp.shared_expert, NVFP4GatedMLP)
     if kind != "llama":
