@@ -31,7 +31,7 @@ _EXPORTS = {
     "gemm": "api", "validate": "api", "grouped_gemm": "grouped",
     "NVFP4Linear": "nn", "convert": "conversion", "NVFP4GatedMLP": "mlp",
 }
-_SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn", "hf")
+_SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn", "hf", "emulation")
 
 __all__ = sorted([*_EXPORTS, "plan", "compile"]) + list(_SUBMODULES)
 
