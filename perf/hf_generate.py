@@ -10,7 +10,9 @@ Per model, in one run:
 * **logits**: a prefill of 4 x 128 random tokens against the fake-quantized BF16 model
   (``cute_fp4.hf.fake_quantize``: the same weights' exact NVFP4 values): relative error
   ``||l - l_ref|| / ||l_ref||`` of the whole tensor, per position (median, 90th percentile:
-  a MoE token may route to another expert), top-1 agreement;
+  a MoE token may route to another expert), top-1 agreement; and both models' whole-tensor
+  error against the same exact values in float32 (SDPA's math kernel): the reference's own
+  rounding is part of the first figure;
 * **decode**: batch-1 tokens/s on the fastest path transformers offers for the BF16 model,
   the same for both: ``generate(cache_implementation="static")``, which compiles the
   decode step with ``torch.compile(mode="reduce-overhead")`` (Inductor, CUDA graphs).
@@ -108,15 +110,26 @@ def _numel(shape) -> int:
     return n
 
 
-def logits_measure(nv, ref, vocab: int) -> dict:
+def logits_measure(nv, ref, vocab: int, truth=None) -> dict:
+    """``nv``'s logits against ``ref`` (the fake-quantized BF16 model); with ``truth`` (the
+    same exact values in float32, run on SDPA's math kernel) also ``nv``'s and ``ref``'s
+    own relative error against it: how much of the difference is the reference's."""
     g = torch.Generator("cuda").manual_seed(5)
     x = torch.randint(0, vocab, (4, 128), device="cuda", generator=g)
     with torch.no_grad():
         a, b = nv(x).logits.double(), ref(x).logits.double()
     tok = ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-    return {"rel_err": float((a - b).norm() / b.norm()), "token_median": float(tok.median()),
-            "token_p90": float(tok.quantile(0.9)), "token_max": float(tok.max()),
-            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+    res = {"rel_err": float((a - b).norm() / b.norm()), "token_median": float(tok.median()),
+           "token_p90": float(tok.quantile(0.9)), "token_max": float(tok.max()),
+           "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).double().mean())}
+    if truth is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+            t = truth(x).logits.double()
+        res["nvfp4_vs_float32"] = float((a - t).norm() / t.norm())
+        res["bf16_ref_vs_float32"] = float((b - t).norm() / t.norm())
+    return res
 
 
 def _generate(model, prompt, n: int, cache=None):
@@ -481,8 +494,11 @@ def run_model(kind: str, config, workdir: str, opts: dict | None = None) -> dict
     del nv
     model, out["load"] = load_measure(path)
     print(f"[{kind}] load {out['load']}", flush=True)
+    truth = hf.fake_quantize(copy.deepcopy(bf16).float(), model)  # exact values, float32
     hf.fake_quantize(bf16, model)
-    out["logits"] = logits_measure(model, bf16, config.vocab_size)
+    out["logits"] = logits_measure(model, bf16, config.vocab_size, truth)
+    del truth
+    _free()
     print(f"[{kind}] logits {out['logits']}", flush=True)
     out["bytes_per_token"] = {"nvfp4": bytes_per_token(model), "bf16": bytes_per_token(bf16)}
     out["decode"], out["compile_counters"] = {}, {}
