@@ -69,6 +69,14 @@ def gate_up_group(device: torch.device, layout: str, schedule="auto") -> int:
     return device_group(device, layout)
 
 
+def _check_groups(intermediate: int, group: int) -> None:
+    """The fused GEMM's rows: the intermediate size in whole gate/up groups."""
+    if intermediate % group:
+        raise FormatError(f"intermediate size {intermediate} does not split into gate/up "
+                          f"groups of {group} rows (the fused GEMM needs a multiple of "
+                          f"{group}); use three NVFP4Linear layers")
+
+
 def _fused_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:
     """The gate_up GEMM with SiLU-and-mul in its epilogue (``group``: the weight's gate/up
     group, implied by it here; tests replace this with the exact reference on the CPU)."""
@@ -130,10 +138,7 @@ class NVFP4GatedMLP(torch.nn.Module):
                 group != gate_up_group(gate_up.device, layout, schedule):
             raise InputError(f"group {group} is not schedule {schedule}'s gate/up group "
                              f"({gate_up_group(gate_up.device, layout, schedule)})")
-        if (n13 // 2) % group:
-            raise FormatError(f"intermediate size {n13 // 2} does not split into gate/up "
-                              f"groups of {group} rows (the fused GEMM needs a multiple of "
-                              f"{group}); use three NVFP4Linear layers")
+        _check_groups(n13 // 2, group)
         self.group, self.schedule = group, schedule
         self.hidden, self.intermediate = hidden, n13 // 2
         if not interleaved:
@@ -201,10 +206,7 @@ class NVFP4GatedMLP(torch.nn.Module):
         if group is None:
             group = gate_up_group(gate.weight_packed.device, gate.layout, gate.schedule)
         rows, k = gate.out_features, gate.in_features
-        if rows % group:
-            raise FormatError(f"intermediate size {rows} does not split into gate/up groups "
-                              f"of {group} rows (the fused GEMM needs a multiple of {group}); "
-                              "use three NVFP4Linear layers")
+        _check_groups(rows, group)  # before the bytes are built, not after
         # from the stored bytes, a chunk at a time: loading onto a GPU fuses there, and the
         # whole weight's unpack/concatenate/interleave/pack would hold several copies of it
         packed = gate.layout == "packed"
