@@ -17,15 +17,9 @@ import torch
 
 from cute_fp4 import mlp as mlp_mod
 from cute_fp4.errors import CuteFp4Warning, FormatError, InputError, InputTypeError
-from cute_fp4.nn import (
-    _CHECKPOINT_KEYS,
-    _K_MULTIPLE,
-    _N_MULTIPLE,
-    LAYOUTS,
-    MODES,
-    NVFP4Linear,
-    _check_schedule,
-)
+from cute_fp4.layers.common import check_schedule
+from cute_fp4.layers.linear import K_MULTIPLE, N_MULTIPLE
+from cute_fp4.nn import CHECKPOINT_KEYS, LAYOUTS, MODES, NVFP4Linear
 
 __all__ = ["ConvertReport", "convert"]
 
@@ -86,11 +80,11 @@ def _skip_reason(name: str, lin: torch.nn.Linear, rules, has_checkpoint: bool) -
     if type(lin) is not torch.nn.Linear:
         return (f"{type(lin).__name__} is a subclass of nn.Linear whose users may read its "
                 "weight directly; only nn.Linear itself is converted")
-    if lin.in_features % _K_MULTIPLE:
-        return (f"in_features = {lin.in_features} is not a multiple of {_K_MULTIPLE} "
+    if lin.in_features % K_MULTIPLE:
+        return (f"in_features = {lin.in_features} is not a multiple of {K_MULTIPLE} "
                 "(packed FP4 rows must be 16-byte multiples)")
-    if lin.out_features % _N_MULTIPLE:
-        return (f"out_features = {lin.out_features} is not a multiple of {_N_MULTIPLE} "
+    if lin.out_features % N_MULTIPLE:
+        return (f"out_features = {lin.out_features} is not a multiple of {N_MULTIPLE} "
                 "(bf16/fp16 output rows must be 16-byte multiples)")
     if lin.weight.is_meta and not has_checkpoint:
         return "weight is on the meta device and the state_dict has no NVFP4 tensors for it"
@@ -101,7 +95,7 @@ def _build(name: str, lin: torch.nn.Linear, mode: str, schedule,
            state_dict: Mapping | None, layout: str) -> NVFP4Linear:
     if state_dict is None or f"{name}.weight_scale" not in state_dict:
         return NVFP4Linear.from_linear(lin, mode, schedule, layout=layout)
-    sd = {key: state_dict.get(f"{name}.{key}") for key in (*_CHECKPOINT_KEYS, "bias")}
+    sd = {key: state_dict.get(f"{name}.{key}") for key in (*CHECKPOINT_KEYS, "bias")}
     if sd["weight_scale_2"] is None:
         raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
     bias = sd["bias"] if sd["bias"] is not None else lin.bias
@@ -150,7 +144,7 @@ def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule=
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if gate_up_group not in (None, 8, 32):
         raise InputError(f"gate_up_group must be None, 8 or 32, got {gate_up_group!r}")
-    _check_schedule(schedule)
+    check_schedule(schedule)
     rules = _skip_rules(skip)
     done: dict[int, torch.nn.Module | None] = {}
     converted, skipped, fused, unfused = [], [], [], []
@@ -252,7 +246,7 @@ def _build_mlp(name: str, projs, opts) -> tuple[torch.nn.Module | None, str | No
                                                       layout, group), None
         t = {}
         for p, lin in zip(("gate_proj", "up_proj", "down_proj"), projs):
-            sd = {k: state_dict.get(f"{name}.{p}.{k}") for k in (*_CHECKPOINT_KEYS, "bias")}
+            sd = {k: state_dict.get(f"{name}.{p}.{k}") for k in (*CHECKPOINT_KEYS, "bias")}
             if sd["weight_scale_2"] is None:
                 raise FormatError(f"state_dict has {name}.{p}.weight_scale but no "
                                   f"{name}.{p}.weight_scale_2")

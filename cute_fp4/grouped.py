@@ -56,6 +56,7 @@ from cute_fp4.operands import (
 from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight, packed_rows, repack
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
+from cute_fp4.targets import reference_mode
 from cute_fp4.tuning import with_ops
 
 __all__ = ["AUTO_SCHEDULES", "N_MULTIPLE", "GroupedDims", "check_grouped_operands",
@@ -522,10 +523,46 @@ def _w4a4_via_values(a: NVFP4Tensor, b, offsets, out, dt, alpha, dims: GroupedDi
     return _launch(kern, a16, b, offsets, out, alpha_t, dims16, bias), kern
 
 
+def _reference_grouped(a, b, offsets, out, dt: torch.dtype, alpha, bias,
+                       ops: tuple[str, ...], nvfp4_out, validate_offsets: bool):
+    """:func:`grouped_gemm` under ``targets.reference_mode``: the same checks on any device,
+    then the exact reference (``reference.grouped_gemm``; the fused ops by their definition,
+    ``reference.fused``, with the gate/up group of the kernels reading ``b``'s layout there),
+    written into ``out`` when given (the experts' rows)."""
+    from cute_fp4.fused import device_group
+
+    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, dt,
+                                  require_cuda=False)
+    dev = b.data.device
+    if ops:
+        check_fused_operands(bias, out, dims.total_m, dims.n, dt, ops, dev, dims.experts)
+    if validate_offsets:
+        check_offsets(offsets, dims.total_m)
+    if not ops:
+        y = reference.grouped_gemm(a, b, offsets, alpha, dt)
+    else:
+        raw = reference.grouped_gemm(a, b, offsets, alpha, torch.float32)
+        if bias is not None:
+            raw = _add_expert_bias(raw, bias, offsets)
+        scale = out.global_scale if isinstance(out, NVFP4Tensor) else nvfp4_out
+        y = reference.fused(raw, None, ops, device_group(dev, "packed" if dims.packed
+                                                         else "plain"), dt, scale)
+    if out is None:
+        return y
+    if isinstance(y, NVFP4Tensor):
+        out.data.copy_(y.data)
+        out.scale.copy_(y.scale)
+        return out
+    return out.copy_(y)
+
+
 def _grouped_impl(a, b, offsets, schedule, out, out_dtype, alpha, check,
                   validate_offsets: bool = False, bias=None,
                   ops: tuple[str, ...] = (), nvfp4_out=None) -> torch.Tensor:
     dt = _torch_out(out_dtype)
+    if reference_mode():
+        return _reference_grouped(a, b, offsets, out, dt, alpha, bias, ops, nvfp4_out,
+                                  validate_offsets)
     dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, dt,
                                   require_cuda=False)
     if ops:
@@ -683,17 +720,21 @@ def _grouped_mm_impl(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, sched
                          f"{tuple(b.shape)}")
     n_exp, rows = b.shape[0], b.shape[1]
     n = n or rows
-    s = _schedule_for(schedule, _torch_out(out_dtype), b.get_device())
+    if reference_mode() and schedule == "auto":  # no GPU to resolve "auto" for: the rows
+        packed = n != rows  # tell (a packed stack pads them to 64)
+    else:
+        packed = _schedule_for(schedule, _torch_out(out_dtype),
+                               b.get_device()).mainloop.reads_packed
     rp, cp = scale_shape(n, k)
     if b_scale.numel() == n_exp * rp * cp and b_scale.is_contiguous():
         b_scale = b_scale.view(n_exp, rp, cp)
     gs = alpha.reshape(-1)
-    if s.mainloop.reads_packed:
+    if packed:
         bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n_exp, n, k))
     else:
         if n != rows:
             raise InputError(f"n = {n} but the plain weight layout has b.shape[1] = {rows} "
-                             f"rows per expert (schedule {s.name or s.label()})")
+                             f"rows per expert (schedule {schedule})")
         bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (n_exp, n, k))
     at = a
     if a_scale is not None:

@@ -31,19 +31,18 @@ from __future__ import annotations
 
 import torch
 
-from cute_fp4.api import gemm
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.fused import (
     device_group,
     gate_up_order,
     interleave_gate_up,
     interleave_stored,
-    silu_mul_unfused,
 )
-from cute_fp4.nn import NVFP4Linear, _check_schedule, _resolve_layout
+from cute_fp4.layers import Linear
+from cute_fp4.layers.common import check_schedule, resolve_layout
+from cute_fp4.nn import NVFP4Linear
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.quant import quantize_activation
 
 __all__ = ["NVFP4GatedMLP", "fuse_gated_mlps", "gate_up_group", "gated_mlp_projections",
            "scale_mismatch", "unfusable_reason"]
@@ -75,12 +74,6 @@ def _check_groups(intermediate: int, group: int) -> None:
         raise FormatError(f"intermediate size {intermediate} does not split into gate/up "
                           f"groups of {group} rows (the fused GEMM needs a multiple of "
                           f"{group}); use three NVFP4Linear layers")
-
-
-def _fused_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:
-    """The gate_up GEMM with SiLU-and-mul in its epilogue (``group``: the weight's gate/up
-    group, implied by it here; tests replace this with the exact reference on the CPU)."""
-    return gemm(a, w, schedule=schedule, out_dtype=out_dtype, alpha=alpha, silu_mul=True)
 
 
 class GateUpLinear(NVFP4Linear):
@@ -128,8 +121,8 @@ class NVFP4GatedMLP(torch.nn.Module):
             raise InputError(f"gate_up [{n13}, {hidden}] and down [{down.out_features}, "
                              f"{down.in_features}] are not an MLP: gate_up must have 2 x "
                              "down's in_features rows")
-        _check_schedule(schedule)
-        layout = _resolve_layout(layout, mode, gate_up, schedule)
+        check_schedule(schedule)
+        layout = resolve_layout(layout, mode, hidden, gate_up.device, schedule)
         if group is None:
             group = gate_up_group(gate_up.device, layout, schedule)
         elif group not in (8, 32):
@@ -143,7 +136,8 @@ class NVFP4GatedMLP(torch.nn.Module):
         self.hidden, self.intermediate = hidden, n13 // 2
         if not interleaved:
             gate_up = interleave_gate_up(gate_up, group)
-        self.gate_up_proj = GateUpLinear(gate_up, None, mode, schedule, input_scale, layout)
+        self.gate_up_proj = GateUpLinear(None, layer=Linear(
+            gate_up, None, mode, schedule, input_scale, layout, silu_group=group))
         self.down_proj = down
 
     # ------------------------------------------------------------------ construction
@@ -224,7 +218,7 @@ class NVFP4GatedMLP(torch.nn.Module):
     def gate_up(self):
         """The interleaved gate_up weight as the fused GEMM reads it (NVFP4Tensor, or
         PackedNVFP4Weight in the packed layout)."""
-        return self.gate_up_proj._stored_weight()
+        return self.gate_up_proj.stored_weight
 
     @property
     def down(self) -> NVFP4Linear:
@@ -303,28 +297,9 @@ class NVFP4GatedMLP(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj
-        gu._check_input(x)
-        if torch.compiler.is_compiling():
-            # the custom ops take no epilogue operands: the unfused activation on the
-            # interleaved GEMM output (Inductor fuses it in FP32 without the intermediate
-            # rounding of silu(gate): within that rounding of the eager bits)
-            return self.down_proj(silu_mul_unfused(gu._forward_traced(x), self.group))
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.hidden)
-        if x2.shape[0] == 0:
-            return self.down_proj(x.new_empty((*lead, self.intermediate)))
-        w = gu._stored_weight()
-        if x.device != w.data.device:
-            raise InputError(f"input is on {x.device} but the layer is on {w.data.device}")
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        if gu.mode == "w4a4":
-            a, alpha = quantize_activation(x2, gu.input_scale), gu.alpha
-        else:
-            a, alpha = x2, None
-        h = _fused_gemm(a, w, self.schedule, x.dtype, alpha, self.group)
-        return self.down_proj(h.view(*lead, self.intermediate))
+        """``down(silu(gate(x)) * up(x))``: the gate_up layer returns the activation from its
+        GEMM's epilogue (``cute_fp4.layers.Linear`` with ``silu_group``)."""
+        return self.down_proj(self.gate_up_proj(x))
 
 
 def scale_mismatch(gate: dict, up: dict, mode: str) -> str | None:

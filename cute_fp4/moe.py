@@ -1,53 +1,12 @@
-"""Mixture-of-experts layers on the grouped NVFP4 GEMM: :func:`route`, :class:`NVFP4MoE`,
-the BF16 torch MoE :func:`moe_bf16` and the float64 :func:`moe_reference`.
-
-A MoE layer (routing given) computes, for every token ``t`` and each of its ``top_k``
-slots ``j`` with expert ``e = topk_ids[t, j]`` and weight ``w = topk_weights[t, j]``::
-
-    gate_up = x[t] @ W13[e]^T                   # [2I]; W13 = the fused w13 of vLLM
-    h       = silu(gate_up[:I]) * gate_up[I:]   # first I columns gate, last I up
-    out[t] += w * (h @ W2[e]^T)                 # [H]
-
-Conventions:
-
-* **gate/up split**: ``w13 [E, 2I, H]`` holds the gate projection in rows ``0 .. I-1``
-  and the up projection in rows ``I .. 2I-1`` (vLLM's ``w13_weight``; Qwen3's
-  ``gate_proj`` then ``up_proj`` concatenated along the output features);
-  ``w2 [E, H, I]`` is the down projection.
-* **routing** (:func:`route`): the ``T * top_k`` (token, slot) pairs, flattened as
-  ``pair = t * top_k + j``, sorted by expert with a *stable* sort (within an expert, in
-  pair order); ``offsets`` int32 ``[E + 1]`` on the device. Only torch ops that never
-  read a GPU value on the host (sort, scatter, searchsorted), so a call is CUDA-graph
-  capturable and traces into one ``torch.compile`` graph.
-* **combine**: the down projection's rows are put back in pair order (``inverse``) and
-  reduced per token by one batched matmul ``[1, top_k] @ [top_k, H]`` (FP32 accumulation,
-  one rounding to the activation dtype), so the result is deterministic (no atomics,
-  fixed summation order). The top-k weights are rounded to the activation dtype first.
-* **activation**: ``silu`` and the product in the activation dtype
-  (:func:`silu_and_mul`: two roundings), the same function in :func:`moe_bf16`.
-* **fused** (``NVFP4MoE(fused="auto")``, where the GPU's grouped kernels take it): the
-  gate_up GEMM computes the activation in its epilogue (``grouped_gemm(silu_mul=True)``,
-  the same bits as the unfused GEMM then :func:`silu_and_mul`), so a forward is two
-  grouped GEMMs and no activation kernel. ``w13`` is then stored with its gate and up rows
-  interleaved in groups of ``gate_up_group`` rows (``cute_fp4.fused``; converted once, at
-  construction); :meth:`NVFP4MoE.gate_up_expert` gives an expert's weight in the natural
-  order.
-
-:class:`NVFP4MoE` stores both weights once, quantized (one global scale per expert), in
-the layout the present GPU's grouped kernels read: the fragment-order packed bytes of
-``cute_fp4.packed`` on sm_90a (``mainloop=rs_packed`` and ``stream``) and for W4A16 on
-SM12x (``stream``), otherwise the plain ``[E, N, K/2]`` bytes.
-A forward reads no GPU value on the host and allocates only its intermediate and final
-outputs; modes "w4a16" (BF16/FP16 activations) and "w4a4" (activations quantized by the
-fused kernel, ``cute_fp4.quant``, with a calibrated static scale per GEMM or a dynamic
-per-call one).
-
-Validation: :func:`check_stages` holds each stage of a forward (:meth:`NVFP4MoE.stages`)
-to the exact reference's error rule on that stage's own inputs: the routing against an
-independent per-expert count, both grouped GEMMs per expert against
-``cute_fp4.reference.check``, the activation and the combine within their roundings.
-:meth:`NVFP4MoE.reference_forward` is the whole layer in float64 on the exact block values
-(no intermediate rounding), for closeness measures.
+"""Mixture-of-experts layers on the grouped NVFP4 GEMM: the module :class:`NVFP4MoE` over
+a prepared :class:`cute_fp4.layers.Experts` (its docstring gives the conventions: gate/up
+split, routing, combine, activation, fused), the BF16 torch MoE :func:`moe_bf16`, the
+float64 :func:`moe_reference`, and :func:`check_stages`, which holds each stage of a call
+(:meth:`NVFP4MoE.stages`) to the exact reference's error rule on that stage's own inputs:
+the routing against an independent per-expert count, both grouped GEMMs per expert
+against ``cute_fp4.reference.check``, the activation and the combine within their
+roundings. :meth:`NVFP4MoE.reference_forward` is the whole layer in float64 on the exact
+block values (no intermediate rounding), for closeness measures.
 """
 
 from __future__ import annotations
@@ -55,25 +14,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from cute_fp4.api import quantize_op
-from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
-from cute_fp4.fused import (
-    deinterleave_gate_up,
-    device_group,
-    interleave_gate_up,
-    natural_gate_up,
-    silu_mul_unfused,
+from cute_fp4.errors import InputError
+from cute_fp4.fused import deinterleave_gate_up
+from cute_fp4.layers.experts import (
+    Experts,
+    Routing,
+    Stages,
+    combine,
+    expert,
+    route,
+    silu_and_mul,
 )
-from cute_fp4.grouped import grouped_gemm
 from cute_fp4.nn import keep_format_dtypes
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape, swizzle_scales
-from cute_fp4.packed import PackedNVFP4Weight, pack, packed_rows, repack
-from cute_fp4.targets import capability_major
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
 
 __all__ = ["LAYOUTS", "MODES", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
            "check_stages", "combine", "expert", "moe_bf16", "moe_reference", "route",
@@ -81,191 +38,39 @@ __all__ = ["LAYOUTS", "MODES", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
 
 MODES = ("w4a16", "w4a4")
 LAYOUTS = ("auto", "plain", "packed")
-_ACT_DTYPES = (torch.bfloat16, torch.float16)
-_ID_DTYPES = (torch.int32, torch.int64)
+MoEStages = Stages  # every intermediate of one call (cute_fp4.layers.Stages)
 _FORMAT_BUFFERS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
                    "w13_alpha", "w2_weight", "w2_weight_scale", "w2_weight_scale_2",
-                   "w2_input_scale", "w2_alpha")
-
-
-# ----------------------------------------------------------------------------- routing
-
-class Routing(NamedTuple):
-    """The (token, slot) pairs of one call sorted by expert.
-
-    ``order`` int64 ``[T*k]``: sorted row ``p`` holds pair ``order[p]`` (pair = t * k + j);
-    ``inverse`` int64 ``[T*k]``: pair ``i`` sits at sorted row ``inverse[i]``;
-    ``token`` int64 ``[T*k]``: the token of sorted row ``p`` (``order // k``);
-    ``offsets`` int32 ``[E + 1]``: expert ``e``'s rows are ``offsets[e] .. offsets[e+1]-1``.
-    """
-
-    order: torch.Tensor
-    inverse: torch.Tensor
-    token: torch.Tensor
-    offsets: torch.Tensor
-
-
-def _check_ids(topk_ids, num_experts) -> tuple[int, int]:
-    if not isinstance(topk_ids, torch.Tensor):
-        raise InputTypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
-    if topk_ids.dim() != 2 or topk_ids.shape[1] == 0:
-        raise InputError(f"topk_ids must be [T, top_k] with top_k >= 1, got shape "
-                         f"{tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in _ID_DTYPES:
-        raise InputError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise InputError(f"num_experts must be a positive int, got {num_experts!r}")
-    return topk_ids.shape[0], topk_ids.shape[1]
-
-
-def route(topk_ids: torch.Tensor, num_experts: int, *, validate: bool = False) -> Routing:
-    """Sort the (token, slot) pairs of ``topk_ids`` ``[T, top_k]`` by expert (stable).
-
-    Sync-free and CUDA-graph capturable: one sort, one scatter (the inverse), one division
-    (the tokens) and one ``searchsorted`` (the offsets), all on ``topk_ids``' device.
-    Expert ids must lie in ``[0, num_experts)``; that is not checked (it would read a GPU
-    value) unless ``validate=True`` (tests, debugging: one host sync). An id out of range
-    leaves ``offsets`` short of ``T * top_k`` (or ``offsets[0] > 0``): the layer's output is
-    then undefined.
-    """
-    _, k = _check_ids(topk_ids, num_experts)
-    flat = topk_ids.reshape(-1)
-    if validate and flat.numel():
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo < 0 or hi >= num_experts:
-            raise InputError(f"topk_ids hold expert ids in [{lo}, {hi}], the layer has "
-                             f"{num_experts} experts (ids 0..{num_experts - 1})")
-    sorted_ids, order = torch.sort(flat, stable=True)
-    n = flat.numel()
-    inverse = torch.empty_like(order).scatter_(
-        0, order, torch.arange(n, device=flat.device, dtype=order.dtype))
-    token = torch.div(order, k, rounding_mode="floor")
-    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
-    return Routing(order, inverse, token, offsets)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` (first half gate, second half up), in
-    ``gate_up``'s dtype."""
-    i = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :i]) * gate_up[..., i:]
-
-
-def combine(down: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j topk_weights[t, j] * down[inverse[t*k + j]]``: ``down`` ``[T*k, H]``
-    in sorted order -> ``[T, H]``. One gather and one batched matmul (FP32 accumulation,
-    fixed order: deterministic); the weights are rounded to ``down``'s dtype."""
-    t, k = topk_weights.shape
-    pairs = down.index_select(0, routing.inverse).view(t, k, down.shape[-1])
-    return torch.bmm(topk_weights.to(down.dtype).unsqueeze(1), pairs).squeeze(1)
-
-
-# ----------------------------------------------------------------------------- weights
-
-def expert(w, e: int) -> NVFP4Tensor:
-    """Expert ``e`` of an expert stack (NVFP4Tensor or PackedNVFP4Weight) as a plain 2-D
-    NVFP4Tensor ``[N, K]``: views of a plain stack; a packed one is unpacked (a copy, and
-    its checked constructor reads the global scale: references and loops only)."""
-    one = w.expert(e)
-    return one.unpack() if isinstance(one, PackedNVFP4Weight) else one
-
-
-def _scalar(value, name: str, device) -> torch.Tensor:
-    """A positive finite FP32 scale as a 0-d tensor (checked once, at construction)."""
-    t = torch.as_tensor(value, dtype=torch.float32)
-    if t.numel() != 1:
-        raise FormatError(f"{name} must be a scalar, got {t.numel()} elements")
-    v = float(t)
-    if not (v > 0 and math.isfinite(v)):
-        raise FormatError(f"{name} must be finite and > 0, got {v:g}")
-    return t.reshape(()).to(device)
-
-
-# ----------------------------------------------------------------------------- kernels
-
-def _grouped_gemm(a, b, offsets, schedule, out_dtype, alpha, silu_mul: bool = False
-                  ) -> torch.Tensor:
-    """The grouped GEMM of a forward (``cute_fp4.grouped.grouped_gemm``: one
-    ``cute_fp4::grouped_mm`` node under torch.compile; tests replace it with the exact
-    reference)."""
-    return grouped_gemm(a, b, offsets, schedule=schedule, out_dtype=out_dtype, alpha=alpha,
-                        silu_mul=silu_mul)
-
-
-def _quantize(x: torch.Tensor, global_scale) -> NVFP4Tensor:
-    """W4A4 activations: the fused quantization kernel (one ``cute_fp4::quantize`` node
-    under torch.compile); ``global_scale`` a 0-d tensor (static) or None (dynamic)."""
-    data, scale, gs = quantize_op(x, global_scale)
-    return NVFP4Tensor._unchecked(data, scale, gs.reshape(()), tuple(x.shape))
-
-
-# ----------------------------------------------------------------------------- the layer
-
-class MoEStages(NamedTuple):
-    """Every intermediate of one forward, in sorted (expert) order except ``out``."""
-
-    routing: Routing
-    x_sorted: torch.Tensor  # [T*k, H] the gathered activations
-    a13: object  # x_sorted, or its NVFP4 quantization (w4a4)
-    gate_up: torch.Tensor  # [T*k, 2I], in w13's row order (interleaved when fused)
-    act: torch.Tensor  # [T*k, I]
-    a2: object  # act, or its NVFP4 quantization (w4a4)
-    down: torch.Tensor  # [T*k, H]
-    out: torch.Tensor  # [T, H]
+                   "w2_input_scale", "w2_alpha", "up_ratio")
+_GEMMS = ("w13", "w2")
 
 
 class NVFP4MoE(torch.nn.Module):
-    """A MoE layer's experts on NVFP4 weights: ``forward(x, topk_ids, topk_weights)``.
-
-    ``w13``: an NVFP4Tensor expert stack ``[E, 2I, H]`` (gate rows first, then up), ``w2``:
-    ``[E, H, I]`` (``cute_fp4.quantize`` of a 3-D tensor; PackedNVFP4Weight stacks from
-    ``cute_fp4.packed.repack`` are stored as given, shared); ``mode``: "w4a16" or "w4a4";
-    ``schedule``: passed to the grouped GEMM ("auto", a catalogue name); ``input_scales``:
-    W4A4's calibrated activation global scales ``(gate_up, down)`` (decode form,
-    ``amax / 2688``; None: dynamic, per call); ``layout``: "packed" (the rs_packed and
-    stream grouped kernels), "plain", or "auto" (packed when the weights are on an SM90 GPU,
-    or on SM12x for W4A16, and H and I are multiples of 64). Moving the layer (``.to``)
-    keeps its layout. ``fused``: SiLU-and-mul in the gate_up GEMM's epilogue ("auto": where
-    the weights are on a GPU and I splits into its gate/up groups; True, False); the
-    module docstring says what it changes.
+    """A MoE layer's experts on NVFP4 weights: ``forward(x, topk_ids, topk_weights)``, a
+    module over a :class:`cute_fp4.layers.Experts` (``self.experts``; arguments as its).
+    The module registers the layer's tensors as buffers (``w13_weight``,
+    ``w13_weight_scale``, ``w13_weight_scale_2``, ``w13_input_scale``, ``w13_alpha``, the
+    same for ``w2``, ``up_ratio``), so moving it (``.to``) moves them and keeps the layout.
     """
 
     def __init__(self, w13, w2, mode: str = "w4a16", schedule="auto",
                  input_scales=(None, None), layout: str = "auto", fused="auto", *,
-                 _gate_up_group: int | None = None):
+                 experts: Experts | None = None):
         super().__init__()
-        if mode not in MODES:
-            raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
-        if layout not in LAYOUTS:
-            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.num_experts, self.hidden, self.intermediate = _check_weights(w13, w2)
-        dev = w13.data.device
-        self.layout = _pick_layout(layout, w13, w2, self.hidden, self.intermediate, dev,
-                                   mode)
-        self.gate_up_group = _gate_up_group or _pick_group(fused, self.layout, dev,
-                                                           self.intermediate)
-        if self.gate_up_group and not _gate_up_group:  # w13 in the natural order
-            if isinstance(w13, PackedNVFP4Weight):
-                w13 = w13.unpack()
-            w13 = interleave_gate_up(w13, self.gate_up_group)
-        if self.layout == "packed":
-            w13 = w13 if isinstance(w13, PackedNVFP4Weight) else repack(w13)
-            w2 = w2 if isinstance(w2, PackedNVFP4Weight) else repack(w2)
-        self.mode, self.schedule = mode, schedule
-        if not isinstance(input_scales, (tuple, list)) or len(input_scales) != 2:
-            raise InputError("input_scales must be a pair (gate_up, down) of scales or None")
-        for name, w, s in (("w13", w13, input_scales[0]), ("w2", w2, input_scales[1])):
+        if experts is None:
+            if mode not in MODES:
+                raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
+            experts = Experts(w13, w2, mode, schedule, input_scales, layout, fused)
+        self.experts = experts
+        for i, name in enumerate(_GEMMS):
+            w = getattr(experts, name)
             self.register_buffer(f"{name}_weight", w.data, persistent=False)
             self.register_buffer(f"{name}_weight_scale", w.scale, persistent=False)
-            self.register_buffer(f"{name}_weight_scale_2",
-                                 w.global_scale.to(dev, torch.float32).reshape(-1),
+            self.register_buffer(f"{name}_weight_scale_2", w.global_scale, persistent=False)
+            self.register_buffer(f"{name}_input_scale", experts.input_scales[i],
                                  persistent=False)
-            self.register_buffer(f"{name}_input_scale", None if s is None else
-                                 _scalar(s, f"{name} input scale", dev), persistent=False)
-            self.register_buffer(f"{name}_alpha", None, persistent=False)
-        self._views: dict = {}
-        self._refresh_alpha()
+            self.register_buffer(f"{name}_alpha", experts.alphas[i], persistent=False)
+        self.register_buffer("up_ratio", experts.up_ratio, persistent=False)
 
     @classmethod
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, mode: str = "w4a16",
@@ -273,285 +78,97 @@ class NVFP4MoE(torch.nn.Module):
                    fused="auto") -> NVFP4MoE:
         """Quantize BF16/FP32 expert weights ``w13 [E, 2I, H]`` (gate rows, then up) and
         ``w2 [E, H, I]``, one global scale per expert (on their device: a GPU is faster)."""
-        return cls(quantize(w13.detach()), quantize(w2.detach()), mode, schedule,
-                   input_scales, layout, fused)
+        return cls(None, None, experts=Experts.from_float(w13, w2, mode, schedule,
+                                                          input_scales, layout, fused))
 
     @classmethod
     def from_modelopt(cls, w13: tuple, w2: tuple, mode: str = "w4a16", schedule="auto",
                       input_scales=(None, None), layout: str = "auto",
                       fused="auto") -> NVFP4MoE:
-        """From already-quantized expert stacks in ModelOpt's checkpoint form, without a
-        BF16 copy: ``w13 = (weight, weight_scale, weight_scale_2)`` with ``weight`` uint8
-        ``[E, 2I, H/2]`` (gate rows, then up), ``weight_scale`` float8_e4m3fn
-        ``[E, 2I, H/16]`` (row-major, as stored) and ``weight_scale_2`` float32 ``[E]`` (one
-        global scale per expert); ``w2`` likewise ``[E, H, I/2]``, ``[E, H, I/16]``, ``[E]``.
-        The bytes are kept as given (the packed layout: repacked expert by expert, so the
-        transient is one expert), the scales swizzled expert by expert."""
-        stacks = [_modelopt_stack(name, *t) for name, t in (("w13", w13), ("w2", w2))]
-        e, h, i = _check_weights(*stacks)
-        if layout not in LAYOUTS:
-            raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        resolved = _pick_layout(layout, *stacks, h, i, stacks[0].device, mode)
-        group = _pick_group(fused, resolved, stacks[0].device, i)
-        if resolved == "packed":
-            stacks = [_pack_by_expert(stacks[0], group), _pack_by_expert(stacks[1])]
-        elif group:
-            stacks[0] = interleave_gate_up(stacks[0], group)
-        return cls(*stacks, mode, schedule, input_scales, layout, _gate_up_group=group)
+        """From already-quantized expert stacks in ModelOpt's checkpoint form
+        (:meth:`cute_fp4.layers.Experts.from_modelopt`)."""
+        return cls(None, None, experts=Experts.from_modelopt(
+            w13, w2, input_scales=input_scales, mode=mode, layout=layout, fused=fused,
+            schedule=schedule))
 
-    def _refresh_alpha(self) -> None:
-        """W4A4 with static scales: alpha[e] = input_scale * weight_scale_2[e], once."""
-        for name in ("w13", "w2"):
-            s = self._buffers[f"{name}_input_scale"]
-            if self.mode != "w4a4" or s is None:
-                self._buffers[f"{name}_alpha"] = None
-            else:
-                self._buffers[f"{name}_alpha"] = s * self._buffers[f"{name}_weight_scale_2"]
-
-    def _view(self, name: str):
-        d, s, g = (self._buffers[f"{name}_weight"], self._buffers[f"{name}_weight_scale"],
-                   self._buffers[f"{name}_weight_scale_2"])
-        v = self._views.get(name)
-        if v is None or v.data is not d or v.scale is not s or v.global_scale is not g:
-            e, h, i = self.num_experts, self.hidden, self.intermediate
-            shape = (e, 2 * i, h) if name == "w13" else (e, h, i)
-            v = (PackedNVFP4Weight(d, s, g, shape) if self.layout == "packed"
-                 else NVFP4Tensor._unchecked(d, s, g, shape))
-            self._views[name] = v
-        return v
-
-    @property
-    def w13(self):
-        """The gate_up weight as the grouped GEMM takes it (a view over the buffers)."""
-        return self._view("w13")
-
-    @property
-    def w2(self):
-        """The down weight as the grouped GEMM takes it (a view over the buffers)."""
-        return self._view("w2")
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in _FORMAT_BUFFERS and "experts" in self.__dict__ and "up_ratio" in self._buffers:
+            self._give_experts()  # a buffer replaced by assignment: the layer runs on it
 
     def _apply(self, fn, recurse=True):
-        return keep_format_dtypes(self, super()._apply, fn, recurse, _FORMAT_BUFFERS)
+        keep_format_dtypes(self, super()._apply, fn, recurse, _FORMAT_BUFFERS)
+        self._give_experts()
+        return self
+
+    def _give_experts(self) -> None:
+        """The prepared layer holds the module's buffers (after they were moved)."""
+        b = self._buffers
+        self.experts.adopt(*((b[f"{n}_weight"], b[f"{n}_weight_scale"],
+                              b[f"{n}_weight_scale_2"]) for n in _GEMMS),
+                           tuple(b[f"{n}_input_scale"] for n in _GEMMS),
+                           tuple(b[f"{n}_alpha"] for n in _GEMMS), b["up_ratio"])
+
+    def __getattr__(self, name: str):
+        """The prepared layer's attributes (``num_experts``, ``hidden``, ``intermediate``,
+        ``mode``, ``layout``, ``schedule``, ``gate_up_group``, ``w13``, ``w2``)."""
+        if name in _DELEGATED and "experts" in self.__dict__:
+            return getattr(self.__dict__["experts"], name)
+        return super().__getattr__(name)
 
     def extra_repr(self) -> str:
-        scale = ""
-        if self.mode == "w4a4":
-            static = self._buffers["w13_input_scale"] is not None
-            scale = f", input_scales={'static' if static else 'dynamic'}"
-        return (f"experts={self.num_experts}, hidden={self.hidden}, "
-                f"intermediate={self.intermediate}, mode={self.mode}{scale}, "
-                f"layout={self.layout}, schedule={self.schedule}")
+        return self.experts.describe()
 
     # ------------------------------------------------------------------ forward
-
-    def _check_input(self, x, topk_ids, topk_weights) -> None:
-        if not isinstance(x, torch.Tensor) or not isinstance(topk_weights, torch.Tensor):
-            raise InputTypeError("x and topk_weights must be torch.Tensors, got "
-                                 f"{type(x).__name__} and {type(topk_weights).__name__}")
-        if x.dim() != 2 or x.shape[1] != self.hidden:
-            raise InputError(f"x must be [T, {self.hidden}], got shape {tuple(x.shape)}")
-        if x.dtype not in _ACT_DTYPES:
-            raise InputError(f"x must be bfloat16 or float16, got {x.dtype}")
-        t, _ = _check_ids(topk_ids, self.num_experts)
-        if t != x.shape[0] or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-            raise InputError(f"x has {x.shape[0]} tokens; topk_ids {tuple(topk_ids.shape)} "
-                             f"and topk_weights {tuple(topk_weights.shape)} must be "
-                             f"[{x.shape[0]}, top_k]")
-        if not topk_weights.is_floating_point():
-            raise InputError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        dev = self._buffers["w13_weight"].device
-        for tensor, name in ((x, "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
-            if tensor.device != dev:
-                raise InputError(f"{name} is on {tensor.device} but the layer is on {dev}")
-
-    def _activation(self, h: torch.Tensor, name: str):
-        if self.mode == "w4a16":
-            return h
-        return _quantize(h, self._buffers[f"{name}_input_scale"])
 
     def stages(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                ) -> MoEStages:
         """The forward with every intermediate kept (:class:`MoEStages`)."""
-        self._check_input(x, topk_ids, topk_weights)
-        r = route(topk_ids, self.num_experts)
-        xs = x.index_select(0, r.token)
-        a13 = self._activation(xs, "w13")
-        gate_up = _grouped_gemm(a13, self.w13, r.offsets, self.schedule, x.dtype,
-                                self._buffers["w13_alpha"])
-        act = (silu_mul_unfused(gate_up, self.gate_up_group) if self.gate_up_group
-               else silu_and_mul(gate_up))
-        a2 = self._activation(act, "w2")
-        down = _grouped_gemm(a2, self.w2, r.offsets, self.schedule, x.dtype,
-                             self._buffers["w2_alpha"])
-        return MoEStages(r, xs, a13, gate_up, act, a2, down, combine(down, r, topk_weights))
+        return self.experts.stages(x, topk_ids, topk_weights)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
         """``x`` bf16/fp16 ``[T, H]``, ``topk_ids`` int ``[T, top_k]``, ``topk_weights``
         ``[T, top_k]`` -> ``[T, H]`` in x's dtype. No host sync; T = 0 launches nothing."""
-        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 0:
-            self._check_input(x, topk_ids, topk_weights)
-            return x.new_empty((0, self.hidden))
-        if not self.gate_up_group or torch.compiler.is_compiling():
-            # under torch.compile the grouped op has no epilogue operands: the unfused
-            # activation on the interleaved gate_up (eager: the same bits; Inductor fuses
-            # silu(gate) * up without the intermediate rounding)
-            return self.stages(x, topk_ids, topk_weights).out
-        self._check_input(x, topk_ids, topk_weights)
-        r = route(topk_ids, self.num_experts)
-        a13 = self._activation(x.index_select(0, r.token), "w13")
-        act = _grouped_gemm(a13, self.w13, r.offsets, self.schedule, x.dtype,
-                            self._buffers["w13_alpha"], silu_mul=True)
-        down = _grouped_gemm(self._activation(act, "w2"), self.w2, r.offsets, self.schedule,
-                             x.dtype, self._buffers["w2_alpha"])
-        return combine(down, r, topk_weights)
+        return self.experts(x, topk_ids, topk_weights)
 
     def gate_up_expert(self, e: int) -> NVFP4Tensor:
         """Expert ``e``'s gate_up weight ``[2I, H]`` in the natural order (gate rows, then
         up), plain layout (a copy when stored packed or interleaved: references, saving)."""
-        w = expert(self.w13, e)
-        return natural_gate_up(w, self.gate_up_group) if self.gate_up_group else w
+        return self.experts.gate_up_expert(e)
 
     # ------------------------------------------------------------------ references
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` dequantized to ``dtype`` (for
         :func:`moe_bf16` on the same weights)."""
-        return (torch.stack([self.gate_up_expert(e).dequantize(dtype)
-                             for e in range(self.num_experts)]),
-                torch.stack([expert(self.w2, e).dequantize(dtype)
-                             for e in range(self.num_experts)]))
+        return self.experts.dequantized(dtype)
 
     def reference_forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor) -> torch.Tensor:
         """The layer in float64 on the exact block values (:func:`moe_reference`); W4A4
         quantizes the activations as the layer does (``cute_fp4.quantize`` with the
         static scale, or the amax of the call's activations)."""
+        ex = self.experts
         act_quant = None
-        if self.mode == "w4a4":
-            scales = [None if s is None else float(s) for s in
-                      (self._buffers["w13_input_scale"], self._buffers["w2_input_scale"])]
+        if ex.mode == "w4a4":
+            scales = [None if s is None else float(s) for s in ex.input_scales]
 
             def act_quant(t: torch.Tensor, which: int) -> torch.Tensor:
                 return quantize(t.float(), scales[which]).dequantize(torch.float64)
 
-        return moe_reference(x, topk_ids, topk_weights,
-                             lambda e: self.gate_up_expert(e).dequantize(torch.float64),
-                             lambda e: expert(self.w2, e).dequantize(torch.float64), act_quant)
+        def w13_of(e: int) -> torch.Tensor:
+            w = ex.gate_up_expert(e).dequantize(torch.float64)
+            if ex.up_ratio is not None:
+                w[ex.intermediate:] *= ex.up_ratio[e].double().to(w.device)
+            return w
+
+        return moe_reference(x, topk_ids, topk_weights, w13_of,
+                             lambda e: expert(ex.w2, e).dequantize(torch.float64), act_quant)
 
 
-def _check_weights(w13, w2) -> tuple[int, int, int]:
-    for w, name in ((w13, "w13"), (w2, "w2")):
-        if not isinstance(w, (NVFP4Tensor, PackedNVFP4Weight)) or w.experts is None:
-            raise InputTypeError(f"{name} must be an NVFP4Tensor expert stack [E, N, K] "
-                                 f"(cute_fp4.quantize of a 3-D tensor), got "
-                                 f"{type(w).__name__}"
-                                 + (f" of shape {w.shape}" if hasattr(w, "shape") else ""))
-    e, n13, h = w13.shape
-    e2, h2, i = w2.shape
-    if e2 != e or h2 != h or n13 != 2 * i:
-        raise FormatError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)} must be "
-                          "[E, 2I, H] and [E, H, I]")
-    for w, name in ((w13, "w13"), (w2, "w2")):
-        if tuple(w.global_scale.shape) not in ((e,), (e, 1)):
-            raise FormatError(f"{name} must have one global scale per expert ({e}), got "
-                              f"shape {tuple(w.global_scale.shape)}")
-    if h % 32 or i % 32:
-        raise FormatError(f"hidden {h} and intermediate {i} must be multiples of 32 (16-byte "
-                          "packed FP4 rows)")
-    return e, h, i
-
-
-def _modelopt_stack(name: str, weight, weight_scale, weight_scale_2) -> NVFP4Tensor:
-    """One expert stack from ModelOpt's tensors (see ``NVFP4MoE.from_modelopt``): the
-    shapes and dtypes checked, the row-major scales swizzled expert by expert."""
-    ts = (weight, weight_scale, weight_scale_2)
-    if not all(isinstance(t, torch.Tensor) for t in ts):
-        raise InputTypeError(f"{name}: weight, weight_scale and weight_scale_2 must be torch "
-                             f"tensors, got {', '.join(type(t).__name__ for t in ts)}")
-    if weight.dtype != torch.uint8 or weight.dim() != 3:
-        raise FormatError(f"{name} weight must be uint8 [E, N, K/2], got {weight.dtype} "
-                          f"{tuple(weight.shape)}")
-    e, n, half_k = weight.shape
-    want = (e, n, 2 * half_k // 16)
-    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(
-            weight_scale.shape) != want:
-        raise FormatError(f"{name} weight_scale must be float8_e4m3fn {list(want)} (row-major "
-                          f"[E, N, K/16]), got {weight_scale.dtype} "
-                          f"{tuple(weight_scale.shape)}")
-    if weight_scale.device != weight.device:
-        raise FormatError(f"{name}: weight is on {weight.device}, weight_scale on "
-                          f"{weight_scale.device}")
-    raw = weight_scale.contiguous().view(torch.uint8)
-    nan, neg = int(((raw & 0x7F) == 0x7F).sum()), int(((raw & 0x80) != 0).sum())
-    if nan or neg:
-        raise FormatError(f"{name} weight_scale holds {nan} NaN and {neg} negative bytes; "
-                          "NVFP4 block scales are finite UE4M3")
-    rp, cp = scale_shape(n, 2 * half_k)
-    scale = torch.empty((e, rp, cp), dtype=torch.float8_e4m3fn, device=weight.device)
-    for x in range(e):
-        scale[x] = swizzle_scales(weight_scale[x].contiguous())
-    gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
-    return NVFP4Tensor(weight, scale, gs.to(weight.device), (e, n, 2 * half_k))
-
-
-def _pack_by_expert(w: NVFP4Tensor, group: int | None = None) -> PackedNVFP4Weight:
-    """``repack`` of an expert stack one expert at a time (the transient is one expert);
-    ``group``: its gate/up rows interleaved first (``cute_fp4.fused``)."""
-    e, n, k = w.shape
-    data = torch.empty((e, packed_rows(n), k // 2), dtype=torch.uint8, device=w.device)
-    scale = w.scale
-    if group:
-        scale = torch.empty_like(w.scale)
-    for x in range(e):
-        one = w.expert(x)
-        if group:
-            one = interleave_gate_up(one, group)
-            scale[x] = one.scale
-        data[x] = pack(one.data.contiguous())
-    return PackedNVFP4Weight(data, scale, w.global_scale, w.shape)
-
-
-def _pick_group(fused, layout: str, dev: torch.device, i: int) -> int | None:
-    """The gate/up group of a fused layer whose weights are in ``layout`` on ``dev``
-    (``cute_fp4.fused.device_group``: the group of the grouped kernels it runs), or None:
-    unfused ("auto" off a GPU, or where I does not split into groups)."""
-    if fused not in ("auto", True, False):
-        raise InputError(f"fused must be 'auto', True or False, got {fused!r}")
-    if fused is False:
-        return None
-    if dev.type != "cuda":
-        if fused is True:
-            raise DeviceError("fused=True needs the weights on a CUDA GPU: the gate/up row "
-                              "order depends on its kernels")
-        return None
-    group = device_group(dev, layout)
-    if i % group:
-        if fused is True:
-            raise FormatError(f"fused=True: intermediate {i} does not split into gate/up "
-                              f"groups of {group} rows")
-        return None
-    return group
-
-
-def _pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
-                 mode: str = "w4a4") -> str:
-    """"auto": packed on sm_90a (its grouped kernels read it) and for W4A16 on SM12x (the
-    grouped stream kernel, its only W4A16 one), when H and I allow it; else plain."""
-    packed_in = [isinstance(w, PackedNVFP4Weight) for w in (w13, w2)]
-    if any(packed_in):
-        if not all(packed_in) or layout == "plain":
-            raise InputError("w13 and w2 must both be plain or both be packed; a packed "
-                             "weight takes layout 'packed' or 'auto'")
-        return "packed"
-    if layout == "auto":
-        major = capability_major(dev)
-        wants = major == 9 or (major == 12 and mode == "w4a16")
-        layout = "packed" if wants and h % 64 == 0 and i % 64 == 0 else "plain"
-    if layout == "packed" and (h % 64 or i % 64):
-        raise FormatError(f"the packed layout needs hidden ({h}) and intermediate ({i}) "
-                          "multiples of 64")
-    return layout
+_DELEGATED = frozenset({"num_experts", "hidden", "intermediate", "mode", "layout", "schedule",
+                        "gate_up_group", "w13", "w2"})
 
 
 # ----------------------------------------------------------------------------- references

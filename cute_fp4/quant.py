@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from cute_fp4.errors import CompileError, DeviceError, InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
+from cute_fp4.targets import reference_mode
 
 # dynamic scale: one fused kernel up to this many elements (H200, 2026-12-01: fused 2.9-3.7 us
 # against two passes' 3.9-4.0 up to 32K elements, 4.3-6.0 against 4.1-4.2 at 64K-128K)
@@ -43,7 +44,7 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # ----------------------------------------------------------------------------- checks
 
-def _check_x(x) -> tuple[int, int]:
+def _check_x(x, require_cuda: bool = True) -> tuple[int, int]:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"quantize_activation() takes a torch.Tensor, got "
                              f"{type(x).__name__}")
@@ -58,7 +59,7 @@ def _check_x(x) -> tuple[int, int]:
         raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
     if k % 16:
         raise InputError(f"K = {k} is not a multiple of 16 (the NVFP4 block size)")
-    if x.device.type != "cuda":
+    if require_cuda and x.device.type != "cuda":
         raise DeviceError(f"quantize_activation() runs on a CUDA device, x is on {x.device}")
     if not x.is_contiguous():
         raise InputError(f"x must be contiguous (row-major); got strides {x.stride()} for "
@@ -380,8 +381,11 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
 
     The result equals ``cute_fp4.quantize(x, global_scale)`` bit for bit, padding included.
     Every check happens before anything is written; NaN/Inf inputs are not detected (that
-    would synchronise) and give unspecified codes.
+    would synchronise) and give unspecified codes. Under ``targets.reference_mode``:
+    ``cute_fp4.quantize`` on any device (:func:`_reference_quantize`).
     """
+    if reference_mode():
+        return _reference_quantize(x, global_scale, out, dynamic_mode)
     m, k = _check_x(x)
     variant = _scale_variant(global_scale, m * k, dynamic_mode)
     dynamic = variant != "static"
@@ -407,6 +411,23 @@ def quantize_activation(x: torch.Tensor, global_scale: torch.Tensor | float | No
     return NVFP4Tensor._unchecked(data, scale, gs_out.reshape(()), (m, k))
 
 
+def _reference_quantize(x, global_scale, out, dynamic_mode: str) -> NVFP4Tensor:
+    """:func:`quantize_activation` under ``targets.reference_mode``: the same checks (any
+    device), then ``cute_fp4.quantize`` of the exact values (bit for bit the kernels')."""
+    m, k = _check_x(x, require_cuda=False)
+    variant = _scale_variant(global_scale, m * k, dynamic_mode)
+    gs = None if variant != "static" else _static_scale(global_scale, x.device)
+    if out is not None:
+        _check_out(out, m, k, x.device, gs is None)
+    q = quantize(x.float(), gs)
+    if out is None:
+        return q
+    out.data.copy_(q.data)
+    out.scale.copy_(q.scale)
+    out.global_scale.copy_(q.global_scale.reshape(out.global_scale.shape))
+    return out
+
+
 def quantize_values(x: torch.Tensor, global_scale: torch.Tensor | float,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The exact block values (``e2m1 * block_scale``, without the global scale) of
@@ -417,7 +438,7 @@ def quantize_values(x: torch.Tensor, global_scale: torch.Tensor | float,
     scale runs through the W4A16 kernel takes (``NVFP4Linear`` on SM90's packed weight),
     the global scales' product as alpha. ``out``: a contiguous, 16-byte aligned BF16
     ``[M, K]`` tensor on ``x``'s device to write, else allocated."""
-    m, k = _check_x(x)
+    m, k = _check_x(x, require_cuda=not reference_mode())
     if global_scale is None:
         raise InputError("quantize_values() takes a static global scale (a tensor or a "
                          "number); a dynamic one: quantize_activation, then "
@@ -430,6 +451,8 @@ def quantize_values(x: torch.Tensor, global_scale: torch.Tensor | float,
             or out.device != x.device):
         raise InputError(f"out must be a contiguous, 16-byte aligned bfloat16 [{m}, {k}] "
                          f"tensor on {x.device}")
+    if reference_mode():
+        return out.copy_(quantize(x.float(), gs).block_values(torch.bfloat16))
     _kernel_for(x, "static", "values").launch(x, out, out, gs, None)
     return out
 
@@ -461,7 +484,8 @@ def _check_nvfp4_activation(a) -> tuple[int, int]:
                          f"{list(a.shape)}")
     m, k = a.shape
     dev = a.data.device
-    if dev.type != "cuda" or dev.index != torch.cuda.current_device():
+    if not reference_mode() and (dev.type != "cuda"
+                                 or dev.index != torch.cuda.current_device()):
         where = "a CUDA device" if dev.type != "cuda" else \
             f"the current CUDA device (cuda:{torch.cuda.current_device()})"
         raise DeviceError(f"dequantize_activation() runs on {where}, a is on {dev}")
@@ -482,6 +506,8 @@ def dequantize_activation(a: NVFP4Tensor, out: torch.Tensor | None = None) -> to
     BF16 [M, K] tensor to write, else allocated). ``gemm`` runs a W4A4 product on an SM90
     fragment-order weight as this and the W4A16 kernel, the global scales in alpha."""
     out = _dequant_out(a, out)
+    if reference_mode():
+        return out.copy_(a.block_values(torch.bfloat16))
     _dequant_kernel().launch(a.data, a.scale, out)
     return out
 
@@ -495,6 +521,9 @@ def dequantize_with_alpha(a: NVFP4Tensor, other_scale: torch.Tensor
     computed by torch instead."""
     out = _dequant_out(a, None)
     ga, dev = a.global_scale, a.data.device
+    if reference_mode():
+        out.copy_(a.block_values(torch.bfloat16))
+        return out, (ga.to(dev, torch.float32) * other_scale.to(dev, torch.float32)).reshape(())
     if not all(t.dtype == torch.float32 and t.numel() == 1 and t.device == dev
                for t in (ga, other_scale)):
         _dequant_kernel().launch(a.data, a.scale, out)

@@ -166,6 +166,25 @@ def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResul
     return res
 
 
+def fused(raw: torch.Tensor, bias, ops: tuple, group: int, out_dtype: torch.dtype,
+          out_scale=None):
+    """What a fused epilogue writes, by its definition (the unfused pipeline): ``raw`` (the
+    GEMM without ops, FP32) plus ``bias`` (FP32, or None), rounded to ``out_dtype``, then
+    ``F.silu(gate) * up`` of the gate/up columns interleaved in groups of ``group``
+    (``"silu_mul"``, ``cute_fp4.fused``), then with ``"nvfp4_out"`` quantized with the
+    global scale ``out_scale`` (an ``NVFP4Tensor``)."""
+    from cute_fp4.fused import silu_mul_unfused
+
+    want = (raw if bias is None else raw + bias).to(out_dtype)
+    if "silu_mul" in ops:
+        want = silu_mul_unfused(want, group)
+    if "nvfp4_out" in ops:
+        from cute_fp4.nvfp4 import quantize
+
+        return quantize(want, out_scale)
+    return want
+
+
 def assert_fused(result, raw: torch.Tensor, bias, ops: tuple, group: int,
                  name: str = "", out_dtype: torch.dtype | None = None) -> None:
     """A fused epilogue's ``result`` against the unfused pipeline it replaces, bit for bit:
@@ -175,16 +194,9 @@ def assert_fused(result, raw: torch.Tensor, bias, ops: tuple, group: int,
     Raises :class:`ValidationError` naming how many values differ. With ``"nvfp4_out"``,
     ``result`` is an ``NVFP4Tensor`` and the rounded output (``out_dtype``) is quantized
     with its global scale: codes and blocked scales (padding included) compared as bytes."""
-    from cute_fp4.fused import silu_mul_unfused
-
     dtype = out_dtype if "nvfp4_out" in ops else result.dtype
-    want = (raw if bias is None else raw + bias).to(dtype)
-    if "silu_mul" in ops:
-        want = silu_mul_unfused(want, group)
     if "nvfp4_out" in ops:
-        from cute_fp4.nvfp4 import quantize
-
-        q = quantize(want, result.global_scale)
+        q = fused(raw, bias, ops, group, dtype, result.global_scale)
         bad = int((q.data != result.data).sum())
         bad_sf = int((q.scale.view(torch.uint8) != result.scale.view(torch.uint8)).sum())
         if bad or bad_sf:
@@ -193,6 +205,7 @@ def assert_fused(result, raw: torch.Tensor, bias, ops: tuple, group: int,
                                   f"{result.scale.numel()} scale bytes differ from the "
                                   "unfused pipeline's (quantize of the rounded output)")
         return
+    want = fused(raw, bias, ops, group, dtype)
     bits = torch.int16 if result.element_size() == 2 else torch.int32
     bad = int((want.view(bits) != result.view(bits)).sum())
     if bad:

@@ -47,6 +47,7 @@ from cute_fp4.operands import (
 )
 from cute_fp4.packed import PackedNVFP4Weight
 from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.targets import reference_mode
 from cute_fp4.tuning import heuristic, pick, with_ops
 
 # ----------------------------------------------------------------------------- the schedule
@@ -144,6 +145,9 @@ class GemmPath:
         bodies, which wrap fresh weight objects per call, pass False and their ``key``
         (:func:`op_key`). ``bias``/``silu_mul``: fused epilogue operations
         (:meth:`run_fused`)."""
+        if reference_mode():
+            return reference_call(a, b, out, out_dtype, alpha,
+                                  bias, epilogue_ops(bias, silu_mul, nvfp4_out), nvfp4_out)
         if bias is not None or silu_mul or nvfp4_out is not None:
             return self.run_fused(a, b, schedule, out, out_dtype, alpha, check, bias,
                                   epilogue_ops(bias, silu_mul, nvfp4_out), nvfp4_out)
@@ -282,7 +286,41 @@ class GemmPath:
                 return result
         at, gs = _op_activation(a, a_scale, b, b_scale, alpha, k)
         bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
-        return self._gemm_packed(at, bt, schedule, None, out_dtype, alpha, False, False, key)
+        return self.run_gemm(at, bt, schedule, None, out_dtype, alpha, False, bind=False,
+                             key=key)
+
+
+def reference_call(a, b, out, out_dtype, alpha, bias=None, ops: tuple[str, ...] = (),
+                   nvfp4_out=None):
+    """A ``gemm`` call under ``targets.reference_mode``: the same operand checks on any
+    device, then the exact reference instead of a kernel (``reference.gemm``, the fused ops
+    by their definition, ``reference.fused``, with the gate/up group of the kernels that
+    read ``b``'s layout on its device: ``fused.device_group``); written into ``out`` when
+    given."""
+    from cute_fp4.fused import device_group
+
+    packed = isinstance(b, PackedNVFP4Weight)
+    view = _plain_view(b) if packed else b
+    m, n, _, _ = check_operands(a, view, None if ops else out, alpha, out_dtype,
+                                require_cuda=False)
+    dev = b.data.device
+    if ops:
+        check_fused_operands(bias, out, m, n, out_dtype, ops, dev)
+    w = b.unpack() if packed else b
+    if not ops:
+        y = reference.gemm(a, w, alpha, out_dtype=out_dtype)
+    else:
+        raw = reference.gemm(a, w, alpha, out_dtype=torch.float32)
+        scale = out.global_scale if isinstance(out, NVFP4Tensor) else nvfp4_out
+        y = reference.fused(raw, bias, ops, device_group(dev, "packed" if packed else "plain"),
+                            out_dtype, scale)
+    if out is None:
+        return y
+    if isinstance(y, NVFP4Tensor):
+        out.data.copy_(y.data)
+        out.scale.copy_(y.scale)
+        return out
+    return out.copy_(y)
 
 
 def _plain_view(b: PackedNVFP4Weight) -> NVFP4Tensor:

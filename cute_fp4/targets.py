@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import threading
 
 from cute_fp4.errors import DeviceError, InputError
 
@@ -211,3 +213,35 @@ def capability_major(device) -> int:
     import torch
 
     return torch.cuda.get_device_capability(device)[0]
+
+
+# ----------------------------------------------------------------------------- reference execution
+
+REFERENCE_ENV = "CUTE_FP4_REFERENCE"  # "1": every NVFP4 product computed by the exact reference
+_REFERENCE = threading.local()  # .depth: reference_execution() blocks entered on this thread
+
+
+def reference_mode() -> bool:
+    """Whether NVFP4 products run on the exact reference instead of kernels: the environment
+    variable ``CUTE_FP4_REFERENCE=1`` (worker processes inherit it) or inside
+    :class:`reference_execution` on this thread. Then ``gemm``, ``grouped_gemm``, the
+    activation quantizer and every layer built on them compute on any device, the CPU
+    included, with ``cute_fp4.reference`` (float64 on the exact block values, one rounding
+    to the output dtype; activations quantized by ``cute_fp4.quantize``, bit for bit the
+    fused kernel's): integrations (vLLM on a CPU, transformers tensor parallelism over gloo)
+    then run their real code end to end. Off by default: on a CPU without it, a call is a
+    DeviceError."""
+    return getattr(_REFERENCE, "depth", 0) > 0 or os.environ.get(REFERENCE_ENV, "") == "1"
+
+
+class reference_execution:  # noqa: N801 (used as a function: ``with reference_execution():``)
+    """Compute NVFP4 products with the exact reference inside the block (this thread):
+    :func:`reference_mode`. Nests; the environment variable does the same process-wide."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _REFERENCE.depth = getattr(_REFERENCE, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _REFERENCE.depth -= 1

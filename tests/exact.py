@@ -10,7 +10,7 @@ from cute_fp4.packed import PackedNVFP4Weight
 
 
 def exact_run(kern, a, w, alpha, dims, out=None) -> torch.Tensor:
-    """``nn._run`` on the CPU: the exact reference (float64, one rounding) of the GEMM
+    """``layers.linear._run`` on the CPU: the exact reference (float64, one rounding) of the GEMM
     ``dims`` = (M, N, K, format), written into ``out`` when given."""
     w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
     m, n, k, _ = dims

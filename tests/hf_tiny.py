@@ -17,6 +17,8 @@ from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.grouped import check_grouped_operands
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf.quantize import fake_quantize
+from cute_fp4.layers import experts as cex
+from cute_fp4.layers import linear as clin
 from cute_fp4.nvfp4 import quantize
 from cute_fp4.packed import PackedNVFP4Weight
 
@@ -166,17 +168,16 @@ def exact_kernels(monkeypatch) -> list:
     def values(x, global_scale):
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
-    monkeypatch.setattr(cnn, "_kernel_for", kernel_for)
-    monkeypatch.setattr(cnn, "_run", run)
-    monkeypatch.setattr(cnn, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(cnn.quant, "quantize_values", values)
+    monkeypatch.setattr(clin, "_kernel_for", kernel_for)
+    monkeypatch.setattr(clin, "_run", run)
+    monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))
+    monkeypatch.setattr(clin.quant, "quantize_values", values)
     def fused(a, w, schedule, out_dtype, alpha, group):
         calls.append(("gemm", "silu_mul"))
         w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
         return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
 
-    monkeypatch.setattr(cmlp, "_fused_gemm", fused)
-    monkeypatch.setattr(cmlp, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(moe, "_grouped_gemm", grouped)
-    monkeypatch.setattr(moe, "_quantize", lambda x, gs: quantize(x, gs))
+    monkeypatch.setattr(clin, "_gated_gemm", fused)
+    monkeypatch.setattr(cex, "_grouped_gemm", grouped)
+    monkeypatch.setattr(cex, "_quantize", lambda x, gs: quantize(x, gs))
     return calls

@@ -197,7 +197,7 @@ def test_cpu_operands_are_a_device_error():
      "bias must be a floating-point tensor .*got torch.int64"),
     (lambda: cf.NVFP4Linear(torch.zeros(64, 64)), "weight must be an NVFP4Tensor"),
     (lambda: cf.NVFP4Linear(cf.quantize(torch.randn(4, 128, 256))),
-     r"got an expert stack \[4, 128, 256\]: one NVFP4Linear per expert"),
+     r"got an expert stack \[4, 128, 256\]: one layer per expert"),
     (lambda: cf.NVFP4Linear(fp4(64, 64), schedule="nope"), "no schedule named 'nope'"),
     (lambda: cf.NVFP4Linear(fp4(64, 64), schedule=3), "schedule must be 'auto', a catalogue"),
     (lambda: cf.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), schedule="nope"),

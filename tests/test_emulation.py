@@ -14,7 +14,7 @@ from cute_fp4 import catalogue, emulation, grouped, targets, tuning
 from cute_fp4.errors import DeviceError, InputError
 from cute_fp4.fused import device_group
 from cute_fp4.hf.quantizer import resolve_mode
-from cute_fp4.nn import _resolve_layout
+from cute_fp4.layers.common import resolve_layout
 from cute_fp4.nvfp4 import quantize
 
 CUDA = torch.device("cuda", 0)
@@ -58,10 +58,11 @@ def test_inside_the_gemm_side_sees_sm120_and_outside_sm90(h200):
 def test_layouts_follow_the_emulated_target(h200, monkeypatch):
     w = quantize(torch.randn(64, 128))
     monkeypatch.setattr(type(w), "device", property(lambda self: CUDA))
-    assert _resolve_layout("auto", "w4a4", w) == "packed"  # SM90: W4A4 via the W4A16 kernel
+    k = w.shape[1]
+    assert resolve_layout("auto", "w4a4", k, CUDA) == "packed"  # SM90: W4A4 via W4A16
     with emulation.emulate():
-        assert _resolve_layout("auto", "w4a4", w) == "plain"  # SM12x: block-scaled MMA
-        assert _resolve_layout("auto", "w4a16", w) == "packed"  # SM12x: the stream kernel
+        assert resolve_layout("auto", "w4a4", k, CUDA) == "plain"  # SM12x: block-scaled MMA
+        assert resolve_layout("auto", "w4a16", k, CUDA) == "packed"  # SM12x: the stream kernel
 
 
 def test_compile_builds_sm120_kernels_emulated_and_stream_for_the_present_gpu(h200,

@@ -96,7 +96,7 @@ def test_loaded_layers_hold_the_checkpoint(saved, kind):
         assert isinstance(model.model.layers[0].mlp.shared_expert.up_proj, cnn.NVFP4Linear)
     for n in experts:
         assert model.config._experts_implementation == ex.IMPLEMENTATION
-        assert names[n].nvfp4.num_experts == 4 and names[n].up_ratio is None
+        assert names[n].nvfp4.num_experts == 4 and names[n].nvfp4.up_ratio is None
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
@@ -161,14 +161,14 @@ def test_up_projection_with_its_own_global_scale(saved, tmp_path, monkeypatch):
     _copy_with_scaled(path, tmp_path, "model.layers.0.mlp.experts.1.up_proj.weight_scale_2", 1.5)
     model = hf.from_pretrained(tmp_path, device="cpu")
     experts = model.model.layers[0].mlp.experts
-    assert experts.up_ratio.tolist() == [1.0, 1.5, 1.0, 1.0]
+    assert experts.nvfp4.up_ratio.tolist() == [1.0, 1.5, 1.0, 1.0]
     hf.save_pretrained(model, tmp_path / "again")
     assert _same_files(str(tmp_path), str(tmp_path / "again")) == []
     hf_tiny.exact_kernels(monkeypatch)
     with torch.no_grad():
         want = hf_tiny.fake_quant(bf16, model)(TOKENS).logits
         err = hf_tiny.rel_err(model(TOKENS).logits, want)
-        experts.up_ratio = None
+        experts.nvfp4.up_ratio = None
         err_without = hf_tiny.rel_err(model(TOKENS).logits, want)
     assert err < 3e-2 < err_without
 

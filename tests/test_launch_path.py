@@ -458,7 +458,7 @@ def test_forward_binds_its_launch_and_passes_the_same_arguments(stub_layer_path,
     xs = [torch.randn(*shape).to(torch.bfloat16) for _ in range(3)]
     ys = [layer(x) for x in xs]
     assert len(built) == 1 and len(rec.calls) == 3
-    assert list(layer._bound) == [(xs[0].numel() // K, torch.bfloat16)]
+    assert list(layer.layer._bound) == [(xs[0].numel() // K, torch.bfloat16)]
     first, *rest = rec.calls
     for x, y, args in zip(xs[1:], ys[1:], rest):
         assert y.shape == (*shape[:-1], N) and y.dtype == torch.bfloat16
@@ -482,7 +482,7 @@ def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkey
 
     def bound_after_call():
         layer(x)
-        return layer._bound[(2, torch.bfloat16)]
+        return layer.layer._bound[(2, torch.bfloat16)]
 
     b0 = bound_after_call()
     assert bound_after_call() is b0
@@ -491,7 +491,7 @@ def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkey
     assert b1 is not b0 and rec.calls[-1][2] == layer.weight_packed.data_ptr()
     run._GENERATION[0] += 1  # the stream's workspace replaced (or a reserve drawn)
     assert bound_after_call() is not b1
-    b2 = layer._bound[(2, torch.bfloat16)]
+    b2 = layer.layer._bound[(2, torch.bfloat16)]
     stream[0] = 0x6000  # another stream: its own workspace
     b3 = bound_after_call()
     assert b3 is not b2 and rec.calls[-1][-1] == 0x6000
@@ -500,14 +500,14 @@ def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkey
         capture.setattr(run, "_capturing", lambda device: True)
         n = len(rec.calls)
         layer(x)  # a capture takes the full path (a workspace of its own), binds nothing
-        assert len(rec.calls) == n + 1 and layer._bound[(2, torch.bfloat16)] is b3
+        assert len(rec.calls) == n + 1 and layer.layer._bound[(2, torch.bfloat16)] is b3
         assert rec.calls[-1][7] != rec.calls[-2][7]
     b3._expires = 0.0  # time up ("auto" is resolved again)
     assert bound_after_call() is not b3
     layer.schedule = "sm90_decode_swapab"
     assert bound_after_call().kernel.schedule.name == "sm90_decode_swapab"
     twin = copy.deepcopy(layer)
-    assert twin._bound == {}
+    assert twin.layer._bound == {}
     twin(x)
     assert rec.calls[-1][2] == twin.weight_packed.data_ptr() != layer.weight_packed.data_ptr()
 
@@ -521,7 +521,7 @@ def test_bind_refuses_what_it_cannot_fix(stub_layer_path):
     layer = _layer("sm90_decode_swapab")
     x = torch.randn(2, K).to(torch.bfloat16)
     y = layer(x)
-    kern, w = built[0], layer._stored_weight()
+    kern, w = built[0], layer.stored_weight
     dims = (2, N, K, "bf16")
     assert run.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is not None
     assert run.bind(kern, x, w, y, torch.tensor(1.0, dtype=torch.float64), dims, None,

@@ -32,12 +32,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first; fnmatch patterns
     ("kernels", ("cute_fp4.kernels", "cute_fp4.kernels.*")),
     ("host", ("cute_fp4.compile", "cute_fp4.cache", "cute_fp4.inspect", "cute_fp4.run",
               "cute_fp4.quant", "cute_fp4.tuning")),
-    ("api", ("cute_fp4.api", "cute_fp4.ops", "cute_fp4.nn", "cute_fp4.moe", "cute_fp4.tune",
-             "cute_fp4.conversion",
-             "cute_fp4.mlp", "cute_fp4.bench", "cute_fp4.grouped", "cute_fp4.emulation",
-             "cute_fp4.hf",
-             "cute_fp4.hf.checkpoint", "cute_fp4.hf.experts", "cute_fp4.hf.loader",
-             "cute_fp4.hf.quantize", "cute_fp4.hf.quantizer", "cute_fp4.hf.save")),
+    ("api", ("cute_fp4.api", "cute_fp4.ops", "cute_fp4.tune", "cute_fp4.bench",
+             "cute_fp4.grouped", "cute_fp4.emulation", "cute_fp4.layers", "cute_fp4.layers.*")),
+    ("modules", ("cute_fp4.nn", "cute_fp4.mlp", "cute_fp4.moe", "cute_fp4.conversion")),
+    ("integrations", ("cute_fp4.hf", "cute_fp4.hf.*", "cute_fp4.vllm", "cute_fp4.vllm.*")),
     ("front", ("cute_fp4", "cute_fp4.__main__", "cute_fp4.cli", "cute_fp4.demo")),
 ]
 

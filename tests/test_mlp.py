@@ -17,6 +17,7 @@ from cute_fp4 import nn as cnn
 from cute_fp4 import reference
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.fused import silu_mul_unfused
+from cute_fp4.layers import linear as clin
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedNVFP4Weight
 
@@ -70,12 +71,11 @@ def exact(monkeypatch):
         w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
         return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
 
-    monkeypatch.setattr(cnn, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False:
+    monkeypatch.setattr(clin, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False:
                         type("K", (), {"out_dtype": dt})())
-    monkeypatch.setattr(cnn, "_run", exact_run)
-    monkeypatch.setattr(cnn, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(cmlp, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(cmlp, "_fused_gemm", fused)
+    monkeypatch.setattr(clin, "_run", exact_run)
+    monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))
+    monkeypatch.setattr(clin, "_gated_gemm", fused)
     return calls
 
 
@@ -169,7 +169,7 @@ def test_w4a4_state_dict_holds_the_input_scales():
     assert float(sd["gate_proj.input_scale"]) == float(sd["up_proj.input_scale"]) == \
         pytest.approx(0.01)
     assert float(sd["down_proj.input_scale"]) == pytest.approx(0.02)
-    split = {p: {k: sd[f"{p}.{k}"] for k in cnn._CHECKPOINT_KEYS}
+    split = {p: {k: sd[f"{p}.{k}"] for k in cnn.CHECKPOINT_KEYS}
              for p in ("gate_proj", "up_proj", "down_proj")}
     made = cmlp.NVFP4GatedMLP.from_modelopt(*split.values(), group=8)  # mode from the scales
     assert made.mode == "w4a4" and _same(made.state_dict(), sd)

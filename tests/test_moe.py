@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from cute_fp4 import moe, reference
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.grouped import check_grouped_operands
+from cute_fp4.layers import experts as cex
 from cute_fp4.nvfp4 import quantize
 from cute_fp4.packed import PackedNVFP4Weight
 
@@ -129,8 +130,8 @@ def exact(monkeypatch):
         calls.append(("quantize", tuple(x.shape), global_scale))
         return quantize(x, global_scale)
 
-    monkeypatch.setattr(moe, "_grouped_gemm", grouped)
-    monkeypatch.setattr(moe, "_quantize", quant)
+    monkeypatch.setattr(cex, "_grouped_gemm", grouped)
+    monkeypatch.setattr(cex, "_quantize", quant)
     return calls
 
 
@@ -265,7 +266,7 @@ def test_checks_fail_on_wrong_stages(exact, monkeypatch):
     assert "routing" in failed(good._replace(routing=bad_inv))
     assert "gather" in failed(good._replace(x_sorted=good.x_sorted.flip(0)))
     # a layer whose activation swaps gate and up, or whose combine misplaces the weights
-    monkeypatch.setattr(moe, "silu_and_mul", lambda g: F.silu(g[:, INTER:]) * g[:, :INTER])
+    monkeypatch.setattr(cex, "silu_and_mul", lambda g: F.silu(g[:, INTER:]) * g[:, :INTER])
     assert failed(layer.stages(x, ids, w)) == {"act"}
 
 
@@ -274,7 +275,7 @@ def test_checks_fail_on_misplaced_weights(exact, monkeypatch):
     x, ids, w = _inputs(8, 2, seed=11)
     layer = moe.NVFP4MoE.from_float(w13, w2)
     real = moe.combine
-    monkeypatch.setattr(moe, "combine", lambda d, r, tw: real(d, r, tw.roll(1, dims=1)))
+    monkeypatch.setattr(cex, "combine", lambda d, r, tw: real(d, r, tw.roll(1, dims=1)))
     checks = moe.check_stages(layer, layer.stages(x, ids, w), x, ids, w)
     assert {c.stage for c in checks if not c.passed} == {"out"}
 
@@ -387,7 +388,7 @@ def test_forward_traces_in_one_graph(monkeypatch):
 
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
-    monkeypatch.setattr(moe, "_grouped_gemm", grouped)
+    monkeypatch.setattr(cex, "_grouped_gemm", grouped)
     x, ids, w = _inputs(5, 2, seed=19)
     f = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(f(x, ids, w), layer(x, ids, w), rtol=0, atol=0)
@@ -564,8 +565,8 @@ def cpu_bench(bench, monkeypatch):
     monkeypatch.setattr(cute_fp4.grouped, "grouped_gemm", grouped)
     monkeypatch.setattr(cute_fp4.api, "gemm", dense)
     monkeypatch.setattr(bench, "_grouped_schedule", lambda *args: sched)
-    monkeypatch.setattr(moe, "_grouped_gemm", _exact_grouped)
-    monkeypatch.setattr(moe, "_quantize", lambda x, gs: quantize(x, gs))
+    monkeypatch.setattr(cex, "_grouped_gemm", _exact_grouped)
+    monkeypatch.setattr(cex, "_quantize", lambda x, gs: quantize(x, gs))
     tiny = bench.MoEShape("tiny", 64, 64, 6, 2)
     wts = bench.build_weights(tiny, 3, "cpu", packed=False)
     case = bench.make_case(tiny, 0, 10, "uniform", wts, "cpu")
@@ -715,11 +716,12 @@ def test_fused_layer_is_the_unfused_layer_bit_for_bit(monkeypatch):
         out = _exact_grouped(a, b, offsets, schedule, out_dtype, alpha)
         return silu_mul_unfused(out, 8) if silu_mul else out
 
-    monkeypatch.setattr(moe, "_grouped_gemm", grouped)
+    monkeypatch.setattr(cex, "_grouped_gemm", grouped)
     w13, w2 = _weights(seed=31)
     q13, q2 = quantize(w13), quantize(w2)
     plain = moe.NVFP4MoE(q13, q2, layout="plain", fused=False)
-    fused = moe.NVFP4MoE(interleave_gate_up(q13, 8), q2, layout="plain", _gate_up_group=8)
+    fused = moe.NVFP4MoE(None, None, experts=cex.Experts(interleave_gate_up(q13, 8), q2,
+                                                         layout="plain", gate_up_group=8))
     assert (plain.gate_up_group, fused.gate_up_group) == (None, 8)
     x, ids, w = _inputs(9, 2, seed=32)
     want = plain(x, ids, w)

@@ -18,6 +18,7 @@ import cute_fp4 as cf
 from cute_fp4 import api, reference
 from cute_fp4 import nn as cnn
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
+from cute_fp4.layers import linear as clin
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.packed import PackedNVFP4Weight
 
@@ -153,8 +154,8 @@ def fake_kernels(monkeypatch):
         calls.append(("quantize", tuple(x.shape), global_scale))
         return quantize(x, global_scale)
 
-    monkeypatch.setattr(cnn, "_kernel_for", kernel_for)
-    monkeypatch.setattr(cnn, "_run", run)
+    monkeypatch.setattr(clin, "_kernel_for", kernel_for)
+    monkeypatch.setattr(clin, "_run", run)
     def dequant(a):
         calls.append(("dequantize", tuple(a.shape)))
         return a.block_values(torch.bfloat16)
@@ -166,10 +167,10 @@ def fake_kernels(monkeypatch):
         calls.append(("quantize_values", tuple(x.shape), global_scale))
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
-    monkeypatch.setattr(cnn, "quantize_activation", quant)
-    monkeypatch.setattr(cnn.quant, "quantize_values", values)
-    monkeypatch.setattr(cnn.quant, "dequantize_activation", dequant)
-    monkeypatch.setattr(cnn.quant, "dequantize_with_alpha", dequant_alpha)
+    monkeypatch.setattr(clin, "quantize_activation", quant)
+    monkeypatch.setattr(clin.quant, "quantize_values", values)
+    monkeypatch.setattr(clin.quant, "dequantize_activation", dequant)
+    monkeypatch.setattr(clin.quant, "dequantize_with_alpha", dequant_alpha)
     return calls
 
 
@@ -669,7 +670,7 @@ def test_layout_auto_is_plain_off_sm90_and_packed_round_trips_the_state_dict():
     w, _ = _modelopt_tensors(72, 128)
     assert cnn.NVFP4Linear(w).layout == "plain"  # a CPU tensor: no SM90 here
     packed = cnn.NVFP4Linear(w, layout="packed")
-    stored = packed._stored_weight()
+    stored = packed.stored_weight
     assert isinstance(stored, PackedNVFP4Weight) and stored.shape == (72, 128)
     assert torch.equal(packed.weight_packed, pack(w.data))
     assert torch.equal(packed.weight.data, w.data)  # .weight stays the plain NVFP4Tensor
@@ -693,8 +694,9 @@ def test_layout_auto_follows_the_schedule_on_sm90(monkeypatch):
     plain weight, so a layer built with one still runs; an unknown name is refused at
     construction."""
     from cute_fp4 import catalogue
+    from cute_fp4.layers import common
 
-    monkeypatch.setattr(cnn, "_on_sm90", lambda dev: True)
+    monkeypatch.setattr(common, "capability_major", lambda dev: 9)
     w, _ = _modelopt_tensors(72, 128)
     for mode in ("w4a16", "w4a4"):
         assert cnn.NVFP4Linear(w, mode=mode).layout == "packed"
@@ -706,7 +708,7 @@ def test_layout_auto_follows_the_schedule_on_sm90(monkeypatch):
                                ).layout == "plain"
     with pytest.raises(InputError, match="did you mean 'sm90_rs_packed'"):
         cnn.NVFP4Linear(w, schedule="sm90_rs_packd")
-    monkeypatch.setattr(cnn, "_on_sm90", lambda dev: False)
+    monkeypatch.setattr(common, "capability_major", lambda dev: 0)
     assert cnn.NVFP4Linear(w).layout == "plain"
 
 
@@ -749,15 +751,13 @@ def test_emit_nvfp4_hands_the_next_layer_its_activation(monkeypatch):
     """emit_nvfp4(scale): forward is gemm(..., nvfp4_out=scale) (the epilogue quantizes;
     tests/gpu/test_fused_epilogue.py holds its bytes to quantize's); an NVFP4Tensor input
     goes into a W4A4 layer as it is; typed refusals."""
-    from cute_fp4 import nn as cnn
-
     calls = []
 
     def fake_gemm(a, w, **kw):
         calls.append((a, kw))
         return "out"
 
-    monkeypatch.setattr(cnn, "gemm", fake_gemm)
+    monkeypatch.setattr(clin, "gemm", fake_gemm)
     w = quantize(torch.randn(64, 128))
     first = cnn.NVFP4Linear(w, bias=torch.randn(64, dtype=torch.bfloat16), layout="plain")
     second = cnn.NVFP4Linear(quantize(torch.randn(32, 64)), mode="w4a4", input_scale=0.01,

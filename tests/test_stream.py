@@ -18,6 +18,7 @@ from cute_fp4.kernels.stream import (
     scale_word_of,
     unit_word_index,
 )
+from cute_fp4.layers.common import resolve_layout
 from cute_fp4.nvfp4 import sf_offset
 from cute_fp4.plan import plan
 from cute_fp4.planning.stream import stream_schedule
@@ -191,7 +192,6 @@ def test_w4a16_layers_hold_the_packed_weight_on_sm12x(monkeypatch):
     and where K is not a multiple of 64."""
     from types import SimpleNamespace
 
-    from cute_fp4 import nn
 
     for cc, mode, k, want in [((12, 0), "w4a16", 4096, "packed"), ((12, 1), "w4a16", 4096,
                                                                    "packed"),
@@ -201,7 +201,7 @@ def test_w4a16_layers_hold_the_packed_weight_on_sm12x(monkeypatch):
                                                                  "packed")]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev, cc=cc: cc)
         w = SimpleNamespace(device=torch.device("cuda", 0), shape=(1024, k))
-        assert nn._resolve_layout("auto", mode, w) == want, (cc, mode, k)
+        assert resolve_layout("auto", mode, w.shape[1], w.device) == want, (cc, mode, k)
 
 
 def test_plain_weight_w4a16_on_sm12x_says_to_repack(monkeypatch):

@@ -36,7 +36,7 @@ def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
     launches are recorded, with the output each asked for (a dynamic scale: its variant;
     the decoder's launches in ``qrec.decoded``). Returns (gemm recorder, quantize recorder,
     [outputs asked of _kernel_for], built GEMMs, stream)."""
-    from cute_fp4 import nn
+    from cute_fp4.layers import linear as nn
 
     host.clear_cache()  # kernels memoised by other tests hold other recorders
     rec, built, stream = stub_layer_path
@@ -76,7 +76,7 @@ def test_second_w4a4_call_launches_through_its_binding(stub_w4a4, layout, shape)
     xs = [torch.randn(*shape).to(torch.bfloat16) for _ in range(3)]
     ys = [layer(x) for x in xs]
     m = xs[0].numel() // K
-    assert list(layer._bound) == [(m, torch.bfloat16, "w4a4")]
+    assert list(layer.layer._bound) == [(m, torch.bfloat16, "w4a4")]
     assert len(rec.calls) == 3 and len(qrec.calls) == 2, "one full call, two bound"
     assert outputs == ["values" if layout == "packed" else "codes"]  # bound once
     first = rec.calls[0]
@@ -103,14 +103,14 @@ def test_w4a4_binding_follows_the_scales(stub_w4a4):
     layer = _layer("packed")
     x = torch.randn(2, K).to(torch.bfloat16)
     layer(x)
-    b0 = layer._bound[(2, torch.bfloat16, "w4a4")]
+    b0 = layer.layer._bound[(2, torch.bfloat16, "w4a4")]
     layer.set_input_scale(0.02)  # in place
     layer(x)
-    assert layer._bound[(2, torch.bfloat16, "w4a4")] is b0 and len(qrec.calls) == 1
+    assert layer.layer._bound[(2, torch.bfloat16, "w4a4")] is b0 and len(qrec.calls) == 1
     layer.input_scale = layer.input_scale.clone()
-    layer._refresh_alpha()
+    layer.layer._refresh_alpha()
     layer(x)  # full path, bound again on the new buffer
-    b1 = layer._bound[(2, torch.bfloat16, "w4a4")]
+    b1 = layer.layer._bound[(2, torch.bfloat16, "w4a4")]
     assert b1 is not b0 and len(qrec.calls) == 1
     layer(x)
     assert qrec.calls[-1][3] == layer.input_scale.data_ptr()
@@ -121,7 +121,7 @@ def test_w4a4_binding_follows_the_scales(stub_w4a4):
     assert len(rec.calls) == n + 1
     layer(x)  # bound again, on the new weight
     assert len(qrec.calls) == 3 and rec.calls[-1][2] == layer.weight_packed.data_ptr()
-    layer._bound[(2, torch.bfloat16, "w4a4")][1]._expires = 0.0  # the GEMM's time is up:
+    layer.layer._bound[(2, torch.bfloat16, "w4a4")][1]._expires = 0.0  # the GEMM's time is up:
     layer(x)  # asked first, so the bound quantizer does not run; the full path runs it all
     assert len(qrec.calls) == 3 and len(rec.calls) == n + 3
 

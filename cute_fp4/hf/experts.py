@@ -14,9 +14,9 @@ four NVFP4 tensors) into buffers named after the fused tensor (:data:`SUFFIXES`)
 ``gate_up_proj`` uint8 ``[E, 2I, H/2]``, ``gate_up_proj_weight_scale`` float8 ``[E, 2I, H/16]``,
 ``gate_up_proj_weight_scale_2`` float32 ``[E, 2]`` (gate, up), ``gate_up_proj_input_scale``
 ``[E, 2]``; ``down_proj*`` likewise with ``[E]`` scales. :func:`finalize` turns them into the
-``NVFP4MoE`` (one global scale per expert for gate_up: the gate's; an up projection with
-another global scale is corrected after the GEMM by ``up_ratio``; W4A4 takes the largest
-input scale of each GEMM) and keeps the checkpoint's per-expert scales for saving
+``NVFP4MoE`` (``cute_fp4.layers.Experts.from_modelopt``: an up projection with another
+global scale than its gate's is corrected after the GEMM; W4A4 takes the largest input
+scale of each GEMM) and keeps the checkpoint's per-expert scales for saving
 (:func:`checkpoint_tensors`, bit-exact).
 """
 
@@ -28,9 +28,9 @@ import re
 import torch
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
-from cute_fp4 import moe as moe_mod
 from cute_fp4.errors import FormatError
-from cute_fp4.moe import NVFP4MoE, combine, expert, route, silu_and_mul
+from cute_fp4.layers import Experts
+from cute_fp4.moe import NVFP4MoE, expert
 
 __all__ = ["IMPLEMENTATION", "PROJECTIONS", "SUFFIXES", "attach", "checkpoint_tensors",
            "expert_names", "experts_forward", "finalize", "holds_nvfp4", "install_placeholders",
@@ -41,8 +41,7 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 # checkpoint tensor of one expert -> suffix of the fused buffer on the experts module
 SUFFIXES = {"weight": "", "weight_scale": "_weight_scale", "weight_scale_2": "_weight_scale_2",
             "input_scale": "_input_scale"}
-_META = ("gate_up_proj_weight_scale_2", "gate_up_proj_input_scale", "down_proj_input_scale",
-         "up_ratio")
+_META = ("gate_up_proj_weight_scale_2", "gate_up_proj_input_scale", "down_proj_input_scale")
 
 
 def is_experts(module: torch.nn.Module) -> bool:
@@ -169,7 +168,7 @@ def install_placeholders(module: torch.nn.Module, input_scales: bool) -> None:
 
 
 def placeholder_names(module: torch.nn.Module) -> list[str]:
-    return [n for n in module._buffers if n.startswith(PROJECTIONS) and n not in _META[3:]]
+    return [n for n in module._buffers if n.startswith(PROJECTIONS)]
 
 
 def finalize(module: torch.nn.Module, mode: str, layout: str = "auto") -> None:
@@ -184,19 +183,17 @@ def finalize(module: torch.nn.Module, mode: str, layout: str = "auto") -> None:
 def attach(module: torch.nn.Module, w13: tuple, w2: tuple, w13_scale_2: torch.Tensor,
            w13_input: torch.Tensor | None, w2_input: torch.Tensor | None, mode: str,
            layout: str = "auto", moe: NVFP4MoE | None = None) -> None:
-    """Give ``module`` its ``NVFP4MoE`` (``moe``, or one built from the checkpoint tensors
-    ``w13 = (weight, weight_scale)``, ``w2 = (weight, weight_scale, weight_scale_2)``) and
-    keep the checkpoint's per-expert scales: ``w13_scale_2`` ``[E, 2]`` (gate, up), the input
-    scales ``[E, 2]`` and ``[E]`` (or None)."""
-    gate, up = w13_scale_2[:, 0].contiguous(), w13_scale_2[:, 1].contiguous()
+    """Give ``module`` its ``NVFP4MoE`` (``moe``, or one prepared from the checkpoint
+    tensors ``w13 = (weight, weight_scale)``, ``w2 = (weight, weight_scale,
+    weight_scale_2)`` by ``cute_fp4.layers.Experts.from_modelopt``: gate and up global
+    scales ``w13_scale_2`` ``[E, 2]``, which may differ) and keep the checkpoint's per-expert
+    scales: ``w13_scale_2``, the input scales ``[E, 2]`` and ``[E]`` (or None)."""
     if moe is None:
         scales = (None, None)
         if mode == "w4a4" and w13_input is not None and w2_input is not None:
-            scales = (w13_input.max(), w2_input.max())  # one activation scale per GEMM
-        # the up rows' own global scales are applied between the GEMM and the activation
-        # (_forward_up_ratio): not fusable into the epilogue
-        moe = NVFP4MoE.from_modelopt((*w13, gate), w2, mode, "auto", scales, layout,
-                                     fused="auto" if torch.equal(gate, up) else False)
+            scales = (w13_input, w2_input)  # one activation scale per GEMM: the largest
+        moe = NVFP4MoE(None, None, experts=Experts.from_modelopt(
+            (*w13, w13_scale_2), w2, input_scales=scales, mode=mode, layout=layout))
     for proj in PROJECTIONS:
         if proj in module._parameters:
             delattr(module, proj)
@@ -204,8 +201,6 @@ def attach(module: torch.nn.Module, w13: tuple, w2: tuple, w13_scale_2: torch.Te
     module.register_buffer("gate_up_proj_weight_scale_2", w13_scale_2, persistent=False)
     module.register_buffer("gate_up_proj_input_scale", w13_input, persistent=False)
     module.register_buffer("down_proj_input_scale", w2_input, persistent=False)
-    ratio = None if torch.equal(gate, up) else (up / gate).to(moe.w13.data.device)
-    module.register_buffer("up_ratio", ratio, persistent=False)
 
 
 def checkpoint_tensors(module: torch.nn.Module) -> dict[str, list[dict[str, list]]]:
@@ -249,29 +244,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    ratio = self._buffers.get("up_ratio")
-    if ratio is None:
-        return moe(hidden_states, top_k_index, top_k_weights)
-    return _forward_up_ratio(moe, ratio, hidden_states, top_k_index, top_k_weights)
-
-
-def _forward_up_ratio(moe: NVFP4MoE, ratio: torch.Tensor, x: torch.Tensor,
-                      topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``NVFP4MoE.stages`` with each up row scaled by its expert's ``up / gate`` global
-    scales (the GEMM ran with the gate's) before the activation."""
-    moe._check_input(x, topk_ids, topk_weights)
-    r = route(topk_ids, moe.num_experts)
-    a13 = moe._activation(x.index_select(0, r.token), "w13")
-    gate_up = moe_mod._grouped_gemm(a13, moe.w13, r.offsets, moe.schedule, x.dtype,
-                                    moe._buffers["w13_alpha"])
-    i = moe.intermediate
-    row_ratio = ratio.index_select(0, topk_ids.reshape(-1).index_select(0, r.order))
-    up = (gate_up[:, i:].float() * row_ratio.unsqueeze(1)).to(gate_up.dtype)
-    act = silu_and_mul(torch.cat((gate_up[:, :i], up), dim=1))
-    a2 = moe._activation(act, "w2")
-    down = moe_mod._grouped_gemm(a2, moe.w2, r.offsets, moe.schedule, x.dtype,
-                                 moe._buffers["w2_alpha"])
-    return combine(down, r, topk_weights)
+    return moe(hidden_states, top_k_index, top_k_weights)
 
 
 def check_shapes(module: torch.nn.Module, name: str) -> None:

@@ -39,26 +39,14 @@ from cute_fp4.hf.checkpoint import (
     parse_quant_config,
     read_tensor_index,
 )
+from cute_fp4.layers.common import MODES, resolve_mode
+from cute_fp4.layers.linear import K_MULTIPLE, N_MULTIPLE
 from cute_fp4.nn import NVFP4Linear
-from cute_fp4.targets import capability_major
 
 __all__ = ["MODES", "ModelOptNVFP4Config", "ModelOptNVFP4Quantizer", "QuantizedLinear",
            "register", "resolve_mode"]
 
-MODES = ("auto", "w4a16", "w4a4")
 _SCALAR = [(), (1,)]  # accepted shapes of a stored scalar
-_K_MULTIPLE, _N_MULTIPLE = 32, 8  # the kernels' limits (cute_fp4.nn)
-
-
-def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> str:
-    """"auto": W4A4 where the GPU has FP4 MMA (SM12x) and the checkpoint has input scales,
-    else W4A16."""
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode != "auto":
-        return mode
-    sm12x = capability_major(device) == 12
-    return "w4a4" if sm12x and has_input_scales else "w4a16"
 
 
 class ModelOptNVFP4Config(QuantizationConfigMixin):
@@ -166,9 +154,9 @@ def _check_dense(name: str, lin: torch.nn.Linear, keys, index) -> bool:
     key = found[0][0]
     expect(index, key, torch.uint8, (n, k // 2),
            what=f"NVFP4, {name} is not in exclude_modules")
-    if k % _K_MULTIPLE or n % _N_MULTIPLE:
+    if k % K_MULTIPLE or n % N_MULTIPLE:
         raise FormatError(f"{name}: [{n}, {k}] cannot run on cute_fp4's kernels (in_features "
-                          f"a multiple of {_K_MULTIPLE}, out_features of {_N_MULTIPLE}); "
+                          f"a multiple of {K_MULTIPLE}, out_features of {N_MULTIPLE}); "
                           "exclude it when quantizing")
     expect(index, _sibling(key, "weight_scale"), torch.float8_e4m3fn, (n, k // 16),
            near=key, what="row-major block scales")

@@ -228,7 +228,7 @@ def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
             generation = run._GENERATION[0]
             check(_x(2, 4096, seed=30))  # a new M: the full path
             assert run._GENERATION[0] != generation
-    assert layer._bound[(1, torch.bfloat16)].kernel.schedule.split_k > 1  # the premise
+    assert layer.layer._bound[(1, torch.bfloat16)].kernel.schedule.split_k > 1  # the premise
     _on_a_side_stream(check, (1, 4096), seeds=(40, 41))
 
 
@@ -255,11 +255,11 @@ def test_bound_w4a4_launches_follow_each_input_and_the_stream(layout):
 
     for i, shape in enumerate([(1, 1024)] * 3 + [(5, 1024)] * 3 + [(2, 3, 1024)] * 2):
         check(_x(*shape, seed=50 + i))
-    assert {key[0] for key in layer._bound} == {1, 5, 6}
+    assert {key[0] for key in layer.layer._bound} == {1, 5, 6}
     layer.set_input_scale(3.0 / 2688)  # in place: the bindings read the new value
     check(_x(5, 1024, seed=60))
     _on_a_side_stream(check, (1, 1024), seeds=(70, 71))
-    assert isinstance(layer._bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
+    assert isinstance(layer.layer._bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
 @pytest.mark.parametrize("layout", ["auto", "plain"])
@@ -288,8 +288,8 @@ def test_bound_dynamic_w4a4_follows_each_input_and_the_stream(layout):
         x = _x(*shape, seed=80 + i)
         check(x * (1 + i))  # a scale that differs call by call
     _on_a_side_stream(check, (5, 1024), seeds=(90, 91))
-    assert {key[0] for key in layer._bound} == {1, 5, 6, big}
-    assert isinstance(layer._bound[(big, torch.bfloat16, "w4a4")][0], BoundActivation)
+    assert {key[0] for key in layer.layer._bound} == {1, 5, 6, big}
+    assert isinstance(layer.layer._bound[(big, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
 @pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 2),

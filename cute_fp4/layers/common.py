@@ -1,0 +1,120 @@
+"""What the prepared layers share: the mode and layout rules, schedule and scale checks.
+
+``mode``: "w4a16" (16-bit activations), "w4a4" (activations quantized to NVFP4 by the fused
+kernel) or "auto" (:func:`resolve_mode`). ``layout``: "plain" (the checkpoint's row-major
+bytes), "packed" (WGMMA fragment order, ``cute_fp4.packed``) or "auto"
+(:func:`resolve_layout`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.packed import UNIT_K
+from cute_fp4.targets import capability_major
+
+MODES = ("auto", "w4a16", "w4a4")
+LAYOUTS = ("auto", "plain", "packed")
+ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # 16-bit activations
+
+
+def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> str:
+    """"auto": W4A4 where the GPU has FP4 MMA (SM12x) and the checkpoint has input scales,
+    else W4A16; "w4a16" and "w4a4" as given."""
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "w4a4" if capability_major(device) == 12 and has_input_scales else "w4a16"
+
+
+def reads_packed(schedule) -> bool:
+    """Whether ``schedule`` ("auto", a catalogue name or a Schedule) can run on the
+    fragment-order layout: "auto" (the packed heuristic) or a mainloop that reads it
+    (rs_packed, stream)."""
+    from cute_fp4 import catalogue
+    from cute_fp4.schedule import Mainloop
+
+    if isinstance(schedule, str):
+        if schedule == "auto":
+            return True
+        schedule = catalogue.get(schedule)  # an unknown name raises here, with suggestions
+    mainloop = getattr(schedule, "mainloop", None)
+    return isinstance(mainloop, Mainloop) and mainloop.reads_packed
+
+
+def resolve_layout(layout: str, mode: str, k: int, device: torch.device,
+                   schedule="auto") -> str:
+    """"auto" -> "packed" when K allows it and the schedule reads that layout ("auto" or an
+    rs_packed or stream schedule): on an SM90 GPU (W4A4 then decodes the activation once
+    and runs the W4A16 kernel) and for W4A16 on SM12x (the stream kernel, its W4A16
+    kernel); else "plain" (SM12x W4A4: the block-scaled MMA)."""
+    if layout not in LAYOUTS:
+        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "packed" and k % UNIT_K:
+        raise FormatError(f"layout='packed' needs in_features to be a multiple of {UNIT_K}, "
+                          f"got {k}: use layout='plain'")
+    if layout != "auto":
+        return layout
+    major = capability_major(device)
+    wants = major == 9 or (mode == "w4a16" and major == 12)
+    return "packed" if wants and k % UNIT_K == 0 and reads_packed(schedule) else "plain"
+
+
+def check_schedule(schedule) -> None:
+    """"auto", a catalogue name (looked up now: an unknown one is an InputError naming the
+    closest names) or a Schedule; anything else is a typed error."""
+    from cute_fp4 import catalogue
+    from cute_fp4.schedule import Schedule
+
+    if isinstance(schedule, str):
+        if schedule != "auto":
+            catalogue.get(schedule)
+    elif not isinstance(schedule, Schedule):
+        raise InputTypeError(f"schedule must be 'auto', a catalogue name or a Schedule, got "
+                             f"{type(schedule).__name__}")
+
+
+def scalar(value, name: str, device) -> torch.Tensor:
+    """A positive finite FP32 scale as a 0-d tensor on ``device`` (checked once, at
+    preparation or load: reading a GPU value synchronises)."""
+    t = torch.as_tensor(value, dtype=torch.float32)
+    if t.numel() != 1:
+        raise FormatError(f"{name} must be a scalar, got {t.numel()} elements "
+                          f"(shape {tuple(t.shape)})")
+    v = float(t)
+    if not (v > 0 and math.isfinite(v)):
+        raise FormatError(f"{name} must be finite and > 0, got {v:g}")
+    return t.reshape(()).to(device)
+
+
+def device_scalar(t: torch.Tensor, device: torch.device) -> bool:
+    """A float32 tensor of one element on ``device`` (what a kernel reads a scale from)."""
+    return t.dtype == torch.float32 and t.numel() == 1 and t.device == device
+
+
+def where(name: str) -> str:
+    """A message prefix naming the layer (``name``), or nothing."""
+    return f"{name}: " if name else ""
+
+
+def check_weight(weight, name: str = "") -> None:
+    """One NVFP4 weight matrix (an NVFP4Tensor or PackedNVFP4Weight), not an expert stack."""
+    from cute_fp4.packed import PackedNVFP4Weight
+
+    if not isinstance(weight, (NVFP4Tensor, PackedNVFP4Weight)):
+        raise InputTypeError(f"{where(name)}weight must be an NVFP4Tensor, got "
+                             f"{type(weight).__name__}")
+    if weight.experts is not None:
+        raise InputError(f"{where(name)}weight must be one [out_features, in_features] "
+                         f"matrix, got an expert stack {list(weight.shape)}: one layer per "
+                         "expert (weight.expert(e)), or cute_fp4.layers.Experts for the stack")
+
+
+__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_schedule", "check_weight",
+           "device_scalar", "reads_packed", "resolve_layout", "resolve_mode", "scalar",
+           "where"]

@@ -1,0 +1,572 @@
+"""A prepared NVFP4 linear layer, :class:`Linear`: ``y = x @ W^T (+ bias)``.
+
+Prepared once (the weight in the layout its kernels read, its scales checked, alpha made),
+applied per call on bf16/fp16 ``x`` of any rank:
+
+* ``mode="w4a16"``: the activations stay bf16/fp16;
+* ``mode="w4a4"``: the activations are quantized by the fused kernel
+  (``cute_fp4.quant.quantize_activation``) with the calibrated ``input_scale`` when the
+  layer has one (one kernel), else with a per-call amax computed on the GPU.
+
+A call synchronises nothing with the GPU, checks only the activation (host metadata), never
+the stored weight, and allocates only the output (W4A4: also the quantized activation, in
+one scratch buffer; a split-K schedule: its workspace; a non-contiguous input: one
+contiguous copy). From the second call at an M it launches through a binding of the first
+call's kernels (``docs/correctness.md``). Under ``torch.compile`` it is one ``cute_fp4::mm``
+node (W4A4: after a ``cute_fp4::quantize`` node), so ``fullgraph=True`` and
+``mode="reduce-overhead"`` (CUDA graphs) work. Under ``targets.reference_mode`` it takes
+``gemm``'s full path, which computes with the exact reference on any device.
+
+Weight layout: "plain" keeps the cuBLAS-layout bytes; "packed" holds them in WGMMA fragment
+order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels and the ``stream`` decode
+kernels (``common.resolve_layout``). A packed W4A4 layer with ``schedule="auto"`` decodes
+its quantized activation to the exact BF16 block values and runs the W4A16 kernel (the same
+products; perf/results/2026-12-01-h200-bound.md).
+
+``silu_group``: the weight is a gated MLP's gate and up projections, rows interleaved in
+groups of that many (``cute_fp4.fused``), and the layer returns ``F.silu(gate) * up``
+``[..., N / 2]`` computed in the GEMM's epilogue (``gemm(silu_mul=True)``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from cute_fp4 import quant
+from cute_fp4.api import gemm, gemm_kernel, mm, mm_packed, quantize_op
+from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.fused import silu_mul_unfused
+from cute_fp4.layers.common import (
+    ACT_FORMATS,
+    check_schedule,
+    check_weight,
+    device_scalar,
+    resolve_layout,
+    resolve_mode,
+    scalar,
+    where,
+)
+from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.operands import alpha_tensor
+from cute_fp4.packed import PackedNVFP4Weight, pack, unpack
+from cute_fp4.quant import quantize_activation
+from cute_fp4.targets import reference_mode
+
+K_MULTIPLE = 32  # packed FP4 rows must be a multiple of 16 bytes
+N_MULTIPLE = 8  # bf16/fp16 output rows must be a multiple of 16 bytes
+_BOUND_MAX = 64  # bindings per layer: many distinct M (prefill) clear the table
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
+                device_index: int, packed: bool = False):
+    """The compiled kernel of a call of this shape: ``gemm``'s (``run.GemmPath.kernel``:
+    "auto" is resolved again every second, so a new tuning is picked up); ``packed``: for a
+    fragment-order weight (``gemm``'s packed resolution)."""
+    return gemm_kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed)
+
+
+def _run(kern, a, w, alpha, dims, out=None) -> torch.Tensor:
+    from cute_fp4.run import run_checked
+
+    return run_checked(kern, a, w, out, alpha, dims)
+
+
+def _gated_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:
+    """The gate_up GEMM with SiLU-and-mul in its epilogue (``group``: the weight's gate/up
+    group); under ``targets.reference_mode`` the unfused pipeline with this group (the fused
+    op's definition: FP32 GEMM, rounded, then ``F.silu(gate) * up``)."""
+    if reference_mode():
+        raw = gemm(a, w, schedule=schedule, out_dtype=torch.float32, alpha=alpha)
+        return silu_mul_unfused(raw.to(out_dtype), group)
+    return gemm(a, w, schedule=schedule, out_dtype=out_dtype, alpha=alpha, silu_mul=True)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+class Linear:
+    """``y = x @ W^T (+ bias)`` with ``W`` NVFP4 ``[out_features, in_features]``, prepared
+    (module docstring).
+
+    ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``), or a
+    PackedNVFP4Weight (already in fragment order); ``mode``: "w4a16" or "w4a4" ("auto":
+    ``common.resolve_mode``); ``schedule``: "auto", a catalogue name (both work under
+    torch.compile) or a Schedule; ``input_scale``: W4A4's calibrated activation global scale
+    (decode form, ``amax / 2688``), None for a dynamic one; ``layout``: "auto", "plain" or
+    "packed"; ``name``: the layer's name in error messages; ``silu_group``: see the module
+    docstring. The output has the input's dtype and shape ``[..., out_features]``
+    (``[..., out_features / 2]`` with ``silu_group``). Build from a checkpoint's tensors
+    with :meth:`from_modelopt`.
+    """
+
+    __slots__ = ("out_features", "in_features", "mode", "schedule", "layout", "name",
+                 "silu_group", "stored", "bias", "input_scale", "alpha", "out_scale",
+                 "_bound", "_parts")
+
+    def __init__(self, weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
+                 schedule="auto", input_scale=None, layout: str = "auto", name: str = "",
+                 *, silu_group: int | None = None):
+        check_weight(weight, name)
+        check_schedule(schedule)
+        self.out_features, self.in_features = weight.shape
+        self.name, self.silu_group, self._parts = name, silu_group, None
+        dev = weight.device
+        self.mode = resolve_mode(mode, dev, input_scale is not None)
+        self.schedule = schedule
+        self.layout = resolve_layout(layout, self.mode, self.in_features, dev, schedule)
+        if isinstance(weight, PackedNVFP4Weight) and self.layout == "plain":
+            weight = weight.unpack()
+        if not isinstance(weight, PackedNVFP4Weight) and self.layout == "packed":
+            weight = PackedNVFP4Weight(pack(weight.data.contiguous()), weight.scale,
+                                       weight.global_scale, weight.shape)
+        gs = scalar(weight.global_scale, f"{where(name)}weight global scale", dev)
+        self.stored = _view(weight.data, weight.scale, gs, weight.shape, self.layout)
+        self.bias = _bias(bias, self.out_features, dev, name)
+        self.input_scale = None if input_scale is None else scalar(
+            input_scale, f"{where(name)}input_scale", dev)
+        self.alpha = self.out_scale = None
+        self._bound: dict[tuple, object] = {}  # (M, dtype[, "w4a4"]) -> binding(s)
+        self._refresh_alpha()
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
+                      input_scale=None, bias: torch.Tensor | None = None, *,
+                      output_sizes=None, mode: str = "auto", layout: str = "auto",
+                      schedule="auto", name: str = "") -> Linear:
+        """From a ModelOpt NVFP4 checkpoint's tensors of one layer, or of any tensor-parallel
+        shard of it: ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` float8_e4m3fn (or its
+        uint8 bytes) ``[N, K/16]`` row-major, ``weight_scale_2`` FP32, a scalar or one value
+        per logical output shard (fused q/k/v, gate/up) of ``output_sizes`` rows each;
+        ``input_scale`` a scalar or one per shard (the largest is used), None: dynamic in
+        W4A4; ``bias`` ``[N]``. Shards whose global scales differ run as one GEMM each
+        (exact; one warning). Sizes the kernels cannot run are a FormatError naming
+        ``name`` and the numbers."""
+        for t, what in ((weight, "weight"), (weight_scale, "weight_scale")):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise FormatError(f"{where(name)}{what} must be a 2-D tensor, got {got}")
+        n, k = weight.shape[0], weight.shape[1] * 2
+        check_sizes(n, k, name)
+        gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
+        sizes = [n] if output_sizes is None else [int(s) for s in output_sizes]
+        if sum(sizes) != n or gs.numel() not in (1, len(sizes)):
+            raise FormatError(f"{where(name)}output_sizes {sizes} (sum {sum(sizes)}) and "
+                              f"weight_scale_2 ({gs.numel()} values) do not describe the "
+                              f"weight's {n} rows: one global scale, or one per shard")
+        inp = None
+        if input_scale is not None:
+            inp = torch.as_tensor(input_scale, dtype=torch.float32).reshape(-1).max()
+        if gs.numel() > 1 and not bool((gs == gs[0]).all()):
+            return cls._sharded(weight, weight_scale, gs, sizes, inp, bias, mode, layout,
+                                schedule, name)
+        w = NVFP4Tensor.from_modelopt(weight, weight_scale, gs[0].to(weight.device))
+        return cls(w, bias, mode, schedule, inp, layout, name)
+
+    @classmethod
+    def _sharded(cls, weight, weight_scale, gs, sizes, inp, bias, mode, layout, schedule,
+                 name) -> Linear:
+        """A layer of per-shard layers (their global scales differ): one GEMM each, the
+        outputs side by side."""
+        warnings.warn(f"{where(name)}the output shards {sizes} have different global scales "
+                      f"{[float(g) for g in gs]}: running one GEMM per shard (exact, slower); "
+                      "a checkpoint with one global scale per fused layer runs one",
+                      RuntimeWarning, stacklevel=3)
+        parts, row = [], 0
+        for i, rows in enumerate(sizes):
+            sl = slice(row, row + rows)
+            parts.append(cls.from_modelopt(
+                weight[sl], weight_scale[sl], gs[i], inp, None if bias is None else bias[sl],
+                mode=mode, layout=layout, schedule=schedule, name=f"{name}[shard {i}]"))
+            row += rows
+        first = parts[0]
+        whole = object.__new__(cls)
+        for slot in cls.__slots__:
+            setattr(whole, slot, getattr(first, slot))
+        whole.out_features, whole.name, whole._parts = sum(sizes), name, tuple(parts)
+        whole.bias = None
+        return whole
+
+    def _refresh_alpha(self) -> None:
+        """W4A4 with a static input scale: alpha = input_scale * weight_scale_2, computed
+        once (in place when it exists, so a captured CUDA graph reads the new value)."""
+        gs = self.stored.global_scale
+        if self.mode != "w4a4" or self.input_scale is None:
+            self.alpha = None
+        elif self.alpha is None:
+            self.alpha = self.input_scale * gs
+        else:
+            torch.mul(self.input_scale, gs, out=self.alpha)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def device(self) -> torch.device:
+        return self.stored.data.device
+
+    @property
+    def weight(self) -> NVFP4Tensor:
+        """The weight as an NVFP4Tensor in the plain layout (a packed one unpacked: a copy,
+        which a call never uses)."""
+        w = self.stored
+        if isinstance(w, PackedNVFP4Weight):
+            return NVFP4Tensor._unchecked(unpack(w.data, self.out_features), w.scale,
+                                          w.global_scale, w.shape)
+        return w
+
+    def layout_bytes(self, data: torch.Tensor) -> torch.Tensor:
+        """Plain weight bytes ``[N, K/2]`` as this layer stores them (packed: repacked)."""
+        return pack(data.contiguous()) if self.layout == "packed" else data
+
+    def adopt(self, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+              input_scale=None, alpha=None, out_scale=None, bias=None) -> None:
+        """Hold these tensors from now on (a module moved its buffers, ``Module.to``): the
+        same layout and shapes; the bindings are dropped."""
+        self.stored = _view(data, scale, global_scale, self.stored.shape, self.layout)
+        self.input_scale, self.alpha, self.out_scale = input_scale, alpha, out_scale
+        self.bias = bias
+        self._bound = {}
+
+    def load_modelopt(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
+                      input_scale=None) -> None:
+        """Overwrite the weight (and the calibrated input scale, when given) in place with
+        a ModelOpt checkpoint's tensors; the tensors keep their addresses (CUDA graphs
+        captured before stay valid)."""
+        w = NVFP4Tensor.from_modelopt(weight, weight_scale, weight_scale_2)
+        if w.shape != (self.out_features, self.in_features):
+            raise FormatError(f"{where(self.name)}checkpoint weight is {list(w.shape)}, the "
+                              f"layer is [{self.out_features}, {self.in_features}]")
+        gs = scalar(w.global_scale, f"{where(self.name)}weight_scale_2", self.device)
+        with torch.no_grad():
+            self.stored.data.copy_(self.layout_bytes(w.data))
+            self.stored.scale.copy_(w.scale)
+            self.stored.global_scale.copy_(gs)
+        if input_scale is not None:
+            self.set_input_scale(input_scale)
+        else:
+            self._refresh_alpha()
+
+    def set_input_scale(self, input_scale) -> None:
+        """Set the calibrated activation global scale (decode form, ``amax / 2688``) in
+        place; a W4A4 layer then quantizes with it (one kernel) instead of a per-call amax.
+        The value is checked here (a GPU value is read: one sync), never in a call."""
+        s = scalar(input_scale, f"{where(self.name)}input_scale", self.device)
+        with torch.no_grad():
+            if self.input_scale is None:
+                self.input_scale = s
+            else:
+                self.input_scale.copy_(s)
+        self._refresh_alpha()
+
+    def emit_nvfp4(self, next_input_scale) -> None:
+        """Make a call return its output as NVFP4 quantized with ``next_input_scale`` (the
+        following W4A4 layer's static input scale, decode form): the GEMM's epilogue writes
+        it (``gemm(..., nvfp4_out=)``). None: back to a BF16/FP16 output."""
+        self.out_scale = None if next_input_scale is None else scalar(
+            next_input_scale, f"{where(self.name)}next_input_scale", self.device)
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """The layer as ModelOpt's tensors (``weight``, ``weight_scale`` row-major,
+        ``weight_scale_2``, ``input_scale`` when calibrated, ``bias`` when present), bit for
+        bit what it was prepared from (per-shard layers: their scales side by side)."""
+        if self._parts is not None:
+            parts = [p.checkpoint() for p in self._parts]
+            out = {key: torch.cat([p[key] for p in parts]) for key in ("weight", "weight_scale")}
+            out["weight_scale_2"] = torch.stack([p["weight_scale_2"] for p in parts])
+            if "input_scale" in parts[0]:
+                out["input_scale"] = parts[0]["input_scale"]
+            if any("bias" in p for p in parts):
+                out["bias"] = torch.cat([p["bias"] for p in parts])
+            return out
+        w = self.weight
+        out = {"weight": w.data, "weight_scale": w.scale_linear(),
+               "weight_scale_2": self.stored.global_scale}
+        if self.input_scale is not None:
+            out["input_scale"] = self.input_scale
+        if self.bias is not None:
+            out["bias"] = self.bias
+        return out
+
+    def __repr__(self) -> str:
+        return f"Linear({self.describe()})"
+
+    def __getstate__(self) -> dict:
+        """Pickled or copied without its bindings (this process's kernels and addresses)."""
+        return {s: getattr(self, s) for s in self.__slots__ if s != "_bound"}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+        self._bound = {}
+
+    def describe(self) -> str:
+        """``in_features=..., out_features=..., mode=..., schedule=..., layout=...``."""
+        scale = "" if self.mode != "w4a4" else (
+            ", input_scale=static" if self.input_scale is not None else ", input_scale=dynamic")
+        sched = self.schedule if isinstance(self.schedule, str) else (
+            self.schedule.name or self.schedule.label())
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, mode={self.mode}{scale}, schedule={sched}, "
+                f"layout={self.layout}")
+
+    # ------------------------------------------------------------------ a call
+
+    def check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"{where(self.name)}input must be a torch.Tensor, got "
+                                 f"{type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise InputError(f"{where(self.name)}input has {x.shape[-1] if x.dim() else 0} "
+                             f"features (shape {tuple(x.shape)}), the layer expects "
+                             f"{self.in_features}")
+        if x.dtype not in ACT_FORMATS:
+            raise InputError(f"{where(self.name)}input must be bfloat16 or float16, got "
+                             f"{x.dtype} (convert the model's activations, e.g. "
+                             "model.to(torch.bfloat16))")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._parts is not None:
+            return torch.cat([p(x) for p in self._parts], dim=-1)
+        if isinstance(x, NVFP4Tensor) or self.out_scale is not None:
+            return self._forward_nvfp4_io(x)
+        self.check_input(x)
+        if self.silu_group is not None:
+            return self._forward_gated(x)
+        if torch.compiler.is_compiling():
+            return self._forward_traced(x)
+        if reference_mode():
+            return self._forward_full(x)
+        k, n = self.in_features, self.out_features
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            x = x.clone(memory_format=torch.contiguous_format)
+        w = self.stored
+        dev = w.data.get_device()
+        if x.get_device() != dev:  # ints: cheaper than comparing torch.device objects
+            raise InputError(f"{where(self.name)}input is on {x.device} but the layer is on "
+                             f"{w.data.device}")
+        m = x.shape[0] if x.dim() == 2 else x.numel() // k
+        if m == 0:
+            return x.new_empty((*x.shape[:-1], n))
+        if self.mode == "w4a4":
+            return self._forward_w4a4(x, w, m, dev)
+        # the kernel reads A's and writes C's memory only: an N-D contiguous input and an
+        # output of the final shape need no reshape or view (~2 us of host each)
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        bound = self._bound.get((m, x.dtype))
+        if (bound is None or bound.key[0] is not w or bound.key[1] is not self.schedule
+                or not bound.launch(x, w, out)):
+            self._launch_w4a16(x, w, m, dev, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def _activation(self, x2: torch.Tensor):
+        """(A, alpha) of ``gemm``'s full path: ``x2`` as it is (W4A16), or quantized with the
+        static input scale (its alpha made once) or a dynamic one (alpha from the scales)."""
+        if self.mode == "w4a16":
+            return x2, None
+        return quantize_activation(x2, self.input_scale), self.alpha
+
+    def _forward_full(self, x: torch.Tensor) -> torch.Tensor:
+        """``gemm``'s full path, no binding: what a call runs under the exact reference
+        (``targets.reference_mode``, any device)."""
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty((*x.shape[:-1], self.out_features))
+        a, alpha = self._activation(x2.contiguous())
+        y = gemm(a, self.stored, schedule=self.schedule, out_dtype=x.dtype, alpha=alpha)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _forward_gated(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu_group``: the gate_up GEMM with SiLU-and-mul in its epilogue; under
+        torch.compile (the custom ops take no epilogue operands) the unfused activation on
+        the interleaved GEMM output (Inductor fuses it in FP32 without the intermediate
+        rounding of silu(gate): within that rounding of the eager bits)."""
+        half = self.out_features // 2
+        if torch.compiler.is_compiling():
+            return silu_mul_unfused(self._forward_traced(x), self.silu_group)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty((*lead, half))
+        w = self.stored
+        if x.device != w.data.device:
+            raise InputError(f"{where(self.name)}input is on {x.device} but the layer is on "
+                             f"{w.data.device}")
+        a, alpha = self._activation(x2.contiguous())
+        h = _gated_gemm(a, w, self.schedule, x.dtype, alpha, self.silu_group)
+        return h.view(*lead, half)
+
+    def _forward_nvfp4_io(self, x):
+        """An NVFP4 input (a W4A4 layer after one that emits NVFP4: used as it is, its own
+        global scale in alpha) or an NVFP4 output (:meth:`emit_nvfp4`), through ``gemm``'s
+        full path (no binding); the bias is fused in FP32. 2-D [M, K] inputs for an NVFP4
+        one; the NVFP4 output is [M, N]."""
+        if torch.compiler.is_compiling():
+            raise InputError("NVFP4 inputs and outputs of a layer are not supported under "
+                             "torch.compile yet (the custom ops take no NVFP4 output)")
+        dtype = torch.bfloat16
+        if isinstance(x, NVFP4Tensor):
+            if self.mode != "w4a4":
+                raise InputError(f"{where(self.name)}an NVFP4 input needs mode='w4a4' (this "
+                                 f"layer is {self.mode}); give it the BF16/FP16 activation")
+            a = x
+        else:
+            self.check_input(x)
+            dtype = x.dtype
+            x2 = x.reshape(-1, self.in_features)
+            a = x2 if self.mode == "w4a16" else quantize_activation(x2, self.input_scale)
+        bias = None if self.bias is None else self.bias.float()
+        return gemm(a, self.stored, schedule=self.schedule, out_dtype=dtype, bias=bias,
+                    nvfp4_out=self.out_scale)
+
+    def _launch_w4a16(self, x, w, m: int, dev: int, out: torch.Tensor) -> None:
+        """The full launch (kernel lookup, checks, workspace), then a binding of it that
+        the next calls at this M and dtype launch through (``run.bind``)."""
+        from cute_fp4.run import bind, resolution_deadline
+
+        k, n = self.in_features, self.out_features
+        fmt, alpha = ACT_FORMATS[x.dtype], w.global_scale
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev,
+                           packed=self.layout == "packed")
+        dims = (m, n, k, fmt)
+        _run(kern, x, w, alpha, dims, out)
+        bound = bind(kern, x, w, out, alpha, dims, (w, self.schedule),
+                     resolution_deadline(self.schedule))
+        if len(self._bound) >= _BOUND_MAX:
+            self._bound.clear()
+        if bound is not None:
+            self._bound[(m, x.dtype)] = bound
+
+    def _forward_w4a4(self, x, w, m: int, dev: int) -> torch.Tensor:
+        """Quantize the activation (the fused kernel), then the W4A4 kernel; on a packed
+        weight with ``schedule="auto"``, as ``gemm`` does there: the activation's exact
+        BF16 block values (static scale: quantized to them in one pass,
+        ``quant.quantize_values``; dynamic: quantized, then decoded), then the W4A16
+        kernel, the global scales' product as alpha (static: ``self.alpha``, computed
+        once; dynamic: per call, by the decoder, or by torch on the codes route). From the
+        second call at an M and dtype the launches go through a binding made by the first
+        (``quant.BoundActivation`` and ``run.BoundLaunch``)."""
+        k, n = self.in_features, self.out_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        bound = self._bound.get((m, x.dtype, "w4a4"))
+        if bound is None or not self._launch_bound_w4a4(bound, x2, w, out):
+            self._launch_w4a4(x2, w, m, dev, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def _launch_bound_w4a4(self, bound, x2, w, out) -> bool:
+        act, gemm_ = bound
+        if (act.key[0] is not self.input_scale or act.key[1] is not w.global_scale
+                or gemm_.key[0] is not w or gemm_.key[1] is not self.schedule
+                or gemm_.key[2] is not self.alpha):
+            return False
+        b_ptr = w.data.data_ptr()
+        if gemm_.accepts(b_ptr) is None:  # e.g. split-K while capturing: the full path
+            return False
+        # scratch: held until the GEMM is queued behind the activation kernels on this stream
+        scratch, a_ptr, sfa_ptr, alpha_ptr = act.launch(x2)  # noqa: F841
+        return gemm_.launch_ptrs(a_ptr, sfa_ptr or None, b_ptr, out.data_ptr(),
+                                 alpha_ptr or None)
+
+    def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
+        """The full W4A4 launches, then their binding."""
+        from cute_fp4.run import bind, resolution_deadline
+
+        k, n = self.in_features, self.out_features
+        gs = w.global_scale
+        alpha, dynamic = self.alpha, self.input_scale is None  # static: alpha made once
+        packed = self.layout == "packed"
+        decode = packed and isinstance(self.schedule, str) and self.schedule == "auto"
+        if decode and not dynamic:  # the values in one pass
+            fmt, a = ACT_FORMATS[torch.bfloat16], quant.quantize_values(x2, self.input_scale)
+        elif decode:  # the decoder writes alpha too
+            fmt = ACT_FORMATS[torch.bfloat16]
+            a, alpha = quant.w4a16_operands(quantize_activation(x2, None), gs, None)
+        else:
+            fmt, a = "nvfp4", quantize_activation(x2, self.input_scale)
+            if dynamic:  # gemm's own product, made here as the tensor the binding takes
+                alpha = alpha_tensor(a, w, None)
+        scalar_ = device_scalar(gs, x2.device)
+        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
+        dims = (m, n, k, fmt)
+        _run(kern, a, w, alpha, dims, out)
+        if dynamic and not scalar_:
+            return  # alpha from a scale of another dtype or device: the full path
+        gemm_ = bind(kern, a, w, out, alpha, dims, (w, self.schedule, self.alpha),
+                     resolution_deadline(self.schedule), a_scale_per_call=not decode)
+        act = gemm_ and quant.BoundActivation.make(
+            x2, self.input_scale, decode, (self.input_scale, gs),
+            other_scale=gs if dynamic else None)
+        if len(self._bound) >= _BOUND_MAX:
+            self._bound.clear()
+        if act is not None:
+            self._bound[(m, x2.dtype, "w4a4")] = (act, gemm_)
+
+    def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The call torch.compile traces: plain tensors into the custom ops."""
+        if not isinstance(self.schedule, str):
+            raise InputTypeError(f"{where(self.name)}under torch.compile, a layer's schedule "
+                                 "must be a catalogue name or 'auto'")
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k).contiguous()
+        w = self.stored
+        gs = w.global_scale
+        if self.mode == "w4a4":
+            a, a_scale, a_gs = quantize_op(x2, self.input_scale)
+            alpha = self.alpha if self.alpha is not None else a_gs * gs
+        else:
+            a, a_scale, alpha = x2, None, gs
+        if self.layout == "packed":
+            y = mm_packed(a, a_scale, w.data, w.scale, alpha, n, k, x.dtype, self.schedule)
+        else:
+            y = mm(a, a_scale, w.data, w.scale, alpha, k, x.dtype, self.schedule)
+        if self.bias is not None:
+            y.add_(self.bias)  # in y's dtype, as eager
+        return y.view(*x.shape[:-1], n)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def check_sizes(n: int, k: int, name: str = "") -> None:
+    """The kernels' limits on a weight's sizes (per tensor-parallel rank), as a FormatError
+    naming the layer: K (in_features) a multiple of :data:`K_MULTIPLE`, N a multiple of
+    :data:`N_MULTIPLE`."""
+    if k % K_MULTIPLE:
+        raise FormatError(f"{where(name)}in_features {k} is not a multiple of {K_MULTIPLE}: "
+                          "the NVFP4 kernels read 16-byte packed rows (a row-parallel shard "
+                          "must keep a multiple per rank)")
+    if n % N_MULTIPLE:
+        raise FormatError(f"{where(name)}out_features {n} is not a multiple of {N_MULTIPLE}: "
+                          "the kernels write 16-byte output rows (a column-parallel shard must "
+                          "keep a multiple per rank)")
+
+
+def _view(data, scale, global_scale, shape, layout: str):
+    """The stored weight over its tensors (no value checks: they were checked once)."""
+    if layout == "packed":
+        return PackedNVFP4Weight(data, scale, global_scale, shape)
+    return NVFP4Tensor._unchecked(data, scale, global_scale, shape)
+
+
+def _bias(bias, n: int, device: torch.device, name: str) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)
+        raise InputError(f"{where(name)}bias must have shape ({n},), got {shape}")
+    if not bias.is_floating_point():
+        raise InputError(f"{where(name)}bias must be a floating-point tensor (it is added to "
+                         f"the bf16/fp16 output), got {bias.dtype}")
+    return bias.detach().clone().to(device)
+
+
+__all__ = ["K_MULTIPLE", "N_MULTIPLE", "Linear", "check_sizes"]
