@@ -10,16 +10,20 @@ This module sits under the host layer (``run``) and the API (``api``), which bot
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from cute_fp4.errors import DeviceError, InputError, InputTypeError
+from cute_fp4.errors import DeviceError, InputError, InputTypeError, OffsetsError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
+from cute_fp4.packed import PackedNVFP4Weight, packed_rows
 from cute_fp4.schedule import OutDtype, Schedule
 
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
 ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row pitches
+K_MULTIPLE = 32  # K: packed FP4 rows of whole 16-byte units
+N_MULTIPLE = 8  # N: bf16/fp16 output rows of whole 16-byte units
 
 
 def out_dtype_of(schedule: Schedule) -> torch.dtype:
@@ -157,9 +161,9 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
         raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n}, {k}]")
     if m == 0 or n == 0 or k == 0:
         raise InputError(f"empty GEMM: M = {m}, N = {n}, K = {k}; all must be > 0")
-    if k % 32:
-        raise InputError(f"K = {k} is not a multiple of 32: packed FP4 rows must be a "
-                         "multiple of 16 bytes")
+    if k % K_MULTIPLE:
+        raise InputError(f"K = {k} is not a multiple of {K_MULTIPLE}: packed FP4 rows must "
+                         "be a multiple of 16 bytes")
     _check_tensor(b.data, "b.data", (torch.uint8,), (n, k // 2), dev)
     _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), scale_shape(n, k), dev)
     if a_format == "nvfp4":
@@ -272,26 +276,200 @@ def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
     return torch.as_tensor(alpha, dtype=torch.float32, device=b.device).reshape(1)
 
 
-_ALPHAS: dict[tuple[float, torch.device], torch.Tensor] = {}  # a Python alpha on a device
+_ALPHAS: dict[tuple[float, int, torch.device], torch.Tensor] = {}  # Python alphas
 _ALPHAS_MAX = 256
 
 
-def _scalar_alpha(value: float, device: torch.device) -> torch.Tensor:
-    """A Python-number alpha as a one-element float32 tensor, made once per (value, device):
-    without the memo each call copied it to the GPU (a host-to-device copy per launch,
-    which a CUDA-graph capture also refuses). Made with ``torch.full`` (a fill kernel, no
-    copy), which rounds to float32 as ``torch.as_tensor`` does. Not kept when made during a
-    CUDA-graph capture (its memory would belong to the graph's pool)."""
-    key = (value, device)
+def _scalar_alpha(value: float, device: torch.device, count: int = 1) -> torch.Tensor:
+    """A Python-number alpha as a float32 tensor of ``count`` values (one per expert of a
+    grouped call), made once per (value, count, device): without the memo each call copied
+    it to the GPU (a host-to-device copy per launch, which a CUDA-graph capture also
+    refuses). Made with ``torch.full`` (a fill kernel, no copy), which rounds to float32 as
+    ``torch.as_tensor`` does. Not kept when made during a CUDA-graph capture (its memory
+    would belong to the graph's pool) or while torch.compile traces."""
+    key = (value, count, device)
     t = _ALPHAS.get(key)
     if t is None:
-        t = torch.full((1,), value, dtype=torch.float32, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        t = torch.full((count,), value, dtype=torch.float32, device=device)
+        if (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()) and \
+                not torch.compiler.is_compiling():
             if len(_ALPHAS) >= _ALPHAS_MAX:
                 _ALPHAS.clear()
             _ALPHAS[key] = t
     return t
 
+
+# ----------------------------------------------------------------------------- grouped
+
+class GroupedDims(NamedTuple):
+    """What the checks found: sizes, A's format, whether B is the packed layout."""
+
+    total_m: int
+    n: int
+    k: int
+    experts: int
+    a_format: str  # "nvfp4" (W4A4), "bf16" / "fp16" (W4A16)
+    packed: bool  # b is a PackedNVFP4Weight (fragment order, rs_packed schedules)
+
+
+def torch_out(out_dtype) -> torch.dtype:
+    """The output dtype as a torch dtype (an OutDtype, its value or a dtype name also go)."""
+    if isinstance(out_dtype, torch.dtype) and out_dtype in _TORCH_OUT.values():
+        return out_dtype  # the common case, without OutDtype.of's string handling
+    return _TORCH_OUT[OutDtype.of(out_dtype)]
+
+
+def b_stack(b) -> tuple[int, int, int, bool]:
+    """(E, N, K, packed) of the weight stack; typed errors for anything else."""
+    if not isinstance(b, (NVFP4Tensor, PackedNVFP4Weight)):
+        raise InputTypeError(f"b (the experts' weights) must be an NVFP4Tensor [E, N, K] or "
+                             f"a PackedNVFP4Weight stack, got {type(b).__name__}; "
+                             "cute_fp4.quantize() takes a 3-D [E, N, K] tensor")
+    if b.experts is None:
+        raise InputError(f"b must have a leading expert mode [E, N, K], got shape {b.shape}; "
+                         "a single weight goes through gemm()")
+    e, n, k = b.shape
+    return e, n, k, isinstance(b, PackedNVFP4Weight)
+
+
+def _a_operand(a) -> tuple[int, int, str]:
+    """(total_M, K, format) of the activations (``operands._a_format``'s rules)."""
+    return _a_format(a, "total_M", " (tokens sorted by expert)")
+
+
+def check_grouped_operands(a, b, offsets, out, alpha, out_dtype=torch.bfloat16,
+                           require_cuda: bool = True) -> GroupedDims:
+    """Validate the operands of :func:`grouped_gemm` (metadata only: no GPU sync, the
+    offsets' values are not read). Shapes, dtypes, layouts and alignment first, then
+    whether everything is on one device, then (``require_cuda``) whether that is a GPU."""
+    n_exp, n, k, packed = b_stack(b)
+    m, ka, a_format = _a_operand(a)
+    if ka != k:
+        raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n_exp}, {n}, {k}]")
+    if n_exp == 0 or n == 0 or k == 0:
+        raise InputError(f"empty grouped GEMM: E = {n_exp}, N = {n}, K = {k}; all must be > 0 "
+                         "(total_M = 0 is fine)")
+    k_unit = 64 if packed else 32
+    if k % k_unit:
+        raise InputError(f"K = {k} is not a multiple of {k_unit}: "
+                         + ("the packed layout cuts K into 64-element units" if packed
+                            else "packed FP4 rows must be a multiple of 16 bytes"))
+    if n % N_MULTIPLE:
+        raise InputError(f"N = {n} is not a multiple of {N_MULTIPLE} (each expert's output "
+                         "rows must be whole 16-byte units)")
+    dt = torch_out(out_dtype)
+    dev = b.data.device
+    rows = packed_rows(n) if packed else n
+    _check_tensor(b.data, "b.data", (torch.uint8,), (n_exp, rows, k // 2), dev)
+    _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), (n_exp, *scale_shape(n, k)), dev)
+    if a_format == "nvfp4":
+        _check_tensor(a.data, "a.data", (torch.uint8,), (m, k // 2), dev)
+        _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
+    else:
+        _check_tensor(a, "a", (a.dtype,), (m, k), dev)
+    _check_offsets(offsets, n_exp, dev)
+    _check_alpha(a, b, alpha, n_exp, dev)
+    if out is not None:
+        _check_tensor(out, "out", (dt,), (m, n), dev)
+    if require_cuda:
+        require_cuda_operands(b)
+    return GroupedDims(m, n, k, n_exp, a_format, packed)
+
+
+def _check_offsets(offsets, n_exp: int, dev: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise InputTypeError(f"offsets must be an int32 tensor [E + 1] on the operands' device, "
+                             f"got {type(offsets).__name__}")
+    if offsets.dim() != 1 or offsets.numel() != n_exp + 1:
+        raise InputError(f"offsets must be [E + 1] = [{n_exp + 1}] for the {n_exp} experts of "
+                         f"b, got shape {tuple(offsets.shape)}")
+    _check_small(offsets, "offsets", torch.int32, n_exp + 1, dev)
+
+
+def check_offsets(offsets: torch.Tensor, total_m: int) -> None:
+    """The offsets' values against the contract (``offsets[0] = 0``, non-decreasing,
+    ``offsets[E] = total_m``), computed where they are (torch ops on the device) and read
+    back once (one GPU sync): :class:`OffsetsError` naming the first bad entry, its value
+    and the rule it breaks. Not allowed while a CUDA graph is being captured."""
+    if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise InputError("validating the offsets reads them back (a GPU sync), which a "
+                         "CUDA-graph capture cannot do: validate them before capturing")
+    o = offsets.reshape(-1).to(torch.int64)
+    last = o.numel() - 1
+    idx = torch.arange(last + 1, device=o.device)
+    prev = torch.cat([o[:1], o[:-1]])
+    bad = ((o < 0) | (o > total_m) | (o < prev) | ((idx == 0) & (o != 0))
+           | ((idx == last) & (o != total_m)))
+    first = torch.where(bad, idx, last + 1).min()
+    at = first.clamp(max=last)
+    i, v, p = torch.stack([first, o[at], o[(at - 1).clamp(min=0)]]).tolist()
+    if i > last:
+        return
+    if v < 0:
+        why = "is negative"
+    elif v > total_m:
+        why = f"is past the end: a has total_M = {total_m} rows"
+    elif i == 0:
+        why = "must be 0"
+    elif v < p:
+        why = f"< offsets[{i - 1}] = {p}: offsets must be non-decreasing"
+    else:
+        why = f"must equal total_M = {total_m} (the rows of a)"
+    raise OffsetsError(f"offsets[{i}] = {v} {why} (E = {last} experts; nothing was "
+                       "launched)", i, v)
+
+
+def _check_alpha(a, b, alpha, n_exp: int, dev: torch.device) -> None:
+    if alpha is None:
+        _check_small(b.global_scale, "b.global_scale", torch.float32, n_exp, dev)
+        if isinstance(a, NVFP4Tensor):
+            _check_small(a.global_scale, "a.global_scale", torch.float32, 1, dev)
+        return
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, torch.Tensor)):
+        raise InputTypeError(f"alpha must be a float32 tensor of E = {n_exp} values or a "
+                             f"number, got {type(alpha).__name__}")
+    if isinstance(alpha, torch.Tensor):
+        if alpha.numel() != n_exp:
+            raise InputError(f"alpha must hold one value per expert: E = {n_exp} (b has "
+                             f"{n_exp} experts), got {alpha.numel()} elements")
+        _check_small(alpha, "alpha", torch.float32, n_exp, dev)
+
+
+def _check_small(t, name: str, dtype: torch.dtype, count: int, dev: torch.device) -> None:
+    """A contiguous ``dtype`` tensor of ``count`` elements on ``dev`` (the kernels read it
+    element by element: its natural alignment suffices)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.numel() != count:
+        raise InputError(f"{name} must hold {count} value(s), got {t.numel()}")
+    if t.dtype != dtype:
+        raise InputError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != dev:
+        raise InputError(f"{name} is on {t.device} but the operands are on {dev}"
+                         + ("; group offsets are read on the GPU, never on the host"
+                            if name == "offsets" else ""))
+    if not t.is_contiguous():
+        raise InputError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def require_cuda_operands(b) -> None:
+    dev = b.data.device
+    if dev.type != "cuda":
+        raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
+
+
+def grouped_alpha(a, b, alpha, experts: int) -> torch.Tensor:
+    """alpha as a float32 ``[E]`` tensor on b's device, made with device ops only (a
+    product of global scales, or a fill for a Python number; no host-to-device copy)."""
+    if alpha is None:
+        gs = b.global_scale.reshape(experts)
+        return gs * a.global_scale.reshape(()) if isinstance(a, NVFP4Tensor) else gs
+    if isinstance(alpha, torch.Tensor):
+        return alpha.reshape(experts)
+    return _scalar_alpha(float(alpha), b.data.device, experts)
+
+
+# ----------------------------------------------------------------------------- test operands
 
 def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0,
                   dist: str = "awkward", device="cuda"):

@@ -165,9 +165,10 @@ def _experts_modelopt(e: int, h: int, i: int, seed: int = 0):
 def test_experts_equal_the_float64_layer(mode):
     e, h, i, t, k = 4, 128, 64, 9, 2
     w13, w2 = _experts_modelopt(e, h, i, seed=5)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(1))
-    tw = torch.rand(t, k).softmax(-1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    tw = torch.rand(t, k, generator=g).softmax(-1)
     with reference_execution():
         ex = Experts.from_modelopt(w13, w2, mode=mode, name="mlp.experts")
         y = ex(x, ids, tw)
@@ -193,9 +194,10 @@ def test_experts_with_their_own_up_scales():
     e, h, i, t = 3, 64, 32, 6
     w13, w2 = _experts_modelopt(e, h, i, seed=7)
     gs = torch.stack([w13[2], w13[2] * torch.tensor([1.0, 1.5, 0.5])], dim=1)
-    x = torch.randn(t, h, dtype=torch.bfloat16)
-    ids = torch.randint(0, e, (t, 2), generator=torch.Generator().manual_seed(2))
-    tw = torch.rand(t, 2)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, e, (t, 2), generator=g)
+    tw = torch.rand(t, 2, generator=g)
     with reference_execution():
         ex = Experts.from_modelopt((w13[0], w13[1], gs), w2)
         y = ex(x, ids, tw)
