@@ -25,21 +25,13 @@ import dataclasses
 
 import torch
 
-from cute_fp4 import reference
-from cute_fp4.compile import kernel_for
+from cute_fp4 import bindings, reference
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
 from cute_fp4.operands import ALIGN, alpha_tensor, check_operands, make_operands, out_dtype_of
 from cute_fp4.oplib import LazyOp, define, while_tracing
 from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.quant import w4a16_operands
-from cute_fp4.run import (
-    GemmPath,
-    poisoned_check,
-    private_workspaces,
-    resolve_schedule,
-    run_compiled,
-)
+from cute_fp4.run import poisoned_check, run_compiled
 from cute_fp4.tuning import (  # noqa: F401 (the heuristic's names, as tests and perf/ use them)
     DECODE_MIN_K_TILES,
     STREAM_MAX_M,
@@ -47,8 +39,10 @@ from cute_fp4.tuning import (  # noqa: F401 (the heuristic's names, as tests and
     decode_split,
     heuristic,
     packed_decode_schedule,
+    resolve_schedule,
     stream_decode_schedule,
 )
+from cute_fp4.workspaces import private_workspaces
 
 __all__ = ["ALIGN", "DEFAULT_SHAPES", "SWAPAB_MAX_M", "ValidationReport", "check_operands",
            "gemm", "heuristic", "make_operands", "mm", "mm_packed", "out_dtype_of",
@@ -59,13 +53,6 @@ _alpha_tensor = alpha_tensor  # the name scripts under perf/ use
 
 
 # ----------------------------------------------------------------------------- running
-
-# the launch path (cute_fp4.run), given the compiled-kernel memo and the activation decoder
-_PATH = GemmPath(kernel_for, w4a16_operands)
-# gemm_kernel(schedule, (M, N, K, a_format), out_dtype, device_index, packed=False): the
-# kernel gemm runs for a call of that shape (NVFP4Linear's full launch asks it)
-gemm_kernel = _PATH.kernel
-
 
 def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
          out_dtype: torch.dtype = torch.bfloat16, alpha=None, bias: torch.Tensor | None = None,
@@ -99,8 +86,8 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
         return _op_call(a, b, schedule, out_dtype, alpha)
     if not _OP.registered:
         _OP.register()
-    return _PATH.run_gemm(a, b, schedule, out, out_dtype, alpha, check, bias=bias,
-                          silu_mul=silu_mul, nvfp4_out=nvfp4_out)
+    return bindings.gemm(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
+                         nvfp4_out)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -139,7 +126,7 @@ def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: 
         return torch.ops.cute_fp4.mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
     if not _OP.registered:
         _OP.register()
-    return _PATH.run_mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
+    return bindings.mm(a, a_scale, b, b_scale, alpha, _rows(b), k, out_dtype, schedule, False)
 
 
 def mm_packed(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
@@ -156,7 +143,7 @@ def mm_packed(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
                                             schedule)
     if not _OP.registered:
         _OP.register()
-    return _PATH.run_mm_packed(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
+    return bindings.mm(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule, True)
 
 
 def quantize_op(x: torch.Tensor, global_scale: torch.Tensor | None = None):
@@ -204,12 +191,18 @@ def register_op():
 
 def _mm_op(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
     with private_workspaces():
-        return _PATH.run_mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
+        return bindings.mm(a, a_scale, b, b_scale, alpha, _rows(b), k, out_dtype, schedule,
+                           False)
 
 
 def _mm_packed_op(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule):
     with private_workspaces():
-        return _PATH.run_mm_packed(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule)
+        return bindings.mm(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule, True)
+
+
+def _rows(b) -> int:
+    """A plain weight's N (its rows), 0 for anything else (the op body refuses it)."""
+    return b.shape[0] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0
 
 
 def _quantize_static_op(x, global_scale):

@@ -10,17 +10,22 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cute_fp4.errors import CompileError, InputError
 from cute_fp4.plan import Plan, plan
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 from cute_fp4.targets import Target, get_target
+from cute_fp4.tuning import resolution_deadline
+
+if TYPE_CHECKING:
+    from cute_fp4.operands import Operands
 
 
 def kernel_class(schedule: Schedule) -> type:
@@ -270,12 +275,12 @@ def stream_getter():
 
 
 class CompiledGemm:
-    """A compiled kernel for one schedule and operand signature; call it on torch tensors.
+    """A compiled kernel for one schedule and operand signature.
 
-    ``out = k(a, b, out=None, alpha=None)`` with ``a`` an NVFP4Tensor (W4A4) or a bf16/fp16
-    tensor (W4A16) and ``b`` an NVFP4Tensor. Inputs are validated (``cute_fp4.run``).
-    ``call_path`` is "tvm-ffi" (the kernel's TVM-FFI entry, called with ints) or "dsl" (the
-    DSL's call path with its pointer objects, when apache-tvm-ffi is absent or disabled).
+    Launched by the launch path (``cute_fp4.run``: ``run_compiled(kernel, a, b)`` checks the
+    operands, allocates and launches; ``run_grouped`` for a grouped kernel). ``call_path``
+    is "tvm-ffi" (the kernel's TVM-FFI entry, called with ints) or "dsl" (the DSL's call
+    path with its pointer objects, when apache-tvm-ffi is absent or disabled).
     """
 
     def __init__(self, schedule: Schedule, signature: Signature, compiled, kernel,
@@ -313,12 +318,11 @@ class CompiledGemm:
                 self._planned.clear()
             self._planned.add(dims)
 
-    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace,
-               bias=None) -> None:
-        """Launch on prepared, validated tensors (the API layer's job), on torch's current
-        stream of ``out``'s device (so CUDA-graph capture records it). ``bias``: the fused
-        epilogue's float32 bias (schedules whose ``Epilogue.ops`` has ``"bias"``)."""
-        args = self.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace, bias)
+    def launch(self, ops: Operands) -> None:
+        """Launch on a call's checked operands (the launch path's job: ``cute_fp4.run``),
+        on torch's current stream of the output's device (so CUDA-graph capture records
+        it)."""
+        args = self.raw_args(ops)
         ffi = self._ffi
         if ffi is None:
             args = self._dsl_args(args)
@@ -328,16 +332,25 @@ class CompiledGemm:
             if self.source != "loaded" or self._rebuild is None:
                 raise
             self._recompile(e)
-            self.launch(a_data, a_scale, b_data, b_scale, out, alpha, workspace, bias)
+            self.launch(ops)
 
-    def raw_args(self, a_data, a_scale, b_data, b_scale, out, alpha, workspace,
-                 bias=None) -> tuple:
+    def raw_args(self, ops: Operands) -> tuple:
         """The launch's arguments as ints (``kernels.launch.raw_args``: addresses, sizes,
-        the SM count, the raw handle of torch's current stream on ``out``'s device)."""
+        the SM count, the raw handle of torch's current stream on the output's device)."""
+        out = ops.out
         dev = (out.data if hasattr(out, "global_scale") else out).get_device()  # nvfp4_out
         ctas = self.max_ctas or self._ctas.get(dev) or self._sm_count(dev)
-        return self._kernel.raw_args(a_data, a_scale, b_data, b_scale, out, alpha, workspace,
-                                     ctas, self._stream_of(dev), bias)
+        return self._kernel.raw_args(ops, ctas, self._stream_of(dev))
+
+    def bound_args(self, raw: tuple[int, ...]):
+        """``raw`` (:meth:`raw_args`) with the per-call arguments left open
+        (``kernels.launch.BoundArgs``)."""
+        return self._kernel.bound_args(raw)
+
+    @property
+    def ffi(self):
+        """The TVM-FFI entry (called with :meth:`raw_args`' ints), or None."""
+        return self._ffi
 
     @property
     def unfused_schedule(self) -> Schedule:
@@ -416,11 +429,6 @@ class CompiledGemm:
         self._set_compiled(self._rebuild())
         self.source = "built"
 
-    def __call__(self, a, b, out=None, alpha=None):
-        from cute_fp4.run import run_compiled
-
-        return run_compiled(self, a, b, out=out, alpha=alpha)
-
     def __repr__(self) -> str:
         return (f"CompiledGemm({self.schedule.name or self.schedule.label()}, "
                 f"{self.signature.a_format}, {self.source} in {self.compile_s:.2f} s, "
@@ -457,45 +465,32 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
     return hit
 
 
-# (schedule argument, M, N, K, a_format, out dtype, device) -> (argument, kernel, deadline)
+# (schedule argument, what its resolution depends on, device) -> (argument, kernel, deadline)
 _RESOLVED: dict[tuple, tuple] = {}
-AUTO_RECHECK_S = 1.0  # how often a memoised schedule="auto" is resolved again
 
 
-def resolution_deadline(schedule) -> float:
-    """Until when (``time.monotonic()``) a memo of ``schedule``'s resolution holds:
-    :data:`AUTO_RECHECK_S` from now for "auto" (a tuning stored meanwhile is picked up),
-    forever for a catalogue name or a Schedule. The kernel memo below and the launch
-    bindings (``run.bind`` callers) use it."""
-    if isinstance(schedule, str) and schedule == "auto":
-        return time.monotonic() + AUTO_RECHECK_S
-    return math.inf
-
-
-def kernel_for(schedule, dims: tuple[int, int, int, str], out_dtype, device_index: int,
-               resolve, ops: tuple[str, ...] = ()) -> CompiledGemm:
-    """The kernel ``gemm`` runs for its ``schedule`` argument (a Schedule, a catalogue name
-    or "auto") at ``dims`` = (M, N, K, a_format), memoised: resolving "auto" (tuning store,
+def kernel_for(schedule, key: tuple, a_format: str, device_index: int,
+               resolve: Callable[[], Schedule]) -> CompiledGemm:
+    """The kernel a call runs for its ``schedule`` argument (a Schedule, a catalogue name or
+    "auto"), memoised per (argument, ``key``, device): resolving "auto" (tuning store,
     heuristic, ``Schedule.replace``) and finding the compiled kernel cost ~100 us of Python
-    per call, more than the decode kernel itself. ``resolve(schedule, m, n, k, a_format,
-    out_dtype) -> Schedule`` is the API's resolver (this layer does not import it).
+    per call, more than a decode kernel. ``key``: everything the resolution depends on
+    besides the argument (a dense call's M, N, K, A format, output dtype, fused ops and
+    weight layout; a grouped call's regime); ``resolve()``: the Schedule, made on a miss
+    (``tuning.resolve_schedule`` and its kin: this layer does not choose). The kernel is
+    compiled for A in ``a_format``.
 
     A Schedule argument is memoised by identity (the memo holds it, so the id stays its
-    own); "auto" is resolved again every :data:`AUTO_RECHECK_S` seconds, so a tuning
-    stored meanwhile is picked up; :func:`clear_cache` forgets everything. ``ops``: fused
-    epilogue operations the resolved schedule gets (``Epilogue.ops``)."""
-    key = (schedule if isinstance(schedule, str) else id(schedule), *dims, out_dtype,
-           device_index, ops)
-    hit = _RESOLVED.get(key)
+    own); "auto" is resolved again every ``tuning.AUTO_RECHECK_S`` seconds, so a tuning
+    stored meanwhile is picked up; :func:`clear_cache` forgets everything."""
+    memo = (schedule if isinstance(schedule, str) else id(schedule), key, device_index)
+    hit = _RESOLVED.get(memo)
     if hit is not None and hit[0] is schedule and time.monotonic() < hit[2]:
         return hit[1]
-    s = resolve(schedule, *dims, out_dtype)
-    if ops and s.epilogue.ops != ops:
-        s = s.replace(ops=ops)
-    kern = compile(s, Signature(dims[3]))
+    kern = compile(resolve(), Signature(a_format))
     if len(_RESOLVED) >= 4096:
         _RESOLVED.clear()
-    _RESOLVED[key] = (schedule, kern, resolution_deadline(schedule))
+    _RESOLVED[memo] = (schedule, kern, resolution_deadline(schedule))
     return kern
 
 
@@ -569,16 +564,26 @@ def _exporter(prefix: str, ffi: bool):
     return export, load
 
 
+_ON_CLEAR: list = []  # what the layers above keep of these kernels (on_clear)
+
+
+def on_clear(forget) -> None:
+    """Have :func:`clear_cache` call ``forget()`` too: a module above this one that keeps
+    what the kernels made (the launch path's bindings) registers it, so this module never
+    imports it."""
+    if forget not in _ON_CLEAR:
+        _ON_CLEAR.append(forget)
+
+
 def clear_cache() -> None:
     """Forget every compiled kernel and memoised schedule resolution of this process, and
-    ``gemm``'s launch bindings to them (``run.bound_gemm``), so the next calls build or
-    load their kernels again."""
-    from cute_fp4 import run  # run sits above this module: imported when called
-
+    what was kept of them above (the launch path's bindings: :func:`on_clear`), so the next
+    calls build or load their kernels again."""
     with _LOCK:
         _CACHE.clear()
         _RESOLVED.clear()
-    run.clear_gemm_bindings()
+    for forget in _ON_CLEAR:
+        forget()
 
 
 # ----------------------------------------------------------------------------- emulated SM120

@@ -44,7 +44,5 @@ def _clear_launch_caches() -> None:
     """Schedule resolutions, compiled-kernel memos and launch bindings made for the other
     target (compiled kernels stay on disk and in their own cache keys)."""
     from cute_fp4.compile import clear_cache
-    from cute_fp4.grouped import clear_memos
 
     clear_cache()
-    clear_memos()

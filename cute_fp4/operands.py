@@ -26,6 +26,22 @@ K_MULTIPLE = 32  # K: packed FP4 rows of whole 16-byte units
 N_MULTIPLE = 8  # N: bf16/fp16 output rows of whole 16-byte units
 
 
+class Operands(NamedTuple):
+    """What one GEMM launch passes its kernel, checked (``check_operands`` or
+    ``check_grouped_operands``): torch tensors, None for an absent operand. The kernels'
+    launch code (``kernels.launch``) turns them into the compiled signature's arguments."""
+
+    a: torch.Tensor  # A's data: packed NVFP4 bytes [M, K/2] or 16-bit [M, K]
+    a_scale: torch.Tensor | None  # A's blocked scales (None: 16-bit A, W4A16)
+    b: torch.Tensor  # B's data: [N, K/2] (plain or fragment order), a stack [E, rows, K/2]
+    b_scale: torch.Tensor  # B's blocked scales
+    out: torch.Tensor | NVFP4Tensor  # the output [M, N'] (an NVFP4Tensor: "nvfp4_out")
+    alpha: torch.Tensor  # float32 on the device: one value, or one per expert (grouped)
+    workspace: tuple | None = None  # split-K (counters, partials) of a dense launch
+    offsets: torch.Tensor | None = None  # int32 [E + 1] of a grouped launch
+    bias: torch.Tensor | None = None  # the fused bias: float32 [N] ([E, N] grouped)
+
+
 def out_dtype_of(schedule: Schedule) -> torch.dtype:
     """The torch dtype a schedule's epilogue writes."""
     return _TORCH_OUT[schedule.epilogue.out_dtype]

@@ -32,6 +32,7 @@ import torch
 
 from cute_fp4.errors import CompileError, DeviceError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
+from cute_fp4.operands import A_FORMATS
 from cute_fp4.targets import reference_mode
 
 # dynamic scale: one fused kernel up to this many elements (H200, 2026-12-01: fused 2.9-3.7 us
@@ -39,7 +40,6 @@ from cute_fp4.targets import reference_mode
 FUSED_MAX_ELEMENTS = 1 << 15
 MAX_ELEMENTS = (1 << 31) - 1  # 32-bit element indices inside the kernel
 DYNAMIC_MODES = ("auto", "two_pass", "fused")
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -48,7 +48,7 @@ def _check_x(x, require_cuda: bool = True) -> tuple[int, int]:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"quantize_activation() takes a torch.Tensor, got "
                              f"{type(x).__name__}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in A_FORMATS:
         raise InputError(f"quantize_activation() needs a bfloat16 or float16 tensor, got "
                          f"{x.dtype} (cute_fp4.quantize takes float32/float64)")
     if x.dim() != 2:
@@ -332,7 +332,7 @@ def default_spec(target: str, in_dtype: str = "bf16", scale: str = "static",
 def _spec_for(x: torch.Tensor, scale: str, output: str = "codes"):
     from cute_fp4.targets import require_device
 
-    return default_spec(require_device().target.name, _DTYPES[x.dtype], scale,
+    return default_spec(require_device().target.name, A_FORMATS[x.dtype], scale,
                         small=x.numel() <= SMALL_ELEMENTS, output=output)
 
 

@@ -307,6 +307,16 @@ def grouped_gemm(a, b, offsets, alpha=None, out_dtype: torch.dtype = torch.float
     return ref.to(out_dtype)
 
 
+def add_expert_bias(raw: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor):
+    """FP32 ``raw`` plus each row's expert's bias (rows by the offsets)."""
+    counts = (offsets[1:] - offsets[:-1]).clamp(min=0).long()
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=raw.device), counts)
+    out = raw.clone()
+    lo = int(offsets[0])
+    out[lo:lo + len(expert)] += bias[expert]
+    return out
+
+
 @dataclasses.dataclass
 class GroupedCheckResult(CheckResult):
     """:class:`CheckResult` of a grouped GEMM (``shape`` is (total_M, N, K)), with the

@@ -24,13 +24,15 @@ heuristic).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
-from cute_fp4.errors import InputError
-from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
 
 class TuningWarning(UserWarning):
@@ -368,3 +370,183 @@ def with_ops(s: Schedule, ops: tuple[str, ...], m: int, n: int, k: int, a_format
     name = NVFP4_OUT_SCHEDULES[(s.arch.family, s.scheduler.grouped)]
     return catalogue.get(name).replace(target=s.target, out_dtype=s.epilogue.out_dtype,
                                        ops=ops)
+
+
+# ----------------------------------------------------------------------------- resolution
+# What a call runs: a Schedule, a catalogue name, or "auto" turned into the schedule of the
+# call's shape (the tuning store, else the heuristics above), with its output dtype. The
+# launch path (cute_fp4.run) asks these once per memoised resolution (compile.kernel_for).
+
+AUTO_RECHECK_S = 1.0  # how often "auto" is resolved again (a tuning stored meanwhile)
+
+
+def resolution_deadline(schedule) -> float:
+    """Until when (``time.monotonic()``) what ``schedule`` resolved to holds:
+    :data:`AUTO_RECHECK_S` from now for "auto" (a tuning stored meanwhile is picked up),
+    forever for a catalogue name or a Schedule. ``compile.kernel_for``'s memo and the launch
+    bindings (``cute_fp4.bindings``) expire then."""
+    if isinstance(schedule, str) and schedule == "auto":
+        return time.monotonic() + AUTO_RECHECK_S
+    return math.inf
+
+
+def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
+                     out_dtype) -> Schedule:
+    """A Schedule from a Schedule, a catalogue name, or "auto" (tuned, else heuristic:
+    ``tuning.pick``), with ``out_dtype``."""
+    if isinstance(schedule, str):
+        schedule = pick(schedule, m, n, k, a_format)
+    if not isinstance(schedule, Schedule):
+        raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
+                             f"got {type(schedule).__name__}")
+    return with_out_dtype(schedule, out_dtype)
+
+
+def with_out_dtype(s: Schedule, out_dtype) -> Schedule:
+    want = OutDtype.of(out_dtype)
+    return s if s.epilogue.out_dtype is want else s.replace(out_dtype=want)
+
+
+def resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
+                   out_dtype) -> Schedule:
+    """resolve_schedule for a PackedNVFP4Weight: "auto" is the packed heuristic (the tuning
+    store holds plain-weight schedules), anything else must be ``mainloop=rs_packed``."""
+    from cute_fp4.targets import gemm_device
+
+    if schedule == "auto":
+        t = gemm_device().target
+        s = heuristic(t.family, m, n, k, packed=True, a_format=a_format, target=t.name)
+        return with_out_dtype(s, out_dtype)
+    s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
+    if not s.mainloop.reads_packed:
+        raise InputError(f"schedule {s.name or s.label()} reads the plain weight layout, but "
+                         "b is a PackedNVFP4Weight: use a mainloop=rs_packed or stream "
+                         "schedule, 'auto', or b.unpack()")
+    return s
+
+
+# grouped (MoE) calls
+
+# the catalogue schedule "auto" runs, per kernel family of the present GPU ...
+AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
+# ... unless the experts average at most this many rows (decode): then this one. Measured
+# on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows per expert the 16-row
+# four-warpgroup tile runs 1.6-1.8x the 128-row one, at 256 rows 0.3x; sm_90a's decode tile
+# takes 16-bit activations only (W4A4 needs 64-row activation tiles there).
+AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_decode", 32)}
+# ... and this one when they average at least this many (large prefill: 256-row tiles;
+# 0.93-0.97x torch grouped_mm at 256 rows per expert against 0.86-0.90x for 192 rows)
+AUTO_LARGE = {"sm90": ("sm90_grouped_large", 192)}
+# 16-bit activations on a packed stack, the experts averaging at most this many rows: the
+# grouped weight-streaming kernel (one CTA per routed expert's 64 weight rows, 8 activation
+# rows). On SM12x it is the only W4A16 grouped kernel, so every size takes it there. On
+# sm_90a only while its CTAs (routed experts, at most min(E, total_M), x N / 64) fit about
+# two waves of three per SM and K is at most STREAM_MAX_K: it has no split of K and is not
+# persistent, so past that the persistent rs_packed decode tile balances better. H200,
+# 2026-12-03 (perf/results/2026-12-03-h200-grouped-decode.md), stream / rs_packed decode
+# time: 0.71x and 0.79x at 192 and 256 CTAs (Qwen3-30B-A3B 1 token), 0.85x at 768 (4
+# tokens gate_up), 1.20x at 1024 (4 tokens down), 1.17x and 1.26x at 2064 and 2752 (16
+# tokens); 1.17x at 512 CTAs with K = 7168 (DeepSeek-V3 1 token gate_up: a second, partial
+# wave of long CTAs), 0.92-0.96x with K = 7168 and 1920+ CTAs (4-128 tokens). So: few
+# CTAs with K up to STREAM_MAX_K, or many (at least four waves) with a longer K.
+AUTO_STREAM = {"sm90": ("sm90_stream_grouped_decode", 4),
+               "sm120": ("sm120_stream_grouped_decode", float("inf"))}
+STREAM_MAX_UNITS = {"sm90": 800}  # sm_90a: CTAs of the estimate above (two waves, 132 SMs)
+STREAM_MAX_K = {"sm90": 4096}
+STREAM_LONG_K_UNITS = {"sm90": 1600}  # ... and past STREAM_MAX_K, at least this many
+
+
+def grouped_auto_name(family: str, dims=None) -> str:
+    """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the
+    grouped stream kernel of :data:`AUTO_STREAM` for 16-bit activations on a packed stack
+    when the experts average few rows (sm_90a: by CTAs and K, :func:`_stream_fits`); the decode one
+    of :data:`AUTO_DECODE` when they average few rows, the large one of
+    :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s; of those,
+    the first that ``plan()`` accepts for the activation format (sm_90a's decode and
+    192-row tiles take 16-bit activations only: W4A4 needs 128-row activation tiles)."""
+    if dims is None:
+        return AUTO_SCHEDULES[family]
+    from cute_fp4 import catalogue
+    from cute_fp4.plan import plan
+
+    per_expert = dims.total_m / max(dims.experts, 1)
+    if _stream_fits(family, dims):
+        return AUTO_STREAM[family][0]
+    decode, few = AUTO_DECODE[family]
+    large, many = AUTO_LARGE.get(family, (None, float("inf")))
+    first = [decode] if per_expert <= few else [large] if per_expert >= many else []
+    for name in (*first, AUTO_SCHEDULES[family], large, decode):
+        if name is not None and plan(catalogue.get(name), Problem(a_format=dims.a_format)).ok:
+            return name
+    return AUTO_SCHEDULES[family]
+
+
+def resolve_grouped(schedule, out_dtype="bf16", dims=None) -> Schedule:
+    """A grouped Schedule from a Schedule, a catalogue name, or "auto" (for the present
+    GPU's family and ``dims``: :func:`grouped_auto_name`), with ``out_dtype``'s
+    epilogue."""
+    from cute_fp4 import catalogue
+
+    if isinstance(schedule, str):
+        if schedule == "auto":
+            from cute_fp4.targets import gemm_device
+
+            schedule = grouped_auto_name(str(gemm_device().target.family), dims)
+        schedule = catalogue.get(schedule)
+    if not isinstance(schedule, Schedule):
+        raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
+                             f"got {type(schedule).__name__}")
+    if not schedule.scheduler.grouped:
+        raise InputError(f"schedule {schedule.name or schedule.label()} is not a grouped "
+                         "schedule (Scheduler.grouped is False): grouped_gemm runs "
+                         f"{' / '.join(AUTO_SCHEDULES.values())} or a schedule made with "
+                         "replace(grouped=True)")
+    return with_out_dtype(schedule, out_dtype)
+
+
+def check_grouped_schedule(s: Schedule, dims) -> None:
+    """The operands' layout and A format against what the schedule's kernel reads."""
+    name = s.name or s.label()
+    reads_packed = s.mainloop.reads_packed
+    stream = s.mainloop is Mainloop.STREAM
+    if reads_packed and not dims.packed:
+        raise InputError(f"schedule {name} reads the fragment-order packed weight "
+                         f"(mainloop={s.mainloop.value}) but b is a plain NVFP4Tensor: "
+                         "repack it once with cute_fp4.packed.repack(b)")
+    if dims.packed and not reads_packed:
+        raise InputError(f"schedule {name} reads the plain weight layout but b is a "
+                         "PackedNVFP4Weight: use an rs_packed or stream grouped schedule, "
+                         "'auto', or b.unpack()")
+    if stream and dims.a_format == "nvfp4":
+        raise InputError(f"schedule {name} (mainloop=stream) takes 16-bit activations "
+                         "(W4A16); NVFP4 activations on a packed stack: schedule='auto' runs "
+                         "it on their exact BF16 block values")
+    if s.arch.family == "sm120" and not stream and dims.a_format != "nvfp4":
+        raise InputError(f"schedule {name} ({s.target}) takes NVFP4 activations (W4A4), a is "
+                         f"{dims.a_format} (W4A16): quantize them first "
+                         "(cute_fp4.quant.quantize_activation)")
+
+
+def _stream_fits(family: str, dims) -> bool:
+    """Whether "auto" runs the grouped stream kernel (:data:`AUTO_STREAM`): 16-bit
+    activations on a packed stack, few rows per expert, and on sm_90a few CTAs with K at
+    most :data:`STREAM_MAX_K`, or many with a longer K."""
+    if family not in AUTO_STREAM or not dims.packed or dims.a_format == "nvfp4":
+        return False
+    if dims.total_m > AUTO_STREAM[family][1] * max(dims.experts, 1):
+        return False
+    units = min(dims.experts, dims.total_m) * -(-dims.n // 64)
+    if dims.k > STREAM_MAX_K.get(family, float("inf")):
+        return units >= STREAM_LONG_K_UNITS[family]
+    return units <= STREAM_MAX_UNITS.get(family, float("inf"))
+
+
+def grouped_regime(schedule, dims) -> tuple | None:
+    """What "auto" depends on besides the device: (decode-sized?, A format); None else."""
+    if schedule != "auto" or dims is None:
+        return None
+    experts = max(dims.experts, 1)
+    few = tuple(dims.total_m <= limit * experts for _, limit in AUTO_DECODE.values())
+    many = tuple(dims.total_m >= limit * experts for _, limit in AUTO_LARGE.values())
+    stream = tuple(_stream_fits(f, dims) for f in AUTO_STREAM)
+    return few, many, stream, dims.a_format

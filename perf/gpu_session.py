@@ -181,7 +181,8 @@ def checks_cost() -> dict:
     the operand checks, building the DSL arguments, the compiled call alone, the whole."""
     from cute_fp4.api import _alpha_tensor, check_operands
     from cute_fp4.bench import Timer
-    from cute_fp4.run import split_workspace
+    from cute_fp4.operands import Operands
+    from cute_fp4.workspaces import split_workspace
 
     rows = []
     timer = Timer()
@@ -194,13 +195,13 @@ def checks_cost() -> dict:
         from cuda.bindings import driver
 
         stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-        args = kern._kernel.runtime_args(a.data, a.scale, b.data, b.scale, out, alpha, ws,
-                                         stream)
+        ops = Operands(a.data, a.scale, b.data, b.scale, out, alpha, ws)
+        args = kern._kernel.runtime_args(ops, stream)
         row = {"schedule": s.name,
                "check_operands_us": timer.eager(
                    lambda: check_operands(a, b, out, None, torch.bfloat16)),  # noqa: B023
                "runtime_args_us": timer.eager(lambda: kern._kernel.runtime_args(  # noqa: B023
-                   a.data, a.scale, b.data, b.scale, out, alpha, ws, stream)),  # noqa: B023
+                   ops, stream)),  # noqa: B023
                "compiled_call_us": timer.eager(lambda: kern._compiled(*args)),  # noqa: B023
                "run_compiled_us": timer.eager(lambda: run_compiled(kern, a, b, out=out)),  # noqa: B023
                "device_us (graph)": timer(lambda: run_compiled(kern, a, b, out=out))}  # noqa: B023

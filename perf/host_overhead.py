@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cute_fp4 as cf  # noqa: E402
-from cute_fp4 import api, operands  # noqa: E402
+from cute_fp4 import api, operands, run, workspaces  # noqa: E402
 from cute_fp4.bench import capture_graph  # noqa: E402
 from cute_fp4.kernels.launch import NoopLaunch  # noqa: E402
 
@@ -89,23 +89,19 @@ def breakdown(a, b, out, calls: int, repeats: int, sync) -> dict:
     """Each step of ``gemm(a, b, out=out)`` timed alone (memos warm)."""
     dims = api.check_operands(a, b, out, None, torch.bfloat16)
     dev = b.data.get_device()
-    kern = host.kernel_for("auto", dims, torch.bfloat16, dev, api.resolve_schedule)
+    kern = run.kernel("auto", dims, torch.bfloat16, dev)
     alpha = operands.alpha_tensor(a, b, None)
-    a_data, a_scale = (a.data, a.scale) if dims[3] == "nvfp4" else (a, None)
-    stream = kern._stream_of(dev)
-    ctas = kern.max_ctas or kern._sm_count(dev)  # the stub sets max_ctas (no device)
 
     ws = None
     if kern.schedule.split_k > 1:  # the split-K workspace, as run_checked finds it
-        from cute_fp4.run import split_workspace
+        from cute_fp4.workspaces import split_workspace
 
         ws = split_workspace(kern, dims[0], dims[1], b.data.device)
 
     def raw():
-        return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, ws, ctas,
-                                     stream)
-    if kern._ffi is not None:
-        args, entry = raw, kern._ffi
+        return kern.raw_args(run.operands(a, b, out, alpha, dims[3], ws))
+    if kern.ffi is not None:
+        args, entry = raw, kern.ffi
     else:
         def args():
             return kern._dsl_args(raw())
@@ -113,8 +109,7 @@ def breakdown(a, b, out, calls: int, repeats: int, sync) -> dict:
     prebuilt = args()
     steps = {
         "check_operands": lambda: api.check_operands(a, b, out, None, torch.bfloat16),
-        "kernel_for": lambda: host.kernel_for("auto", dims, torch.bfloat16, dev,
-                                              api.resolve_schedule),
+        "kernel_for": lambda: run.kernel("auto", dims, torch.bfloat16, dev),
         "alpha_tensor": lambda: operands.alpha_tensor(a, b, None),
         "torch.empty (out)": lambda: torch.empty((dims[0], N), dtype=torch.bfloat16,
                                                  device=b.data.device),
@@ -211,12 +206,11 @@ def stub_gemm_path(entry: str):
                           4800.0)
     targets.require_device = lambda family=None: h200
     check = operands.check_operands
-    from cute_fp4 import run  # a CPU build of torch cannot ask whether a capture is on
-
+    # a CPU build of torch cannot ask whether a capture is on
     api.check_operands = run.check_operands = (  # the launch path calls run's name
         lambda a, b, out, alpha, dt: check(a, b, out, alpha, dt, require_cuda=False))
     host.stream_getter = lambda: (lambda index: 0)
-    run._capturing_now = lambda: False
+    workspaces.capturing_now = lambda: False
     fake = launch.fake_args(launch.PointerTypes(cutlass.BFloat16, cutlass.BFloat16), 1, 132)
     if entry == "none":
         fn = None

@@ -403,9 +403,10 @@ def _poisoned(rows: int, cols: int, device) -> torch.Tensor:
 
 def _grouped_schedule(schedule, a_fmt: str, case: Case, op: str):
     """The resolved grouped schedule, refused (Unavailable) when plan() refuses it."""
-    from cute_fp4.grouped import GroupedDims, resolve_grouped
+    from cute_fp4.operands import GroupedDims
     from cute_fp4.plan import plan
     from cute_fp4.schedule import Problem
+    from cute_fp4.tuning import resolve_grouped
 
     n0, k0 = gemm_nk(case.shape, "gate_up" if op == "layer" else op)
     # what grouped_gemm's "auto" sees: it picks by the rows per expert
@@ -421,7 +422,8 @@ def _grouped_schedule(schedule, a_fmt: str, case: Case, op: str):
 
 
 def prep_cute_gemm(case: Case, wts: Weights, op: str, a_fmt: str, schedule) -> Prepared:
-    from cute_fp4.grouped import grouped_alpha, grouped_gemm
+    from cute_fp4.grouped import grouped_gemm
+    from cute_fp4.operands import grouped_alpha
     from cute_fp4.packed import PackedNVFP4Weight
 
     s = _grouped_schedule(schedule, a_fmt, case, op)

@@ -10,16 +10,17 @@ import torch
 import transformers as tf
 from exact import exact_run
 
+from cute_fp4 import bindings as cbind
 from cute_fp4 import mlp as cmlp
 from cute_fp4 import moe, reference
 from cute_fp4 import nn as cnn
 from cute_fp4.fused import silu_mul_unfused
-from cute_fp4.grouped import check_grouped_operands
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf.quantize import fake_quantize
 from cute_fp4.layers import experts as cex
 from cute_fp4.layers import linear as clin
 from cute_fp4.nvfp4 import quantize
+from cute_fp4.operands import check_grouped_operands
 from cute_fp4.packed import PackedNVFP4Weight
 
 ATTN = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -168,10 +169,11 @@ def exact_kernels(monkeypatch) -> list:
     def values(x, global_scale):
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
-    monkeypatch.setattr(clin, "_kernel_for", kernel_for)
-    monkeypatch.setattr(clin, "_run", run)
+    monkeypatch.setattr(cbind, "_kernel_for", kernel_for)
+    monkeypatch.setattr(cbind, "_run", run)
     monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(clin.quant, "quantize_values", values)
+    monkeypatch.setattr(cbind, "quantize_activation", lambda x, gs=None: quantize(x, gs))
+    monkeypatch.setattr(cbind.quant, "quantize_values", values)
     def fused(a, w, schedule, out_dtype, alpha, group):
         calls.append(("gemm", "silu_mul"))
         w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w

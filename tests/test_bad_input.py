@@ -306,7 +306,7 @@ def test_gemm_traces_into_one_op_under_torch_compile():
 
 
 def _offsets(values, total_m: int = 300):
-    from cute_fp4.grouped import check_offsets
+    from cute_fp4.operands import check_offsets
 
     return lambda: check_offsets(torch.tensor(values, dtype=torch.int32), total_m)
 

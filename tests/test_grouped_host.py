@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import catalogue, grouped, packed, reference
+from cute_fp4 import catalogue, grouped, packed, reference, run, tuning
+from cute_fp4 import operands as cops
 from cute_fp4.compile import Signature
 from cute_fp4.errors import (
     CuteFp4Error,
@@ -375,7 +376,7 @@ def call(**over):
 
 def check(**over):
     d = _case(**over)
-    return grouped.check_grouped_operands(d["a"], d["b"], d["offsets"], d["out"], d["alpha"],
+    return cops.check_grouped_operands(d["a"], d["b"], d["offsets"], d["out"], d["alpha"],
                                           d["out_dtype"], require_cuda=False)
 
 
@@ -490,36 +491,34 @@ def test_grouped_schedule_errors_leave_output_untouched(case):
 
 
 def test_checks_pass_valid_operands_and_report_dims():
-    assert check() == grouped.GroupedDims(12, 64, 64, 4, "nvfp4", False)
+    assert check() == cops.GroupedDims(12, 64, 64, 4, "nvfp4", False)
     pw = packed.repack(cf.quantize(awkward(4, 72, 128)))
     assert check(a=_bf16(12, 128), b=pw, out=_bf16(12, 72)) == \
-        grouped.GroupedDims(12, 72, 128, 4, "bf16", True)
+        cops.GroupedDims(12, 72, 128, 4, "bf16", True)
     assert check(a=torch.zeros(0, 64, dtype=torch.float16)).total_m == 0  # no tokens: fine
     with pytest.raises(DeviceError, match="CUDA device, b is on cpu"):
         d = _case()
-        grouped.check_grouped_operands(d["a"], d["b"], d["offsets"], None, None)
+        cops.check_grouped_operands(d["a"], d["b"], d["offsets"], None, None)
 
 
 @needs_grouped
 def test_schedule_resolution():
     s = _sm120_grouped()
-    assert grouped.resolve_grouped(s) is s  # bf16 epilogue already
-    fp32 = grouped.resolve_grouped(s, torch.float32)
+    assert tuning.resolve_grouped(s) is s  # bf16 epilogue already
+    fp32 = tuning.resolve_grouped(s, torch.float32)
     assert fp32.epilogue.out_dtype is OutDtype.FP32 and fp32.scheduler.grouped
-    for name in grouped.AUTO_SCHEDULES.values():
+    for name in tuning.AUTO_SCHEDULES.values():
         if name in catalogue.names():
-            got = grouped.resolve_grouped(name, "fp16")
+            got = tuning.resolve_grouped(name, "fp16")
             assert got.scheduler.grouped and got.epilogue.out_dtype is OutDtype.FP16
-    assert grouped._schedule_for(s, torch.float32, -1) is grouped._schedule_for(
-        s, torch.float32, -1)  # memoised
 
 
 def test_auto_names_the_catalogue_entries():
-    assert grouped.AUTO_SCHEDULES == {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
-    missing = [n for n in grouped.AUTO_SCHEDULES.values() if n not in catalogue.names()]
+    assert tuning.AUTO_SCHEDULES == {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
+    missing = [n for n in tuning.AUTO_SCHEDULES.values() if n not in catalogue.names()]
     if missing:
         pytest.skip(f"catalogue has no {missing} yet (the lead's schedules)")
-    for fam, name in grouped.AUTO_SCHEDULES.items():
+    for fam, name in tuning.AUTO_SCHEDULES.items():
         s = catalogue.get(name)
         assert s.scheduler.grouped and s.arch.family == fam
     assert catalogue.get("sm90_grouped").mainloop.value == "rs_packed"
@@ -541,11 +540,13 @@ class StandIn:
     def check_plan(self, dims):
         self.planned.append(dims)
 
-    def launch(self, a_data, a_scale, b_data, b_scale, out, alpha, offsets, bias=None):
-        self.launches.append((a_data, a_scale, b_data, b_scale, out, alpha, offsets))
-        self.bias = bias
-        val = (self.fill or reference.grouped_gemm)(self.a, self.b, offsets, alpha, out.dtype)
-        out.copy_(val)
+    def launch(self, ops):
+        self.launches.append((ops.a, ops.a_scale, ops.b, ops.b_scale, ops.out, ops.alpha,
+                              ops.offsets))
+        self.bias = ops.bias
+        val = (self.fill or reference.grouped_gemm)(self.a, self.b, ops.offsets, ops.alpha,
+                                                    ops.out.dtype)
+        ops.out.copy_(val)
 
 
 @needs_grouped
@@ -554,7 +555,7 @@ def test_launch_arguments_w4a4():
     kern = StandIn(_sm120_grouped())
     kern.a, kern.b = d["a"], d["b"]
     dims = check()
-    out = grouped._launch(kern, d["a"], d["b"], d["offsets"], None, None, dims)
+    out = run._launch_grouped(kern, d["a"], d["b"], d["offsets"], None, None, dims)
     (a_data, a_scale, b_data, b_scale, o, alpha, offs), = kern.launches
     assert a_data is d["a"].data and a_scale is d["a"].scale
     assert b_data is d["b"].data and b_scale is d["b"].scale and offs is d["offsets"]
@@ -572,22 +573,23 @@ def test_launch_arguments_w4a16_alpha_and_no_tokens():
     kern = StandIn(_sm90_grouped(), "bf16")
     kern.a, kern.b = a, pw
     dims = check(a=a, b=pw)
-    out = grouped._launch(kern, a, pw, _case()["offsets"], None, None, dims)
+    out = run._launch_grouped(kern, a, pw, _case()["offsets"], None, None, dims)
     (a_data, a_scale, _, _, _, alpha, _), = kern.launches
     assert a_data is a and a_scale is None
     assert alpha.data_ptr() == pw.global_scale.data_ptr()  # W4A16: b's global scales
     assert reference.check_grouped(out, a, pw, _case()["offsets"]).passed
     given = torch.arange(1, 5, dtype=torch.float32)
-    grouped._launch(kern, a, pw, _case()["offsets"], out, given, dims)
+    run._launch_grouped(kern, a, pw, _case()["offsets"], out, given, dims)
     assert kern.launches[-1][5] is given or kern.launches[-1][5].data_ptr() == given.data_ptr()
-    grouped._launch(kern, a, pw, _case()["offsets"], out, 0.5, dims)
+    run._launch_grouped(kern, a, pw, _case()["offsets"], out, 0.5, dims)
     assert kern.launches[-1][5].tolist() == [0.5] * 4
-    assert grouped.grouped_alpha(a, pw, 0.5, 4) is grouped.grouped_alpha(a, pw, 0.5, 4)
+    assert cops.grouped_alpha(a, pw, 0.5, 4) is cops.grouped_alpha(a, pw, 0.5, 4)
     # no tokens: an empty output, nothing launched, nothing planned
     a0 = torch.zeros(0, 64, dtype=torch.bfloat16)
     zeros = torch.zeros(5, dtype=torch.int32)
     n_launch = len(kern.launches)
-    empty = grouped._launch(kern, a0, pw, zeros, None, None, check(a=a0, b=pw, offsets=zeros))
+    empty = run._launch_grouped(kern, a0, pw, zeros, None, None,
+                                check(a=a0, b=pw, offsets=zeros))
     assert empty.shape == (0, 64) and len(kern.launches) == n_launch
     assert len(kern.planned) == 3
 
@@ -597,12 +599,12 @@ def test_run_checks_the_kernel_against_the_operands():
     kern = StandIn(_sm120_grouped(), "nvfp4")
     d = _case()
     with pytest.raises(InputError, match="kernel was compiled for A in nvfp4, got bf16"):
-        grouped._check_kernel(kern, check(a=_bf16(12, 64)))
+        run.check_grouped_kernel(kern, check(a=_bf16(12, 64)))
     kern.schedule = catalogue.get("sm120_default")
     with pytest.raises(InputError, match="not a grouped kernel"):
-        grouped._check_kernel(kern, check())
+        run.check_grouped_kernel(kern, check())
     with pytest.raises(DeviceError):  # run_grouped checks the device too
-        grouped.run_grouped(StandIn(_sm120_grouped()), d["a"], d["b"], d["offsets"])
+        run.run_grouped(StandIn(_sm120_grouped()), d["a"], d["b"], d["offsets"])
 
 
 @needs_grouped
@@ -610,7 +612,7 @@ def test_check_true_validates_once_and_the_fast_path_never_reads_offsets(monkeyp
     d = _case()
     kern = StandIn(_sm120_grouped())
     kern.a, kern.b = d["a"], d["b"]
-    monkeypatch.setattr(grouped, "_kernel_for", lambda *args: kern)
+    monkeypatch.setattr(run, "grouped_kernel", lambda *args: kern)
     out = cf.grouped_gemm(d["a"], d["b"], d["offsets"], check=True)
     assert kern.validated and reference.check_grouped(out, d["a"], d["b"], d["offsets"]).passed
     # offsets whose values are invalid pass the fast path: their values are never read
@@ -632,7 +634,7 @@ def test_check_true_validates_once_and_the_fast_path_never_reads_offsets(monkeyp
         return v
 
     wrong.fill = off_by_one
-    monkeypatch.setattr(grouped, "_kernel_for", lambda *args: wrong)
+    monkeypatch.setattr(run, "grouped_kernel", lambda *args: wrong)
     with pytest.raises(ValidationError, match="E=4"):
         cf.grouped_gemm(d["a"], d["b"], d["offsets"], check=True)
     assert not wrong.validated
@@ -661,7 +663,8 @@ def test_fake_op_shapes():
     schema = str(ops.grouped_mm.default._schema)
     assert schema.startswith("cute_fp4::grouped_mm(Tensor a, Tensor? a_scale, Tensor b, "
                              "Tensor b_scale, Tensor offsets, Tensor alpha, SymInt k, "
-                             "ScalarType out_dtype, str schedule, SymInt n=0)"), schema
+                             "ScalarType out_dtype, str schedule, SymInt n=0, "
+                             "bool packed=False)"), schema
 
 
 def test_grouped_gemm_traces_into_one_op_under_torch_compile():
@@ -732,10 +735,10 @@ def test_import_registers_nothing_and_exports_lazily():
 ])
 def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
     packed_stack = family == "sm90" or fmt != "nvfp4"
-    dims = grouped.GroupedDims(rows, 1536, 2048, 128, fmt, packed_stack)
-    assert grouped.auto_schedule_name(family, dims) == want
+    dims = cops.GroupedDims(rows, 1536, 2048, 128, fmt, packed_stack)
+    assert tuning.grouped_auto_name(family, dims) == want
     assert want in catalogue.names()
-    assert grouped.auto_schedule_name(family) == grouped.AUTO_SCHEDULES[family]
+    assert tuning.grouped_auto_name(family) == tuning.AUTO_SCHEDULES[family]
 
 
 @pytest.mark.parametrize("rows, experts, n, k, want", [
@@ -746,10 +749,10 @@ def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
     (600, 8, 64, 1024, False),  # few CTAs, but 75 rows per expert
 ])
 def test_auto_takes_the_stream_kernel_for_few_ctas(rows, experts, n, k, want):
-    dims = grouped.GroupedDims(rows, n, k, experts, "bf16", True)
-    assert (grouped.auto_schedule_name("sm90", dims) == "sm90_stream_grouped_decode") == want
-    assert grouped.auto_schedule_name("sm120", dims) == "sm120_stream_grouped_decode"
-    assert grouped.auto_schedule_name("sm90", dims._replace(packed=False)) != \
+    dims = cops.GroupedDims(rows, n, k, experts, "bf16", True)
+    assert (tuning.grouped_auto_name("sm90", dims) == "sm90_stream_grouped_decode") == want
+    assert tuning.grouped_auto_name("sm120", dims) == "sm120_stream_grouped_decode"
+    assert tuning.grouped_auto_name("sm90", dims._replace(packed=False)) != \
         "sm90_stream_grouped_decode"
 
 
@@ -771,13 +774,10 @@ def test_gemm_refuses_an_expert_stack_as_a():
 
 
 def test_w4a4_on_a_packed_stack_takes_the_values_route():
-    """grouped.via_values: NVFP4 activations on a packed weight with "auto" run the W4A16
+    """run.via_values: NVFP4 activations on a packed weight with "auto" run the W4A16
     kernel on the activation's block values; a named schedule, 16-bit activations or a
     plain weight keep their kernels."""
-    from cute_fp4.grouped import GroupedDims, via_values
-
-    w4a4 = GroupedDims(64, 256, 512, 8, "nvfp4", True)
-    assert via_values("auto", w4a4)
-    assert not via_values("sm90_grouped", w4a4)
-    assert not via_values("auto", w4a4._replace(a_format="bf16"))
-    assert not via_values("auto", w4a4._replace(packed=False))
+    assert run.via_values("auto", "nvfp4", True)
+    assert not run.via_values("sm90_grouped", "nvfp4", True)
+    assert not run.via_values("auto", "bf16", True)
+    assert not run.via_values("auto", "nvfp4", False)

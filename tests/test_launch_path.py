@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import api, catalogue, operands, run
+from cute_fp4 import api, bindings, catalogue, operands, run, tuning, workspaces
 from cute_fp4.errors import InputError, ScheduleError
 from cute_fp4.kernels.launch import NoopLaunch
 from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.operands import Operands
 from cute_fp4.schedule import Problem
 
 host = importlib.import_module("cute_fp4.compile")
@@ -62,8 +63,9 @@ def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
         else None
     kern = kernel if split_k == 1 else host._make_kernel(
         catalogue.get("sm90_decode_swapab").replace(split_k=2), Problem(a_format="bf16"))
-    raw = kern.raw_args(a, None, b.data, b.scale, out, alpha, ws, 132, 0xABC0)
-    dsl = kern.runtime_args(a, None, b.data, b.scale, out, alpha, ws, "stream")
+    ops = Operands(a, None, b.data, b.scale, out, alpha, ws)
+    raw = kern.raw_args(ops, 132, 0xABC0)
+    dsl = kern.runtime_args(ops, "stream")
     assert len(raw) == len(dsl) == 16 and all(type(x) is int for x in raw)
     assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:11]] == list(raw[:11])
     assert [int(x) for x in dsl[11:14]] == list(raw[11:14]) == [M, N, K]
@@ -82,14 +84,14 @@ def test_raw_args_of_an_n_d_input_and_output(kernel):
     a, b = w4a16()
     lead = (M // 2, 2) if M % 2 == 0 else (M, 1)
     a3, out3 = a.reshape(*lead, K), torch.empty(*lead, N, dtype=torch.bfloat16)
-    raw = kernel.raw_args(a3, None, b.data, b.scale, out3, torch.ones(1), None, 8, 0)
+    raw = kernel.raw_args(Operands(a3, None, b.data, b.scale, out3, torch.ones(1)), 8, 0)
     assert raw[11:14] == (M, N, K) and raw[0] == a3.data_ptr() and raw[4] == out3.data_ptr()
 
 
 def test_w4a4_raw_args_carry_both_scales(kernel):
     a, b = cf.quantize(torch.randn(M, K)), cf.quantize(torch.randn(N, K))
     out, alpha = torch.empty(M, N, dtype=torch.bfloat16), torch.ones(1)
-    raw = kernel.raw_args(a.data, a.scale, b.data, b.scale, out, alpha, None, 8, 0)
+    raw = kernel.raw_args(Operands(a.data, a.scale, b.data, b.scale, out, alpha), 8, 0)
     assert raw[:4] == (a.data.data_ptr(), a.scale.data_ptr(), b.data.data_ptr(),
                        b.scale.data_ptr())
 
@@ -117,7 +119,7 @@ def compiled_gemm(kernel, fn, **kw):
 def launch(kern):
     a, b = w4a16()
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
+    kern.launch(Operands(a, None, b.data, b.scale, out, torch.ones(1)))
     return a, b, out
 
 
@@ -134,10 +136,10 @@ def test_without_tvm_ffi_the_dsl_call_path_gets_its_objects(kernel):
     assert isinstance(args[15], driver.CUstream) and int(args[15]) == 0x5000
     assert [int(x) for x in args[11:15]] == [M, N, K, 7]  # max_ctas of compiled_gemm
     # the same types and alignments as runtime_args makes (what fake_args compiled)
-    ref = kernel.runtime_args(a, None, b.data, b.scale, out, torch.ones(1), None, None)
+    ref = kernel.runtime_args(Operands(a, None, b.data, b.scale, out, torch.ones(1)), None)
     for got, want in zip(args[:11], ref[:11]):
         assert (got.dtype, got._assumed_align) == (want.dtype, want._assumed_align)
-    kern.launch(a, None, b.data, b.scale, out, torch.ones(1), None)
+    kern.launch(Operands(a, None, b.data, b.scale, out, torch.ones(1)))
     assert rec.calls[1][:5] == args[:5]  # made once per address, then reused
     assert all(x is y for x, y in zip(rec.calls[1][:5], args[:5]))
 
@@ -231,7 +233,7 @@ def test_the_tvm_ffi_entry_takes_the_raw_args(ffi_kernel, kernel):
         launch(kern)
     a, b = w4a16()
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    args = list(kernel.raw_args(a, None, b.data, b.scale, out, torch.ones(1), None, 8, 0))
+    args = list(kernel.raw_args(Operands(a, None, b.data, b.scale, out, torch.ones(1)), 8, 0))
     with pytest.raises(TypeError, match="Expects 15 parameters"):
         loaded(*args[:-1])
     args[11] = 1.5  # m must be an int
@@ -327,39 +329,43 @@ def test_kernel_for_memoises_resolution(monkeypatch):
     calls = []
     s = catalogue.get("sm90_decode_swapab")
 
-    def resolve(schedule, m, n, k, a_format, out_dtype):
-        calls.append(schedule)
-        return s
+    def kernel_for(schedule, key, device):
+        def resolve():
+            calls.append(schedule)
+            return s
+
+        return host.kernel_for(schedule, key, "bf16", device, resolve)
 
     monkeypatch.setattr(host, "compile", lambda sched, sig: ("kernel", sched, sig))
-    dims = (M, N, K, "bf16")
-    first = host.kernel_for("auto", dims, torch.bfloat16, 0, resolve)
-    assert host.kernel_for("auto", dims, torch.bfloat16, 0, resolve) is first
+    key = (M, N, K, "bf16", torch.bfloat16)
+    first = kernel_for("auto", key, 0)
+    assert kernel_for("auto", key, 0) is first
     assert len(calls) == 1
-    host.kernel_for("auto", (M + 1, N, K, "bf16"), torch.bfloat16, 0, resolve)  # another M
-    host.kernel_for("auto", dims, torch.bfloat16, 1, resolve)  # another device
+    kernel_for("auto", (M + 1, *key[1:]), 0)  # another M
+    kernel_for("auto", key, 1)  # another device
     assert len(calls) == 3
     twin = s.replace(stages=s.stages)  # equal, but another object: keyed by identity
-    host.kernel_for(s, dims, torch.bfloat16, 0, resolve)
-    host.kernel_for(s, dims, torch.bfloat16, 0, resolve)
-    host.kernel_for(twin, dims, torch.bfloat16, 0, resolve)
+    kernel_for(s, key, 0)
+    kernel_for(s, key, 0)
+    kernel_for(twin, key, 0)
     assert calls[3:] == [s, twin]
-    monkeypatch.setattr(host, "AUTO_RECHECK_S", -1.0)  # "auto" resolved again when stale
+    monkeypatch.setattr(tuning, "AUTO_RECHECK_S", -1.0)  # "auto" resolved again when stale
     host.clear_cache()
-    host.kernel_for("auto", dims, torch.bfloat16, 0, resolve)
-    host.kernel_for("auto", dims, torch.bfloat16, 0, resolve)
-    host.kernel_for("sm90_decode_swapab", dims, torch.bfloat16, 0, resolve)
-    host.kernel_for("sm90_decode_swapab", dims, torch.bfloat16, 0, resolve)
+    kernel_for("auto", key, 0)
+    kernel_for("auto", key, 0)
+    kernel_for("sm90_decode_swapab", key, 0)
+    kernel_for("sm90_decode_swapab", key, 0)
     assert calls[5:] == ["auto", "auto", "sm90_decode_swapab"]
 
 
 def test_resolution_errors_are_not_memoised(monkeypatch):
-    def resolve(*args):
+    def resolve():
         raise InputError("no schedule named 'x'")
 
+    host.clear_cache()
     for _ in range(2):
         with pytest.raises(InputError, match="no schedule named"):
-            host.kernel_for("x", (M, N, K, "bf16"), torch.bfloat16, 0, resolve)
+            host.kernel_for("x", (M, N, K, "bf16"), "bf16", 0, resolve)
     assert not host._RESOLVED
 
 
@@ -416,11 +422,11 @@ def stub_layer_path(monkeypatch):
     """NVFP4Linear on the CPU with the device and the launch stubbed: every kernel is a
     CompiledGemm of its own schedule whose TVM-FFI entry is a Recorder (so forward binds);
     returns (recorder, built kernels, [current stream handle])."""
-    from cute_fp4 import run, targets
+    from cute_fp4 import targets
 
     h200 = targets.Device(0, "H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"), 4800.)
     monkeypatch.setattr(targets, "require_device", lambda family=None: h200)
-    monkeypatch.setattr(run, "_capturing_now", lambda: False)
+    monkeypatch.setattr(workspaces, "capturing_now", lambda: False)
     rec, built, stream = Recorder(), [], [0x5000]
 
     def build(s, sig, kernel=None, tag=""):
@@ -432,11 +438,11 @@ def stub_layer_path(monkeypatch):
         return kern
 
     monkeypatch.setattr(host, "_build", build)
-    run._WORKSPACES.clear()
-    run._EAGER.clear()
+    workspaces._WORKSPACES.clear()
+    workspaces._EAGER.clear()
     yield rec, built, stream
-    run._WORKSPACES.clear()
-    run._EAGER.clear()
+    workspaces._WORKSPACES.clear()
+    workspaces._EAGER.clear()
 
 
 def _layer(schedule):
@@ -458,7 +464,7 @@ def test_forward_binds_its_launch_and_passes_the_same_arguments(stub_layer_path,
     xs = [torch.randn(*shape).to(torch.bfloat16) for _ in range(3)]
     ys = [layer(x) for x in xs]
     assert len(built) == 1 and len(rec.calls) == 3
-    assert list(layer.layer._bound) == [(xs[0].numel() // K, torch.bfloat16)]
+    assert list(layer.layer.launches.bound) == [(xs[0].numel() // K, torch.bfloat16)]
     first, *rest = rec.calls
     for x, y, args in zip(xs[1:], ys[1:], rest):
         assert y.shape == (*shape[:-1], N) and y.dtype == torch.bfloat16
@@ -474,7 +480,6 @@ def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkey
     workspace (split-K), a capture; a deep copy never launches on the original's weight."""
     import copy
 
-    from cute_fp4 import run
 
     rec, built, stream = stub_layer_path
     layer = _layer("sm90_decode_64x128_splitk2")
@@ -482,32 +487,32 @@ def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkey
 
     def bound_after_call():
         layer(x)
-        return layer.layer._bound[(2, torch.bfloat16)]
+        return layer.layer.launches.bound[(2, torch.bfloat16)]
 
     b0 = bound_after_call()
     assert bound_after_call() is b0
     layer.weight_packed = layer.weight_packed.clone()  # new buffer: a new view, rebound
     b1 = bound_after_call()
     assert b1 is not b0 and rec.calls[-1][2] == layer.weight_packed.data_ptr()
-    run._GENERATION[0] += 1  # the stream's workspace replaced (or a reserve drawn)
+    workspaces._GENERATION[0] += 1  # the stream's workspace replaced (or a reserve drawn)
     assert bound_after_call() is not b1
-    b2 = layer.layer._bound[(2, torch.bfloat16)]
+    b2 = layer.layer.launches.bound[(2, torch.bfloat16)]
     stream[0] = 0x6000  # another stream: its own workspace
     b3 = bound_after_call()
     assert b3 is not b2 and rec.calls[-1][-1] == 0x6000
     with monkeypatch.context() as capture:
-        capture.setattr(run, "_capturing_now", lambda: True)
-        capture.setattr(run, "_capturing", lambda device: True)
+        capture.setattr(workspaces, "capturing_now", lambda: True)
+        capture.setattr(workspaces, "capturing", lambda device: True)
         n = len(rec.calls)
         layer(x)  # a capture takes the full path (a workspace of its own), binds nothing
-        assert len(rec.calls) == n + 1 and layer.layer._bound[(2, torch.bfloat16)] is b3
+        assert len(rec.calls) == n + 1 and layer.layer.launches.bound[(2, torch.bfloat16)] is b3
         assert rec.calls[-1][7] != rec.calls[-2][7]
     b3._expires = 0.0  # time up ("auto" is resolved again)
     assert bound_after_call() is not b3
     layer.schedule = "sm90_decode_swapab"
     assert bound_after_call().kernel.schedule.name == "sm90_decode_swapab"
     twin = copy.deepcopy(layer)
-    assert twin.layer._bound == {}
+    assert twin.layer.launches.bound == {}
     twin(x)
     assert rec.calls[-1][2] == twin.weight_packed.data_ptr() != layer.weight_packed.data_ptr()
 
@@ -515,7 +520,6 @@ def test_a_binding_is_dropped_when_what_it_fixed_changes(stub_layer_path, monkey
 def test_bind_refuses_what_it_cannot_fix(stub_layer_path):
     """No binding for the DSL call path, W4A4 (A's scales change per call) or an alpha
     that had to be converted (the copy would not follow the original)."""
-    from cute_fp4 import run
 
     _, built, _ = stub_layer_path
     layer = _layer("sm90_decode_swapab")
@@ -523,12 +527,13 @@ def test_bind_refuses_what_it_cannot_fix(stub_layer_path):
     y = layer(x)
     kern, w = built[0], layer.stored_weight
     dims = (2, N, K, "bf16")
-    assert run.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is not None
-    assert run.bind(kern, x, w, y, torch.tensor(1.0, dtype=torch.float64), dims, None,
+    assert bindings.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is not None
+    assert bindings.bind(kern, x, w, y, torch.tensor(1.0, dtype=torch.float64), dims, None,
                     math.inf) is None
-    assert run.bind(kern, x, w, y, layer.weight_scale_2, (2, N, K, "nvfp4"), None, math.inf) is None
+    assert bindings.bind(kern, x, w, y, layer.weight_scale_2, (2, N, K, "nvfp4"), None,
+                         math.inf) is None
     kern._ffi = None
-    assert run.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is None
+    assert bindings.bind(kern, x, w, y, layer.weight_scale_2, dims, None, math.inf) is None
 
 
 # ----------------------------------------------------------------------------- gemm's binding
@@ -541,9 +546,9 @@ def stub_gemm_path(stub_layer_path, monkeypatch):
 
     monkeypatch.setattr(run, "check_operands", lambda a, b, out, alpha, dt: operands.
                         check_operands(a, b, out, alpha, dt, require_cuda=False))
-    run._GEMM_BOUND.clear()
+    bindings._GEMM_BOUND.clear()
     yield stub_layer_path
-    run._GEMM_BOUND.clear()
+    bindings._GEMM_BOUND.clear()
 
 
 @pytest.mark.parametrize("schedule", ["sm90_decode_swapab", "sm90_decode_64x128_splitk2"])
@@ -564,7 +569,7 @@ def test_gemm_binds_and_passes_the_arguments_of_the_full_path(stub_gemm_path, mo
     outs = [torch.empty(3, N, dtype=torch.bfloat16) if given_out else None for _ in xs]
     ys = [cf.gemm(x, b, schedule=schedule, out=o) for x, o in zip(xs, outs)]
     assert len(built) == 1 and len(rec.calls) == 3 and len(full) == 1  # then bound
-    assert list(run._GEMM_BOUND[b]) == [(3, torch.bfloat16, torch.bfloat16)]
+    assert list(bindings._GEMM_BOUND[b]) == [(3, torch.bfloat16, torch.bfloat16)]
     first, *rest = rec.calls
     for x, y, o, args in zip(xs[1:], ys[1:], outs[1:], rest):
         assert y.shape == (3, N) and y.dtype == torch.bfloat16 and (o is None or y is o)
@@ -578,7 +583,6 @@ def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
     before any launch; W4A4 and a Python alpha never bind; a deep copy has no binding."""
     import copy
 
-    from cute_fp4 import run
 
     rec, _, _ = stub_gemm_path
     b = cf.quantize(torch.randn(N, K))
@@ -586,7 +590,7 @@ def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
 
     def bound_after(*args, **kw):
         cf.gemm(*args, **kw)
-        return run._GEMM_BOUND[b].get((args[0].shape[0], args[0].dtype, torch.bfloat16))
+        return bindings._GEMM_BOUND[b].get((args[0].shape[0], args[0].dtype, torch.bfloat16))
 
     s = "sm90_decode_swapab"
     b0 = bound_after(x, b, schedule=s)
@@ -622,8 +626,8 @@ def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
     assert rec.calls[-1][5] != alpha.data_ptr()
     a4 = cf.quantize(torch.randn(2, K))
     cf.gemm(a4, b, schedule="sm90_128x128x64")
-    assert (2, torch.bfloat16, torch.bfloat16) in run._GEMM_BOUND[b]  # the W4A16 one only
-    assert copy.deepcopy(b) not in run._GEMM_BOUND
+    assert (2, torch.bfloat16, torch.bfloat16) in bindings._GEMM_BOUND[b]  # the W4A16 one only
+    assert copy.deepcopy(b) not in bindings._GEMM_BOUND
 
 
 def test_gemm_binding_matches_a_schedule_object_by_identity(stub_gemm_path):
@@ -636,49 +640,46 @@ def test_gemm_binding_matches_a_schedule_object_by_identity(stub_gemm_path):
     s = catalogue.get("sm90_decode_swapab")
     key = (2, torch.bfloat16, torch.bfloat16)
     cf.gemm(x, b, schedule=s)
-    b0 = run._GEMM_BOUND[b][key]
+    b0 = bindings._GEMM_BOUND[b][key]
     cf.gemm(x, b, schedule=s)
-    assert run._GEMM_BOUND[b][key] is b0 and len(rec.calls) == 2
+    assert bindings._GEMM_BOUND[b][key] is b0 and len(rec.calls) == 2
     twin = s.replace(stages=s.stages)
     assert twin == s and twin is not s
     cf.gemm(x, b, schedule=twin)
-    assert run._GEMM_BOUND[b][key] is not b0
-    assert run.gemm_key(s, None, b) != run.gemm_key(twin, None, b)
-    assert run.gemm_key("auto", 0.5, b) is None  # a Python alpha: never bound
-    assert run.AUTO_RECHECK_S == host.AUTO_RECHECK_S
-    assert run.resolution_deadline(s) == math.inf
-    assert run.resolution_deadline("auto") <= time.monotonic() + run.AUTO_RECHECK_S
+    assert bindings._GEMM_BOUND[b][key] is not b0
+    assert bindings.gemm_key(s, None, b) != bindings.gemm_key(twin, None, b)
+    assert bindings.gemm_key("auto", 0.5, b) is None  # a Python alpha: never bound
+    assert tuning.resolution_deadline(s) == math.inf
+    assert tuning.resolution_deadline("auto") <= time.monotonic() + tuning.AUTO_RECHECK_S
 
 
 def test_the_custom_op_bodies_do_not_bind(stub_gemm_path):
     """The ops' bodies wrap a fresh weight object per call: a binding there would never be
     used again, so they keep none."""
-    from cute_fp4 import run
 
     rec, _, _ = stub_gemm_path
     b = cf.quantize(torch.randn(N, K))
     x = torch.randn(2, K).to(torch.bfloat16)
     for _ in range(2):
-        api._PATH.run_mm(x, None, b.data, b.scale, b.global_scale, K, torch.bfloat16,
-                         "sm90_decode_swapab")
-    assert len(rec.calls) == 2 and len(run._GEMM_BOUND) == 0
+        bindings.mm(x, None, b.data, b.scale, b.global_scale, N, K, torch.bfloat16,
+                    "sm90_decode_swapab", False)
+    assert len(rec.calls) == 2 and len(bindings._GEMM_BOUND) == 0
     cf.gemm(x, b, schedule="sm90_decode_swapab")  # gemm itself does
-    assert len(run._GEMM_BOUND) == 1
+    assert len(bindings._GEMM_BOUND) == 1
 
 
 def test_clearing_the_kernel_cache_drops_gemm_bindings(stub_gemm_path):
     """After ``compile.clear_cache`` a gemm call builds (or loads) its kernel again rather
     than launching an old kernel through a binding (tests of the DSL path and of the disk
     cache rely on it)."""
-    from cute_fp4 import run
 
     _, built, _ = stub_gemm_path
     b = cf.quantize(torch.randn(N, K))
     x = torch.randn(2, K).to(torch.bfloat16)
     cf.gemm(x, b, schedule="sm90_decode_swapab")
-    assert len(run._GEMM_BOUND) == 1
+    assert len(bindings._GEMM_BOUND) == 1
     host.clear_cache()
-    assert len(run._GEMM_BOUND) == 0
+    assert len(bindings._GEMM_BOUND) == 0
     cf.gemm(x, b, schedule="sm90_decode_swapab")
     assert len(built) == 2
 
@@ -719,7 +720,7 @@ def test_op_bodies_bind_by_the_weight_buffers(stub_gemm_path, monkeypatch, kind,
     stream[0] = stream_handle
     full = []
     monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or run_checked(*args))
-    run._OP_BOUND.clear()
+    bindings._OP_BOUND.clear()
     w = cf.quantize(torch.randn(N, K))
     b = w if kind == "mm" else NVFP4Linear(w, mode="w4a16", layout="packed")
     xs = [torch.randn(3, K).to(torch.bfloat16) for _ in range(3)]
@@ -727,14 +728,14 @@ def test_op_bodies_bind_by_the_weight_buffers(stub_gemm_path, monkeypatch, kind,
     split = built[0].schedule.split_k > 1
     binds = not split or stream_handle == 0
     assert len(rec.calls) == 3 and len(full) == (1 if binds else 3)
-    assert len(run._OP_BOUND) == (1 if binds else 0)
+    assert len(bindings._OP_BOUND) == (1 if binds else 0)
     first, *rest = rec.calls
     for x, y, args in zip(xs[1:], ys[1:], rest):
         assert y.shape == (3, N) and y.dtype == torch.bfloat16
         assert args[0] == x.data_ptr() and args[4] == y.data_ptr()
         if not split or binds:  # a split-K full path off the default stream: own workspace
             assert args[1:4] + args[5:] == first[1:4] + first[5:]
-    run._OP_BOUND.clear()
+    bindings._OP_BOUND.clear()
 
 
 def test_op_bindings_yield_to_anything_they_did_not_fix(stub_gemm_path, monkeypatch):
@@ -746,7 +747,7 @@ def test_op_bindings_yield_to_anything_they_did_not_fix(stub_gemm_path, monkeypa
 
     full = []
     monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or run_checked(*args))
-    run._OP_BOUND.clear()
+    bindings._OP_BOUND.clear()
     b = cf.quantize(torch.randn(N, K))
     x = torch.randn(2, K).to(torch.bfloat16)
     s = "sm90_decode_swapab"
@@ -771,26 +772,25 @@ def test_op_bindings_yield_to_anything_they_did_not_fix(stub_gemm_path, monkeypa
     with pytest.raises(InputError):
         call(x=torch.randn(2, 2 * K).to(torch.bfloat16)[:, ::2])  # not contiguous
     a4 = cf.quantize(torch.randn(2, K))
-    n_bound = len(run._OP_BOUND)
+    n_bound = len(bindings._OP_BOUND)
     for _ in range(2):
         api._mm_op(a4.data, a4.scale, b.data, b.scale, (a4.global_scale * b.global_scale)
                    .reshape(()), K, torch.bfloat16, s)
-    assert len(run._OP_BOUND) == n_bound  # W4A4: A's scales change per call
-    run.clear_gemm_bindings()
-    assert not run._OP_BOUND
+    assert len(bindings._OP_BOUND) == n_bound  # W4A4: A's scales change per call
+    bindings.clear_bindings()
+    assert not bindings._OP_BOUND
 
 
 def test_may_keep_buffers_outside_op_bodies_and_on_the_default_stream():
-    from cute_fp4 import run
 
-    assert run.may_keep(0) and run.may_keep(0x5000)
-    with run.private_workspaces():
-        assert run.may_keep(0) and not run.may_keep(0x5000)
-    assert run.may_keep(0x5000)
+    assert workspaces.may_keep(0) and workspaces.may_keep(0x5000)
+    with workspaces.private_workspaces():
+        assert workspaces.may_keep(0) and not workspaces.may_keep(0x5000)
+    assert workspaces.may_keep(0x5000)
 
 
 def test_validate_holds_the_gemm_and_the_fused_bits_once(monkeypatch):
-    """check=True (GemmPath._validate): without ops the result itself is held to the
+    """check=True (run.validate_call): without ops the result itself is held to the
     reference; with ops the unfused pipeline's FP32 GEMM (the same schedule without them)
     is, and the result must have that pipeline's bits; a kernel is validated once."""
     from cute_fp4 import reference
@@ -803,24 +803,26 @@ def test_validate_holds_the_gemm_and_the_fused_bits_once(monkeypatch):
         ("close", got)))
     monkeypatch.setattr(reference, "assert_fused", lambda result, raw, bias, ops, *args:
                         calls.append(("fused", result, raw, bias, ops)))
-    path = run.GemmPath(lambda s, dims, dt, dev, resolve, ops: calls.append(("kernel", s, dt))
-                        or "unfused", None)
+    monkeypatch.setattr(run, "kernel", lambda s, dims, dt, dev, packed=False, ops=():
+                        calls.append(("kernel", s, dt)) or "unfused")
 
     class Kern:
         validated = False
         unfused_schedule = "without ops"
         silu_group = 8
-        schedule = catalogue.get("sm90_default")
+
+        def __init__(self, ops):
+            self.schedule = catalogue.get("sm90_default").replace(ops=ops)
 
     w, dims = quantize(torch.randn(64, 64)), (1, 64, 64, "bf16")
-    fused = Kern()
-    path._validate(fused, "result", "a", w, None, dims, ("bias",), "bias", torch.bfloat16)
+    fused = Kern(("bias",))
+    run.validate_call(fused, "result", "a", w, None, dims, "bias")
     assert calls == [("kernel", "without ops", torch.float32), ("run", "unfused"),
                      ("close", "gemm"), ("fused", "result", "gemm", "bias", ("bias",))]
     assert fused.validated
     calls.clear()
-    path._validate(fused, "result", "a", w, None, dims, ("bias",), "bias", torch.bfloat16)
+    run.validate_call(fused, "result", "a", w, None, dims, "bias")
     assert calls == []  # once per kernel
-    plain = Kern()
-    path._validate(plain, "result", "a", w, None, dims)
+    plain = Kern(())
+    run.validate_call(plain, "result", "a", w, None, dims)
     assert calls == [("close", "result")] and plain.validated

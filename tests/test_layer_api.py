@@ -141,12 +141,12 @@ def test_bad_shard_description_and_input_are_typed_errors():
 
 def test_a_saved_or_copied_layer_drops_its_bindings():
     lin = Linear.from_modelopt(*_modelopt(64, 128))
-    lin._bound[(1, torch.bfloat16)] = object()
+    lin.launches.bound[(1, torch.bfloat16)] = object()
     buf = io.BytesIO()
     torch.save(lin, buf)
     buf.seek(0)
     for back in (torch.load(buf, weights_only=False), copy.deepcopy(lin)):
-        assert back._bound == {} and torch.equal(back.stored.data, lin.stored.data)
+        assert back.launches.bound == {} and torch.equal(back.stored.data, lin.stored.data)
 
 
 def _experts_modelopt(e: int, h: int, i: int, seed: int = 0):

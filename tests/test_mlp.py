@@ -12,6 +12,7 @@ from exact import exact_run
 from torch import nn
 
 import cute_fp4 as cf
+from cute_fp4 import bindings as cbind
 from cute_fp4 import mlp as cmlp
 from cute_fp4 import nn as cnn
 from cute_fp4 import reference
@@ -71,10 +72,11 @@ def exact(monkeypatch):
         w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
         return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
 
-    monkeypatch.setattr(clin, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False:
+    monkeypatch.setattr(cbind, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False:
                         type("K", (), {"out_dtype": dt})())
-    monkeypatch.setattr(clin, "_run", exact_run)
+    monkeypatch.setattr(cbind, "_run", exact_run)
     monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))
+    monkeypatch.setattr(cbind, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(clin, "_gated_gemm", fused)
     return calls
 

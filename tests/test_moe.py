@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from cute_fp4 import moe, reference
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
-from cute_fp4.grouped import check_grouped_operands
 from cute_fp4.layers import experts as cex
 from cute_fp4.nvfp4 import quantize
+from cute_fp4.operands import check_grouped_operands
 from cute_fp4.packed import PackedNVFP4Weight
 
 ROOT = Path(__file__).resolve().parent.parent

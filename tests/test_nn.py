@@ -16,6 +16,7 @@ from torch import nn
 
 import cute_fp4 as cf
 from cute_fp4 import api, reference
+from cute_fp4 import bindings as cbind
 from cute_fp4 import nn as cnn
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.layers import linear as clin
@@ -154,8 +155,8 @@ def fake_kernels(monkeypatch):
         calls.append(("quantize", tuple(x.shape), global_scale))
         return quantize(x, global_scale)
 
-    monkeypatch.setattr(clin, "_kernel_for", kernel_for)
-    monkeypatch.setattr(clin, "_run", run)
+    monkeypatch.setattr(cbind, "_kernel_for", kernel_for)
+    monkeypatch.setattr(cbind, "_run", run)
     def dequant(a):
         calls.append(("dequantize", tuple(a.shape)))
         return a.block_values(torch.bfloat16)
@@ -168,9 +169,10 @@ def fake_kernels(monkeypatch):
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
     monkeypatch.setattr(clin, "quantize_activation", quant)
-    monkeypatch.setattr(clin.quant, "quantize_values", values)
-    monkeypatch.setattr(clin.quant, "dequantize_activation", dequant)
-    monkeypatch.setattr(clin.quant, "dequantize_with_alpha", dequant_alpha)
+    monkeypatch.setattr(cbind, "quantize_activation", quant)
+    monkeypatch.setattr(cbind.quant, "quantize_values", values)
+    monkeypatch.setattr(cbind.quant, "dequantize_activation", dequant)
+    monkeypatch.setattr(cbind.quant, "dequantize_with_alpha", dequant_alpha)
     return calls
 
 
@@ -444,7 +446,7 @@ def test_op_body_wraps_operands_without_the_checked_constructor(monkeypatch):
     monkeypatch.setattr(NVFP4Tensor, "__init__", boom)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(DeviceError, match="CUDA device"):
-        api._PATH.run_mm(x, None, w.data, w.scale, w.global_scale, 64, torch.bfloat16, "auto")
+        api.mm(x, None, w.data, w.scale, w.global_scale, 64, torch.bfloat16, "auto")
     with pytest.raises(InputTypeError, match="alpha must be a torch.Tensor, got NoneType"):
         api.mm(x, None, w.data, w.scale, None, 64)
 

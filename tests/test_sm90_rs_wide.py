@@ -381,7 +381,7 @@ def test_key_changes_with_the_mainloop():
 
 def test_packed_heuristic_and_resolution():
     from cute_fp4.api import heuristic
-    from cute_fp4.run import _resolve_packed
+    from cute_fp4.tuning import resolve_packed
 
     for m in (1, 8, 9, 64, 65, 512, 513, 8192):
         s = heuristic("sm90", m, 8192, 8192, packed=True)
@@ -392,7 +392,7 @@ def test_packed_heuristic_and_resolution():
     with pytest.raises(InputError, match="16-bit activations"):
         heuristic("sm120", 1, 8192, 8192, packed=True, a_format="nvfp4")
     with pytest.raises(InputError, match="plain weight layout"):
-        _resolve_packed("sm90_default", 16, 4096, 4096, "bf16", torch.bfloat16)
+        resolve_packed("sm90_default", 16, 4096, 4096, "bf16", torch.bfloat16)
 
 
 def test_run_refuses_a_layout_mismatch():

@@ -1,4 +1,4 @@
-"""The split-K workspace on the host (``cute_fp4.run.split_workspace``), on the CPU: one
+"""The split-K workspace on the host (``cute_fp4.workspaces.split_workspace``), on the CPU: one
 buffer per (device, stream), reused while it is large enough, replaced by a larger one
 (counters and partials at least doubled) when not, its header word saying where the
 partials start (past every counter, 16-byte aligned) and its counters zero."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from cute_fp4 import catalogue
+from cute_fp4 import catalogue, workspaces
 from cute_fp4.kernels.epilogue import SPLIT_HEADER
 from cute_fp4.kernels.launch import split_workspace_needs
-from cute_fp4.run import split_workspace
+from cute_fp4.workspaces import split_workspace
 
 
 class _Kernel:
@@ -42,7 +42,7 @@ def test_workspace_reuse_growth_and_header():
 def test_private_workspaces_reuse_but_never_keep():
     """A custom op's body reuses the stream's buffer made outside when it is large enough,
     and otherwise gets a zeroed buffer of its own, which is not kept."""
-    from cute_fp4.run import private_workspaces
+    from cute_fp4.workspaces import private_workspaces
 
     dev = torch.device("cpu")
     k = _Kernel(2, stream=21)
@@ -70,28 +70,27 @@ def test_captured_launches_take_zeroed_counters_from_the_reserve(monkeypatch):
     counter block of its own from the reserve eager launches fill, kept alive, with word 0
     = 0 (its partials are a buffer of their own); an empty reserve falls back to one
     zeroed buffer."""
-    from cute_fp4 import run
 
     dev = torch.device("cpu")
     k = _Kernel(3, stream=31)
     m, n = 5, 64 * 700  # a counter capacity no other test uses
     counters, partials = split_workspace_needs(3, m, n, (8, 64), 128, 4)
-    cap = run._counter_capacity(counters)
-    run._RESERVE.pop((dev.index, cap), None)
-    monkeypatch.setattr(run, "_capturing", lambda device: True)
+    cap = workspaces._counter_capacity(counters)
+    workspaces._RESERVE.pop((dev.index, cap), None)
+    monkeypatch.setattr(workspaces, "capturing", lambda device: True)
     bare, bare_work = split_workspace(k, m, n, dev)  # no reserve yet: one zeroed buffer
     assert bare_work is bare and int(bare[0]) >= SPLIT_HEADER + counters
-    monkeypatch.setattr(run, "_capturing", lambda device: False)
+    monkeypatch.setattr(workspaces, "capturing", lambda device: False)
     split_workspace(k, m, n, dev)  # eager: fills the reserve
-    assert len(run._RESERVE[(dev.index, cap)]) == run._RESERVE_BATCH
-    monkeypatch.setattr(run, "_capturing", lambda device: True)
+    assert len(workspaces._RESERVE[(dev.index, cap)]) == workspaces._RESERVE_BATCH
+    monkeypatch.setattr(workspaces, "capturing", lambda device: True)
     got = [split_workspace(k, m, n, dev) for _ in range(3)]
     assert len({c.data_ptr() for c, _ in got}) == 3
     for c, w in got:
         assert c.numel() == SPLIT_HEADER + cap >= SPLIT_HEADER + counters and not c.any()
         assert w.numel() == partials and w.data_ptr() != c.data_ptr()
-        assert any(c is kept for kept in run._CAPTURED)
-    assert len(run._RESERVE[(dev.index, cap)]) == run._RESERVE_BATCH - 3
+        assert any(c is kept for kept in workspaces._CAPTURED)
+    assert len(workspaces._RESERVE[(dev.index, cap)]) == workspaces._RESERVE_BATCH - 3
 
 
 def test_partial_layout_fills_the_workspace_past_the_counters():

@@ -1,7 +1,7 @@
 """The W4A4 forward's binding on the CPU (``NVFP4Linear._forward_w4a4``): from the second
 call at an M, the quantizer (to BF16 values on the packed W4A16 route; with a dynamic
 scale, quantizer then decoder) and the GEMM launch through ``quant.BoundActivation`` and
-``run.BoundLaunch`` on the addresses the full path would use, with the device and every
+``bindings.BoundLaunch`` on the addresses the full path would use, with the device and every
 launch stubbed (the GPU test ``tests/gpu/test_nn.py`` checks the results against the
 reference)."""
 
@@ -36,7 +36,7 @@ def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
     launches are recorded, with the output each asked for (a dynamic scale: its variant;
     the decoder's launches in ``qrec.decoded``). Returns (gemm recorder, quantize recorder,
     [outputs asked of _kernel_for], built GEMMs, stream)."""
-    from cute_fp4.layers import linear as nn
+    from cute_fp4 import bindings
 
     host.clear_cache()  # kernels memoised by other tests hold other recorders
     rec, built, stream = stub_layer_path
@@ -49,7 +49,7 @@ def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(quant, "_kernel_for", kernel_for)
     monkeypatch.setattr(quant, "_dequant_kernel", lambda: _FakeKernel(qrec.decoded, stream))
-    monkeypatch.setattr(nn, "quantize_activation", lambda x, gs: cf.quantize(x, gs))
+    monkeypatch.setattr(bindings, "quantize_activation", lambda x, gs: cf.quantize(x, gs))
     monkeypatch.setattr(quant, "quantize_values", lambda x, gs: cf.quantize(x, gs)
                         .block_values(torch.bfloat16))
     monkeypatch.setattr(quant, "w4a16_operands", lambda a, ws, alpha: (  # dynamic layers
@@ -76,7 +76,7 @@ def test_second_w4a4_call_launches_through_its_binding(stub_w4a4, layout, shape)
     xs = [torch.randn(*shape).to(torch.bfloat16) for _ in range(3)]
     ys = [layer(x) for x in xs]
     m = xs[0].numel() // K
-    assert list(layer.layer._bound) == [(m, torch.bfloat16, "w4a4")]
+    assert list(layer.layer.launches.bound) == [(m, torch.bfloat16, "w4a4")]
     assert len(rec.calls) == 3 and len(qrec.calls) == 2, "one full call, two bound"
     assert outputs == ["values" if layout == "packed" else "codes"]  # bound once
     first = rec.calls[0]
@@ -103,14 +103,14 @@ def test_w4a4_binding_follows_the_scales(stub_w4a4):
     layer = _layer("packed")
     x = torch.randn(2, K).to(torch.bfloat16)
     layer(x)
-    b0 = layer.layer._bound[(2, torch.bfloat16, "w4a4")]
+    b0 = layer.layer.launches.bound[(2, torch.bfloat16, "w4a4")]
     layer.set_input_scale(0.02)  # in place
     layer(x)
-    assert layer.layer._bound[(2, torch.bfloat16, "w4a4")] is b0 and len(qrec.calls) == 1
+    assert layer.layer.launches.bound[(2, torch.bfloat16, "w4a4")] is b0 and len(qrec.calls) == 1
     layer.input_scale = layer.input_scale.clone()
     layer.layer._refresh_alpha()
     layer(x)  # full path, bound again on the new buffer
-    b1 = layer.layer._bound[(2, torch.bfloat16, "w4a4")]
+    b1 = layer.layer.launches.bound[(2, torch.bfloat16, "w4a4")]
     assert b1 is not b0 and len(qrec.calls) == 1
     layer(x)
     assert qrec.calls[-1][3] == layer.input_scale.data_ptr()
@@ -121,7 +121,8 @@ def test_w4a4_binding_follows_the_scales(stub_w4a4):
     assert len(rec.calls) == n + 1
     layer(x)  # bound again, on the new weight
     assert len(qrec.calls) == 3 and rec.calls[-1][2] == layer.weight_packed.data_ptr()
-    layer.layer._bound[(2, torch.bfloat16, "w4a4")][1]._expires = 0.0  # the GEMM's time is up:
+    # the GEMM's time is up:
+    layer.layer.launches.bound[(2, torch.bfloat16, "w4a4")][1]._expires = 0.0
     layer(x)  # asked first, so the bound quantizer does not run; the full path runs it all
     assert len(qrec.calls) == 3 and len(rec.calls) == n + 3
 

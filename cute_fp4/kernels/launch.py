@@ -48,6 +48,7 @@ import cutlass.cute as cute
 
 from cute_fp4.kernels.epilogue import NvOut
 from cute_fp4.nvfp4 import SF_ATOM_BYTES
+from cute_fp4.operands import Operands
 from cute_fp4.schedule import OutDtype, Schedule
 
 _GMEM = cute.AddressSpace.gmem
@@ -120,39 +121,64 @@ def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
     return (*ptrs, i32(0), i32(0), i32(0), i32(max_ctas), make_fake_stream())
 
 
-def runtime_args(types: PointerTypes, split_k: int, a, a_scale, b, b_scale, out, alpha,
-                 workspace, stream, bias=None, out_cols: int = 1) -> tuple:
-    """The compiled signature's arguments from checked torch tensors (``workspace``: the
-    (counters, partials) pair of ``cute_fp4.run.split_workspace``, or None)."""
-    dev = nv_parts(out, 0)[0].device
-    raw = raw_args(split_k, a, a_scale, b, b_scale, out, alpha, workspace,
-                   sm_count(dev.index) if dev.type == "cuda" else 1, 0, bias, out_cols)
+def runtime_args(types: PointerTypes, split_k: int, ops: Operands, stream,
+                 out_cols: int = 1) -> tuple:
+    """The compiled signature's arguments from a launch's checked :class:`Operands`."""
+    dev = nv_parts(ops.out, 0)[0].device
+    raw = raw_args(split_k, ops, sm_count(dev.index) if dev.type == "cuda" else 1, 0,
+                   out_cols)
     slots = pointer_slots(types, split_k)
     ptrs = tuple(_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw))
     return (*ptrs, *(cutlass.Int32(v) for v in raw[N_POINTERS:-1]), stream)
 
 
-RAW_A, RAW_OUT, RAW_STREAM = 0, 4, 15  # where raw_args puts A's and C's addresses, the stream
-
-
-def raw_args(split_k: int, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
-             stream: int, bias=None, out_cols: int = 1) -> tuple[int, ...]:
+def raw_args(split_k: int, ops: Operands, max_ctas: int, stream: int,
+             out_cols: int = 1) -> tuple[int, ...]:
     """The compiled signature's arguments as plain ints (addresses, sizes, the raw stream
     handle), for a kernel compiled with ``--enable-tvm-ffi``: its TVM-FFI entry takes ints
-    for pointers, Int32s and the stream, so no DSL object is built per launch. Same order
-    and the same aliasing as :func:`runtime_args`. ``out_cols``: GEMM columns per output
-    column (2 with ``"silu_mul"``). ``out``: a tensor, or with ``"nvfp4_out"`` the
-    ``NVFP4Tensor`` the kernel writes (codes, scales, its global scale read)."""
-    sfb = b_scale.data_ptr()
-    pal = alpha.data_ptr()
-    out, sfo, gso, per = nv_parts(out, pal)
-    cols = out.shape[-1] * per  # out: [M, N], or [..., N] contiguous (NVFP4Linear's N-D)
+    for pointers, Int32s and the stream, so no DSL object is built per launch. An absent
+    operand passes an address that is never read (W4A16's ``pSFA``: B's scales; without
+    split-K ``pWork``/``pCount``, without bias ``pBias``, without NVFP4 output ``pSFOut``/
+    ``pGSOut``: alpha's). ``out_cols``: GEMM columns per output column (2 with
+    ``"silu_mul"``). ``ops.out``: a tensor, or with ``"nvfp4_out"`` the ``NVFP4Tensor``
+    the kernel writes (codes, scales, its global scale read)."""
+    sfb = ops.b_scale.data_ptr()
+    pal = ops.alpha.data_ptr()
+    out, sfo, gso, per = nv_parts(ops.out, pal)
+    cols = out.shape[-1] * per  # out: [M, N], or [..., N] contiguous (a layer's N-D output)
     m = out.numel() // out.shape[-1] if out.dim() != 2 else out.shape[0]
-    count, work = ((workspace[0].data_ptr(), workspace[1].data_ptr()) if split_k > 1
-                   else (pal, pal))
-    return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(), sfb,
-            out.data_ptr(), pal, work, count, pal if bias is None else bias.data_ptr(), sfo,
-            gso, m, cols * out_cols, b.shape[1] * 2, max_ctas, stream)
+    ws = ops.workspace
+    count, work = (ws[0].data_ptr(), ws[1].data_ptr()) if split_k > 1 else (pal, pal)
+    return (ops.a.data_ptr(), sfb if ops.a_scale is None else ops.a_scale.data_ptr(),
+            ops.b.data_ptr(), sfb, out.data_ptr(), pal, work, count,
+            pal if ops.bias is None else ops.bias.data_ptr(), sfo, gso, m, cols * out_cols,
+            ops.b.shape[-1] * 2, max_ctas, stream)
+
+
+class BoundArgs:
+    """A launch's raw arguments (:func:`raw_args`, or a grouped kernel's
+    ``GroupedLaunch.raw_args``: both begin ``pA, pSFA, pB, pSFB, pC, pAlpha`` and end with
+    the stream) with the ones that change between calls left open: A's data and block
+    scales, the output, alpha and the stream (``cute_fp4.bindings.BoundLaunch`` fills them
+    per call). ``b``: B's address, which a binding holds to; ``stream``: the bound one.
+    ``aliases``: how many slots after alpha repeat its address (2 for an unsplit dense
+    launch: its workspace slots, never read), so a new alpha replaces them too."""
+
+    __slots__ = ("b", "stream", "_sfa", "_mid", "_alpha", "_after", "_aliases")
+
+    def __init__(self, raw: tuple[int, ...], aliases: int):
+        self.b, self.stream = raw[2], raw[-1]
+        self._sfa, self._mid, self._alpha = raw[1], raw[2:4], raw[5]
+        self._after, self._aliases = raw[6:-1], aliases
+
+    def __call__(self, a_ptr: int, a_scale_ptr: int | None, out_ptr: int,
+                 alpha_ptr: int | None, stream: int) -> tuple[int, ...]:
+        sfa = self._sfa if a_scale_ptr is None else a_scale_ptr
+        if alpha_ptr is None:
+            return (a_ptr, sfa, *self._mid, out_ptr, self._alpha, *self._after, stream)
+        n = self._aliases
+        return (a_ptr, sfa, *self._mid, out_ptr, alpha_ptr, *((alpha_ptr,) * n),
+                *self._after[n:], stream)
 
 
 def nv_parts(out, pal: int) -> tuple:
@@ -253,17 +279,17 @@ class GemmLaunch:
         """Arguments for ``cute.compile`` (M, N, K symbolic)."""
         return fake_args(self.ptr_types, self.split_k, self.sm_count)
 
-    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, workspace, stream,
-                     bias=None) -> tuple:
-        """The same arguments from checked torch tensors (pointers and sizes only)."""
-        return runtime_args(self.ptr_types, self.split_k, a, a_scale, b, b_scale, out,
-                            alpha, workspace, stream, bias, self.out_cols)
+    def runtime_args(self, ops: Operands, stream) -> tuple:
+        """The same arguments from a launch's checked operands (pointers and sizes only)."""
+        return runtime_args(self.ptr_types, self.split_k, ops, stream, self.out_cols)
 
-    def raw_args(self, a, a_scale, b, b_scale, out, alpha, workspace, max_ctas: int,
-                 stream: int, bias=None) -> tuple[int, ...]:
+    def raw_args(self, ops: Operands, max_ctas: int, stream: int) -> tuple[int, ...]:
         """The same arguments as ints, for the TVM-FFI entry (:func:`raw_args`)."""
-        return raw_args(self.split_k, a, a_scale, b, b_scale, out, alpha, workspace,
-                        max_ctas, stream, bias, self.out_cols)
+        return raw_args(self.split_k, ops, max_ctas, stream, self.out_cols)
+
+    def bound_args(self, raw: tuple[int, ...]) -> BoundArgs:
+        """``raw`` (:meth:`raw_args`) with the per-call arguments left open."""
+        return BoundArgs(raw, 0 if self.split_k > 1 else 2)
 
     def pointer_slots(self) -> tuple[tuple[type, int], ...]:
         """The pointer arguments' element types and alignments (:func:`pointer_slots`)."""
@@ -359,28 +385,28 @@ class GroupedLaunch(GemmLaunch):
         i32 = cutlass.Int32
         return (*ptrs, i32(0), i32(0), i32(0), i32(0), i32(self.sm_count), make_fake_stream())
 
-    def runtime_args(self, a, a_scale, b, b_scale, out, alpha, offsets, stream,
-                     bias=None) -> tuple:
-        dev = nv_parts(out, 0)[0].device
-        raw = self.raw_args(a, a_scale, b, b_scale, out, alpha, offsets,
-                            sm_count(dev.index) if dev.type == "cuda" else 1, stream, bias)
+    def runtime_args(self, ops: Operands, stream) -> tuple:
+        dev = nv_parts(ops.out, 0)[0].device
+        raw = self.raw_args(ops, sm_count(dev.index) if dev.type == "cuda" else 1, stream)
         slots = self.pointer_slots()
         ptrs = [_ptr(dtype, v, align) for (dtype, align), v in zip(slots, raw)]
         return (*ptrs, *(cutlass.Int32(v) for v in raw[len(slots):-1]), stream)
 
-    def raw_args(self, a, a_scale, b, b_scale, out, alpha, offsets, max_ctas: int,
-                 stream: int, bias=None) -> tuple[int, ...]:
+    def raw_args(self, ops: Operands, max_ctas: int, stream: int) -> tuple[int, ...]:
         """``(pointers..., m, n, k, groups, max_ctas, stream)`` as ints (W4A16: ``pSFA``
-        repeats ``pSFB``, never read; no bias: ``pBias`` repeats ``pAlpha``; ``out`` an
+        repeats ``pSFB``, never read; no bias: ``pBias`` repeats ``pAlpha``; ``ops.out`` an
         ``NVFP4Tensor`` with ``"nvfp4_out"``, see :func:`nv_parts`)."""
-        sfb, pal = b_scale.data_ptr(), alpha.data_ptr()
-        out, sfo, gso, per = nv_parts(out, pal)
+        sfb, pal = ops.b_scale.data_ptr(), ops.alpha.data_ptr()
+        out, sfo, gso, per = nv_parts(ops.out, pal)
         m, cols = out.shape
-        return (a.data_ptr(), sfb if a_scale is None else a_scale.data_ptr(), b.data_ptr(),
-                sfb, out.data_ptr(), pal, offsets.data_ptr(),
-                pal if bias is None else bias.data_ptr(), sfo, gso, m,
-                cols * per * self.out_cols, b.shape[-1] * 2, offsets.shape[0] - 1, max_ctas,
-                stream)
+        return (ops.a.data_ptr(), sfb if ops.a_scale is None else ops.a_scale.data_ptr(),
+                ops.b.data_ptr(), sfb, out.data_ptr(), pal, ops.offsets.data_ptr(),
+                pal if ops.bias is None else ops.bias.data_ptr(), sfo, gso, m,
+                cols * per * self.out_cols, ops.b.shape[-1] * 2, ops.offsets.shape[0] - 1,
+                max_ctas, stream)
+
+    def bound_args(self, raw: tuple[int, ...]) -> BoundArgs:
+        return BoundArgs(raw, 0)
 
     def pointer_slots(self) -> tuple[tuple[type, int], ...]:
         u8, f32 = cutlass.Uint8, cutlass.Float32
@@ -388,7 +414,8 @@ class GroupedLaunch(GemmLaunch):
                 (f32, 4), (cutlass.Int32, 4), (f32, 4), (u8, 4), (f32, 4))
 
 
-__all__ = ["N_POINTERS", "GemmLaunch", "GemmTensors", "GroupedLaunch", "GroupedTensors",
+__all__ = ["N_POINTERS", "BoundArgs", "GemmLaunch", "GemmTensors", "GroupedLaunch",
+           "GroupedTensors",
            "NoopLaunch", "PointerTypes", "fake_args", "global_tensors", "grouped_tensors",
            "nv_parts", "out_dtype", "pointer_slots", "raw_args", "runtime_args", "sm_count",
            "split_workspace_needs"]

@@ -14,12 +14,13 @@ import torch
 
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.operands import A_FORMATS
 from cute_fp4.packed import UNIT_K
 from cute_fp4.targets import capability_major
 
 MODES = ("auto", "w4a16", "w4a4")
 LAYOUTS = ("auto", "plain", "packed")
-ACT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # 16-bit activations
+ACT_FORMATS = A_FORMATS  # 16-bit activations: their format names
 
 
 def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> str:
@@ -92,11 +93,6 @@ def scalar(value, name: str, device) -> torch.Tensor:
     return t.reshape(()).to(device)
 
 
-def device_scalar(t: torch.Tensor, device: torch.device) -> bool:
-    """A float32 tensor of one element on ``device`` (what a kernel reads a scale from)."""
-    return t.dtype == torch.float32 and t.numel() == 1 and t.device == device
-
-
 def where(name: str) -> str:
     """A message prefix naming the layer (``name``), or nothing."""
     return f"{name}: " if name else ""
@@ -116,5 +112,5 @@ def check_weight(weight, name: str = "") -> None:
 
 
 __all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_schedule", "check_weight",
-           "device_scalar", "reads_packed", "resolve_layout", "resolve_mode", "scalar",
+           "reads_packed", "resolve_layout", "resolve_mode", "scalar",
            "where"]

@@ -12,10 +12,11 @@ A call synchronises nothing with the GPU, checks only the activation (host metad
 the stored weight, and allocates only the output (W4A4: also the quantized activation, in
 one scratch buffer; a split-K schedule: its workspace; a non-contiguous input: one
 contiguous copy). From the second call at an M it launches through a binding of the first
-call's kernels (``docs/correctness.md``). Under ``torch.compile`` it is one ``cute_fp4::mm``
-node (W4A4: after a ``cute_fp4::quantize`` node), so ``fullgraph=True`` and
-``mode="reduce-overhead"`` (CUDA graphs) work. Under ``targets.reference_mode`` it takes
-``gemm``'s full path, which computes with the exact reference on any device.
+call's kernels (``bindings.Launcher``, ``docs/correctness.md``). Under ``torch.compile``
+it is one ``cute_fp4::mm`` node (W4A4: after a ``cute_fp4::quantize`` node), so
+``fullgraph=True`` and ``mode="reduce-overhead"`` (CUDA graphs) work. Under
+``targets.reference_mode`` it takes ``gemm``'s full path, which computes with the exact
+reference on any device.
 
 Weight layout: "plain" keeps the cuBLAS-layout bytes; "packed" holds them in WGMMA fragment
 order (``cute_fp4.packed``) for the SM90 ``rs_packed`` kernels and the ``stream`` decode
@@ -34,46 +35,29 @@ import warnings
 
 import torch
 
-from cute_fp4 import quant
-from cute_fp4.api import gemm, gemm_kernel, mm, mm_packed, quantize_op
+from cute_fp4.api import gemm, mm, mm_packed, quantize_op
+from cute_fp4.bindings import Launcher
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers.common import (
     ACT_FORMATS,
     check_schedule,
     check_weight,
-    device_scalar,
     resolve_layout,
     resolve_mode,
     scalar,
     where,
 )
 from cute_fp4.nvfp4 import NVFP4Tensor
-from cute_fp4.operands import alpha_tensor
+from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE
 from cute_fp4.packed import PackedNVFP4Weight, pack, unpack
 from cute_fp4.quant import quantize_activation
 from cute_fp4.targets import reference_mode
 
-K_MULTIPLE = 32  # packed FP4 rows must be a multiple of 16 bytes
-N_MULTIPLE = 8  # bf16/fp16 output rows must be a multiple of 16 bytes
 _BOUND_MAX = 64  # bindings per layer: many distinct M (prefill) clear the table
 
 
 # ----------------------------------------------------------------------------- kernels
-
-def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
-                device_index: int, packed: bool = False):
-    """The compiled kernel of a call of this shape: ``gemm``'s (``run.GemmPath.kernel``:
-    "auto" is resolved again every second, so a new tuning is picked up); ``packed``: for a
-    fragment-order weight (``gemm``'s packed resolution)."""
-    return gemm_kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed)
-
-
-def _run(kern, a, w, alpha, dims, out=None) -> torch.Tensor:
-    from cute_fp4.run import run_checked
-
-    return run_checked(kern, a, w, out, alpha, dims)
-
 
 def _gated_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:
     """The gate_up GEMM with SiLU-and-mul in its epilogue (``group``: the weight's gate/up
@@ -104,7 +88,7 @@ class Linear:
 
     __slots__ = ("out_features", "in_features", "mode", "schedule", "layout", "name",
                  "silu_group", "stored", "bias", "input_scale", "alpha", "out_scale",
-                 "_bound", "_parts")
+                 "launches", "_parts")
 
     def __init__(self, weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
                  schedule="auto", input_scale=None, layout: str = "auto", name: str = "",
@@ -128,7 +112,7 @@ class Linear:
         self.input_scale = None if input_scale is None else scalar(
             input_scale, f"{where(name)}input_scale", dev)
         self.alpha = self.out_scale = None
-        self._bound: dict[tuple, object] = {}  # (M, dtype[, "w4a4"]) -> binding(s)
+        self.launches = Launcher()  # the bindings of its calls, per M and dtype
         self._refresh_alpha()
 
     # ------------------------------------------------------------------ construction
@@ -229,7 +213,7 @@ class Linear:
         self.stored = _view(data, scale, global_scale, self.stored.shape, self.layout)
         self.input_scale, self.alpha, self.out_scale = input_scale, alpha, out_scale
         self.bias = bias
-        self._bound = {}
+        self.launches = Launcher()
 
     def load_modelopt(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
                       input_scale=None) -> None:
@@ -296,12 +280,12 @@ class Linear:
 
     def __getstate__(self) -> dict:
         """Pickled or copied without its bindings (this process's kernels and addresses)."""
-        return {s: getattr(self, s) for s in self.__slots__ if s != "_bound"}
+        return {s: getattr(self, s) for s in self.__slots__ if s != "launches"}
 
     def __setstate__(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-        self._bound = {}
+        self.launches = Launcher()
 
     def describe(self) -> str:
         """``in_features=..., out_features=..., mode=..., schedule=..., layout=...``."""
@@ -351,15 +335,16 @@ class Linear:
         m = x.shape[0] if x.dim() == 2 else x.numel() // k
         if m == 0:
             return x.new_empty((*x.shape[:-1], n))
-        if self.mode == "w4a4":
-            return self._forward_w4a4(x, w, m, dev)
         # the kernel reads A's and writes C's memory only: an N-D contiguous input and an
         # output of the final shape need no reshape or view (~2 us of host each)
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        bound = self._bound.get((m, x.dtype))
-        if (bound is None or bound.key[0] is not w or bound.key[1] is not self.schedule
-                or not bound.launch(x, w, out)):
-            self._launch_w4a16(x, w, m, dev, out)
+        packed = self.layout == "packed"
+        if self.mode == "w4a4":
+            x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
+            self.launches.w4a4(x2, w, self.schedule, m, dev, out, packed, self.input_scale,
+                               self.alpha)
+        else:
+            self.launches.w4a16(x, w, self.schedule, m, dev, out, packed)
         if self.bias is not None:
             out.add_(self.bias)
         return out
@@ -425,91 +410,6 @@ class Linear:
         bias = None if self.bias is None else self.bias.float()
         return gemm(a, self.stored, schedule=self.schedule, out_dtype=dtype, bias=bias,
                     nvfp4_out=self.out_scale)
-
-    def _launch_w4a16(self, x, w, m: int, dev: int, out: torch.Tensor) -> None:
-        """The full launch (kernel lookup, checks, workspace), then a binding of it that
-        the next calls at this M and dtype launch through (``run.bind``)."""
-        from cute_fp4.run import bind, resolution_deadline
-
-        k, n = self.in_features, self.out_features
-        fmt, alpha = ACT_FORMATS[x.dtype], w.global_scale
-        kern = _kernel_for(self.schedule, m, n, k, fmt, x.dtype, dev,
-                           packed=self.layout == "packed")
-        dims = (m, n, k, fmt)
-        _run(kern, x, w, alpha, dims, out)
-        bound = bind(kern, x, w, out, alpha, dims, (w, self.schedule),
-                     resolution_deadline(self.schedule))
-        if len(self._bound) >= _BOUND_MAX:
-            self._bound.clear()
-        if bound is not None:
-            self._bound[(m, x.dtype)] = bound
-
-    def _forward_w4a4(self, x, w, m: int, dev: int) -> torch.Tensor:
-        """Quantize the activation (the fused kernel), then the W4A4 kernel; on a packed
-        weight with ``schedule="auto"``, as ``gemm`` does there: the activation's exact
-        BF16 block values (static scale: quantized to them in one pass,
-        ``quant.quantize_values``; dynamic: quantized, then decoded), then the W4A16
-        kernel, the global scales' product as alpha (static: ``self.alpha``, computed
-        once; dynamic: per call, by the decoder, or by torch on the codes route). From the
-        second call at an M and dtype the launches go through a binding made by the first
-        (``quant.BoundActivation`` and ``run.BoundLaunch``)."""
-        k, n = self.in_features, self.out_features
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
-        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        bound = self._bound.get((m, x.dtype, "w4a4"))
-        if bound is None or not self._launch_bound_w4a4(bound, x2, w, out):
-            self._launch_w4a4(x2, w, m, dev, out)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out
-
-    def _launch_bound_w4a4(self, bound, x2, w, out) -> bool:
-        act, gemm_ = bound
-        if (act.key[0] is not self.input_scale or act.key[1] is not w.global_scale
-                or gemm_.key[0] is not w or gemm_.key[1] is not self.schedule
-                or gemm_.key[2] is not self.alpha):
-            return False
-        b_ptr = w.data.data_ptr()
-        if gemm_.accepts(b_ptr) is None:  # e.g. split-K while capturing: the full path
-            return False
-        # scratch: held until the GEMM is queued behind the activation kernels on this stream
-        scratch, a_ptr, sfa_ptr, alpha_ptr = act.launch(x2)  # noqa: F841
-        return gemm_.launch_ptrs(a_ptr, sfa_ptr or None, b_ptr, out.data_ptr(),
-                                 alpha_ptr or None)
-
-    def _launch_w4a4(self, x2, w, m: int, dev: int, out: torch.Tensor) -> None:
-        """The full W4A4 launches, then their binding."""
-        from cute_fp4.run import bind, resolution_deadline
-
-        k, n = self.in_features, self.out_features
-        gs = w.global_scale
-        alpha, dynamic = self.alpha, self.input_scale is None  # static: alpha made once
-        packed = self.layout == "packed"
-        decode = packed and isinstance(self.schedule, str) and self.schedule == "auto"
-        if decode and not dynamic:  # the values in one pass
-            fmt, a = ACT_FORMATS[torch.bfloat16], quant.quantize_values(x2, self.input_scale)
-        elif decode:  # the decoder writes alpha too
-            fmt = ACT_FORMATS[torch.bfloat16]
-            a, alpha = quant.w4a16_operands(quantize_activation(x2, None), gs, None)
-        else:
-            fmt, a = "nvfp4", quantize_activation(x2, self.input_scale)
-            if dynamic:  # gemm's own product, made here as the tensor the binding takes
-                alpha = alpha_tensor(a, w, None)
-        scalar_ = device_scalar(gs, x2.device)
-        kern = _kernel_for(self.schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
-        dims = (m, n, k, fmt)
-        _run(kern, a, w, alpha, dims, out)
-        if dynamic and not scalar_:
-            return  # alpha from a scale of another dtype or device: the full path
-        gemm_ = bind(kern, a, w, out, alpha, dims, (w, self.schedule, self.alpha),
-                     resolution_deadline(self.schedule), a_scale_per_call=not decode)
-        act = gemm_ and quant.BoundActivation.make(
-            x2, self.input_scale, decode, (self.input_scale, gs),
-            other_scale=gs if dynamic else None)
-        if len(self._bound) >= _BOUND_MAX:
-            self._bound.clear()
-        if act is not None:
-            self._bound[(m, x2.dtype, "w4a4")] = (act, gemm_)
 
     def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
         """The call torch.compile traces: plain tensors into the custom ops."""

@@ -35,6 +35,7 @@ from cute_fp4.bench import capture_graph
 from cute_fp4.compile import Signature, compile
 from cute_fp4.errors import InputError
 from cute_fp4.kernels.launch import sm_count
+from cute_fp4.operands import Operands  # noqa: E402
 
 SHAPES = [(m, n, k) for m in (1, 16, 129) for n in (136, 8192) for k in (320, 8256)]
 FAILS: list[str] = []
@@ -153,7 +154,7 @@ def timings(kern, label: str, fmt: str) -> dict:
     stream = kern._stream_of(dev)
 
     def raw():
-        return kern._kernel.raw_args(a_data, a_scale, b.data, b.scale, out, alpha, ws,
+        return kern._kernel.raw_args(Operands(a_data, a_scale, b.data, b.scale, out, alpha, ws),
                                      sm_count(dev), stream)
 
     launch_args = raw if kern.call_path == "tvm-ffi" else (lambda: kern._dsl_args(raw()))

@@ -29,10 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import cute_fp4 as cf  # noqa: E402
-from cute_fp4 import catalogue, grouped, packed  # noqa: E402
+from cute_fp4 import catalogue, packed, run  # noqa: E402
 from cute_fp4.compile import Signature, _build, compile, compile_emulated, retarget  # noqa: E402
 from cute_fp4.kernels import sm90, sm120  # noqa: E402
 from cute_fp4.kernels.scheduler import GroupedScheduler  # noqa: E402
+from cute_fp4.operands import Operands  # noqa: E402
 from cute_fp4.plan import plan  # noqa: E402
 from cute_fp4.schedule import Mainloop, Problem  # noqa: E402
 from cute_fp4.targets import require_device  # noqa: E402
@@ -101,7 +102,7 @@ def sanitize(unclamped: bool) -> int:
         for name, offsets in BAD.items():
             offs = torch.tensor(offsets, dtype=torch.int32, device="cuda")
             out = torch.full((M, n), float("nan"), dtype=kern.out_dtype, device="cuda")
-            grouped.run_grouped(kern, a, b, offs, out=out)
+            run.run_grouped(kern, a, b, offs, out=out)
             torch.cuda.synchronize()
             print(f"{'unclamped ' if unclamped else ''}{s.name} {fmt}"
                   f"{' (emulated)' if emulated else ''} {name} {offsets}: ran", flush=True)
@@ -121,12 +122,12 @@ TIMED = [
 
 
 def graph_of(kern, a, b, offs, out, reps: int = 20):
-    alpha = grouped.grouped_alpha(a, b, None, b.shape[0])
+    alpha = operands.grouped_alpha(a, b, None, b.shape[0])
     a_data, a_scale = (a.data, a.scale) if isinstance(a, cf.NVFP4Tensor) else (a, None)
 
     def launch():
         for _ in range(reps):
-            kern.launch(a_data, a_scale, b.data, b.scale, out, alpha, offs)
+            kern.launch(Operands(a_data, a_scale, b.data, b.scale, out, alpha, offsets=offs))
 
     launch()
     torch.cuda.synchronize()

@@ -31,6 +31,7 @@ from cute_fp4 import catalogue  # noqa: E402
 from cute_fp4.bench import Timer  # noqa: E402
 from cute_fp4.compile import Signature, compile  # noqa: A004, E402
 from cute_fp4.nvfp4 import quantize  # noqa: E402
+from cute_fp4.operands import Operands  # noqa: E402
 from cute_fp4.packed import pack  # noqa: E402
 
 LAYERS = {"qwen3-30b-a3b": (2048, 768, 128), "deepseek-v3": (7168, 2048, 256)}
@@ -126,8 +127,8 @@ def main() -> int:
                                      device="cuda")
 
                     def run(kern=kern, out=out, ops=ops):
-                        kern.launch(ops["x"], None, ops["b_data"], ops["b_scale"], out,
-                                    ops["alpha"], ops["offs"])
+                        kern.launch(Operands(ops["x"], None, ops["b_data"], ops["b_scale"],
+                                             out, ops["alpha"], offsets=ops["offs"]))
                         return out
 
                     row = dict(base, schedule=name)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cute_fp4 import catalogue, reference  # noqa: E402
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004, E402
 from cute_fp4.nvfp4 import quantize  # noqa: E402
+from cute_fp4.operands import Operands  # noqa: E402
 from cute_fp4.packed import pack  # noqa: E402
 from cute_fp4.plan import plan  # noqa: E402
 from cute_fp4.schedule import Mainloop, Problem, Schedule  # noqa: E402
@@ -111,14 +112,14 @@ def check(out: torch.Tensor, c: dict) -> dict:
 
 def run_case(kern, c: dict, out_dtype) -> dict:
     out = torch.full((c["total"], c["n"]), float("nan"), dtype=out_dtype, device="cuda")
-    args = (c["a_data"], c["a_scale"], c["b_data"], c["b_scale"], out, c["alpha"],
-            c["offsets"])
-    kern.launch(*args)
+    args = Operands(c["a_data"], c["a_scale"], c["b_data"], c["b_scale"], out, c["alpha"],
+                    offsets=c["offsets"])
+    kern.launch(args)
     torch.cuda.synchronize()
     first = out.clone()
     res = check(out, c)
     out.fill_(float("nan"))
-    kern.launch(*args)
+    kern.launch(args)
     torch.cuda.synchronize()
     res["rerun_identical"] = bool(torch.equal(first.view(torch.int16 if first.element_size()
                                                          == 2 else torch.int32),

@@ -18,7 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cute_fp4 import catalogue, grouped  # noqa: E402
+from cute_fp4 import (
+    catalogue,  # noqa: E402
+    run,
+)
 from cute_fp4.compile import Signature, compile  # noqa: E402
 from cute_fp4.nvfp4 import quantize  # noqa: E402
 from cute_fp4.packed import repack  # noqa: E402
@@ -38,6 +41,6 @@ x = torch.randn(int(counts.sum()), k, device="cuda")
 a = quantize(x) if fmt == "nvfp4" else x.to(torch.bfloat16)
 kern = compile(s, Signature(fmt))
 for _ in range(4):
-    grouped.run_grouped(kern, a, b, offs)
+    run.run_grouped(kern, a, b, offs)
 torch.cuda.synchronize()
 print(f"ran {name} {fmt}: {tokens} tokens x top-8 over {experts} experts, N={n} K={k}")

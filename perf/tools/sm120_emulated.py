@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cute_fp4 import catalogue, reference  # noqa: E402
+from cute_fp4.operands import Operands  # noqa: E402
 from cute_fp4.plan import plan  # noqa: E402
 from cute_fp4.schedule import OutDtype, Problem, Schedule, SFLoad, WarpRoles  # noqa: E402
 
@@ -136,7 +137,7 @@ def run_poisoned(kern, shape, seed, direct=False):
         alpha = alpha_tensor(a, b, None)
         ws = torch.full((sk, m, n), float("nan"), dtype=torch.float32, device="cuda") \
             if sk > 1 else None
-        kern.launch(a.data, a.scale, b.data, b.scale, out, alpha, ws)
+        kern.launch(Operands(a.data, a.scale, b.data, b.scale, out, alpha, ws))
         if ws is not None:
             torch.mul(ws.sum(dim=0), alpha, out=out)
     else:

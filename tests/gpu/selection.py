@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from cute_fp4 import api, catalogue, targets
+from cute_fp4 import api, catalogue, targets, tuning
 from cute_fp4.compile import retarget
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Problem, Schedule
@@ -145,7 +145,6 @@ def grouped_formats(s: Schedule) -> list[str]:
 
 def grouped_auto() -> tuple[Schedule, str]:
     """The grouped schedule "auto" names on this family and its first A format."""
-    from cute_fp4 import grouped
 
-    s = catalogue.get(grouped.AUTO_SCHEDULES[family()])
+    s = catalogue.get(tuning.AUTO_SCHEDULES[family()])
     return s, grouped_formats(s)[0]

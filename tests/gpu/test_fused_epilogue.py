@@ -24,10 +24,10 @@ from cute_fp4.api import make_operands, run_compiled
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004
 from cute_fp4.errors import InputError, ScheduleError
 from cute_fp4.fused import interleave_gate_up, silu_mul_unfused
-from cute_fp4.grouped import run_grouped
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
 from cute_fp4.plan import plan
 from cute_fp4.planning.common import silu_group
+from cute_fp4.run import run_grouped
 from cute_fp4.schedule import Mainloop, Problem
 from gpu import selection
 

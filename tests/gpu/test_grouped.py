@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import catalogue, grouped, packed, reference
+from cute_fp4 import catalogue, grouped, operands, packed, reference, run, tuning
 from cute_fp4.bench import capture_graph
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004
 from cute_fp4.errors import InputError, OffsetsError
@@ -140,7 +140,7 @@ def _activations(fmt: str, total: int, k: int, seed: int = 0):
 
 def poisoned_run(kern, a, b, offsets, n: int, alpha=None):
     out = torch.full((int(offsets[-1]), n), float("nan"), dtype=kern.out_dtype, device="cuda")
-    grouped.run_grouped(kern, a, b, offsets, out=out, alpha=alpha)
+    run.run_grouped(kern, a, b, offsets, out=out, alpha=alpha)
     torch.cuda.synchronize()
     return out
 
@@ -205,10 +205,10 @@ def test_no_tokens_launches_nothing(s):
     kern = _kernel(s, fmt)
     a, b, offs = make_case(s, fmt, [0] * 4, 64, K_TAILS[s.mainloop.reads_packed][0])
     assert offs.tolist() == [0] * 5
-    got = grouped.run_grouped(kern, a, b, offs)
+    got = run.run_grouped(kern, a, b, offs)
     assert got.shape == (0, 64) and got.dtype == kern.out_dtype
     out = torch.empty(0, 64, dtype=kern.out_dtype, device="cuda")
-    assert grouped.run_grouped(kern, a, b, offs, out=out) is out
+    assert run.run_grouped(kern, a, b, offs, out=out) is out
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
@@ -227,7 +227,7 @@ def test_cuda_graph_replays_with_changed_offsets(s):
     def call():
         if native:  # the public API, as a model's forward would call it
             return cf.grouped_gemm(a, b, offs, schedule=s, out=out)
-        return grouped.run_grouped(kern, a, b, offs, out=out)
+        return run.run_grouped(kern, a, b, offs, out=out)
 
     g, got = capture_graph(call, warmups=2)
     assert got is out
@@ -260,9 +260,9 @@ def test_auto_grouped_gemm_with_check():
     y = cf.grouped_gemm(a, b, offs, out=out, check=True)
     assert y is out and reference.check_grouped(out, a, b, offs).passed
     family = selection.family()
-    picked = grouped.auto_schedule_name(family, grouped.check_grouped_operands(
+    picked = tuning.grouped_auto_name(family, operands.check_grouped_operands(
         a, b, offs, out, None))  # auto depends on the rows per expert
-    kern = compile(grouped.resolve_grouped(picked), Signature(fmt))
+    kern = compile(tuning.resolve_grouped(picked), Signature(fmt))
     assert kern.validated  # check=True validated the kernel auto picked
     alloc = cf.grouped_gemm(a, b, offs)  # allocated output, same bits
     assert alloc.shape == (sum(counts), n) and torch.equal(bits(alloc), bits(out))
@@ -336,7 +336,7 @@ def test_w4a4_on_a_packed_stack_runs_on_the_block_values():
         a = _activations("nvfp4", sum(counts), k, seed=70)
         b = packed.repack(cf.quantize(_awkward(len(counts), n, k, seed=71).cuda()))
         offs = _offsets(counts)
-        dims = grouped.check_grouped_operands(a, b, offs, None, None)
+        dims = operands.check_grouped_operands(a, b, offs, None, None)
         assert grouped.via_values("auto", dims)
         out = torch.full((sum(counts), n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = cf.grouped_gemm(a, b, offs, out=out)
@@ -441,7 +441,7 @@ def test_bad_offsets_stay_inside_a_and_out(s, fmt, name):
     out = big[GUARD:GUARD + BAD_M]
     out.fill_(float("nan"))
     guards_before = [g.clone() for g in (guards if isinstance(guards, tuple) else (guards,))]
-    grouped.run_grouped(kern, a, b, offs, out=out)
+    run.run_grouped(kern, a, b, offs, out=out)
     torch.cuda.synchronize()
     assert bool((big[:GUARD] == sentinel).all()), f"{name}: a row before out was written"
     assert bool((big[GUARD + BAD_M:] == sentinel).all()), f"{name}: a row after out was written"
@@ -493,8 +493,8 @@ def test_check_true_validates_the_offsets_first(monkeypatch):
     _, b, _ = make_case(s, fmt, [1, 1, 1], n, k, seed=94)
     offs = torch.tensor(BAD_OFFSETS["negative"][0], dtype=torch.int32, device="cuda")
     out = torch.full((BAD_M, n), 7.0, dtype=torch.bfloat16, device="cuda")
-    dims = grouped.check_grouped_operands(a, b, offs, out, None)
-    kern = compile(grouped.resolve_grouped(grouped.auto_schedule_name(selection.family(), dims)),
+    dims = operands.check_grouped_operands(a, b, offs, out, None)
+    kern = compile(tuning.resolve_grouped(tuning.grouped_auto_name(selection.family(), dims)),
                    Signature(fmt))
     monkeypatch.setattr(kern, "validated", False)  # the call check=True validates
     with pytest.raises(OffsetsError, match=r"offsets\[2\] = -50 is negative"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import api, catalogue, reference
+from cute_fp4 import api, bindings, catalogue, reference
 from cute_fp4.api import make_operands
 from cute_fp4.bench import capture_graph
 from gpu import selection
@@ -150,10 +150,9 @@ def test_bound_gemm_calls_follow_new_inputs_and_weights():
     activations (new tensors, new values), given or allocated outputs, several M, a weight
     whose data and scales are rewritten in place, and a weight whose scale buffer is
     replaced all give the reference's result; outputs are poisoned first."""
-    from cute_fp4 import run
 
     selection.skip_unless_w4a16()
-    run.clear_gemm_bindings()
+    bindings.clear_bindings()
     _, b = make_operands(16, 1024, 4096, "bf16")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for step in range(8):
@@ -168,5 +167,5 @@ def test_bound_gemm_calls_follow_new_inputs_and_weights():
             sf.copy_(torch.roll(sf, 1, dims=0))
         if step == 5:  # a new scale buffer: the binding no longer applies
             b.scale = b.scale.clone()
-    assert len(run._GEMM_BOUND[b]) >= 2  # the calls did bind (per M and dtype)
-    run.clear_gemm_bindings()
+    assert len(bindings._GEMM_BOUND[b]) >= 2  # the calls did bind (per M and dtype)
+    bindings.clear_bindings()

@@ -15,7 +15,7 @@ from torch import nn
 
 import cute_fp4 as cf
 from cute_fp4 import nn as cnn
-from cute_fp4 import reference
+from cute_fp4 import reference, workspaces
 from cute_fp4.api import make_operands
 from gpu import selection
 
@@ -208,11 +208,10 @@ def _on_a_side_stream(check, shape, seeds) -> None:
 
 def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
     """From the second call at an M, a W4A16 forward launches through its binding
-    (``run.bind``): a new input every call (a stale address would repeat the last output,
+    (``bindings.bind``): a new input every call (a stale address would repeat the last output,
     which the allocator may hand back), the stream's split-K workspace replaced by another
     launch in between, and a second stream, each against the reference."""
     _skip_unsupported("w4a16")
-    from cute_fp4 import run
 
     _, layer = _layer("w4a16", False, k=4096, n=1024, bias=False)  # split-K at M = 1
 
@@ -224,11 +223,12 @@ def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
         check(_x(1, 4096, seed=20 + i))
         if i == 1:  # record the stream's buffer as too small: the next full path replaces it
             key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
-            run._WORKSPACES[key] = (run._WORKSPACES[key][0], 0, 0)
-            generation = run._GENERATION[0]
+            workspaces._WORKSPACES[key] = (workspaces._WORKSPACES[key][0], 0, 0)
+            generation = workspaces._GENERATION[0]
             check(_x(2, 4096, seed=30))  # a new M: the full path
-            assert run._GENERATION[0] != generation
-    assert layer.layer._bound[(1, torch.bfloat16)].kernel.schedule.split_k > 1  # the premise
+            assert workspaces._GENERATION[0] != generation
+    bound = layer.layer.launches.bound
+    assert bound[(1, torch.bfloat16)].kernel.schedule.split_k > 1  # the premise
     _on_a_side_stream(check, (1, 4096), seeds=(40, 41))
 
 
@@ -236,7 +236,7 @@ def test_bound_launches_follow_each_input_the_workspace_and_the_stream():
 def test_bound_w4a4_launches_follow_each_input_and_the_stream(layout):
     """From the second call at an M, a W4A4 forward with a static input scale launches its
     quantizer (on SM90's packed weight also its dequantizer) and GEMM through their
-    bindings (``quant.BoundActivation``, ``run.BoundLaunch``) into one scratch allocation:
+    bindings (``quant.BoundActivation``, ``bindings.BoundLaunch``) into one scratch allocation:
     new inputs every call, several M, an N-D input, a second stream, the input scale
     changed in place, each against the reference on the activation ``quantize_activation``
     gives."""
@@ -255,11 +255,11 @@ def test_bound_w4a4_launches_follow_each_input_and_the_stream(layout):
 
     for i, shape in enumerate([(1, 1024)] * 3 + [(5, 1024)] * 3 + [(2, 3, 1024)] * 2):
         check(_x(*shape, seed=50 + i))
-    assert {key[0] for key in layer.layer._bound} == {1, 5, 6}
+    assert {key[0] for key in layer.layer.launches.bound} == {1, 5, 6}
     layer.set_input_scale(3.0 / 2688)  # in place: the bindings read the new value
     check(_x(5, 1024, seed=60))
     _on_a_side_stream(check, (1, 1024), seeds=(70, 71))
-    assert isinstance(layer.layer._bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
+    assert isinstance(layer.layer.launches.bound[(1, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
 @pytest.mark.parametrize("layout", ["auto", "plain"])
@@ -288,8 +288,8 @@ def test_bound_dynamic_w4a4_follows_each_input_and_the_stream(layout):
         x = _x(*shape, seed=80 + i)
         check(x * (1 + i))  # a scale that differs call by call
     _on_a_side_stream(check, (5, 1024), seeds=(90, 91))
-    assert {key[0] for key in layer.layer._bound} == {1, 5, 6, big}
-    assert isinstance(layer.layer._bound[(big, torch.bfloat16, "w4a4")][0], BoundActivation)
+    assert {key[0] for key in layer.layer.launches.bound} == {1, 5, 6, big}
+    assert isinstance(layer.layer.launches.bound[(big, torch.bfloat16, "w4a4")][0], BoundActivation)
 
 
 @pytest.mark.parametrize("mode, static, most", [("w4a16", False, 1), ("w4a4", True, 2),

@@ -18,8 +18,8 @@ from cute_fp4.api import make_operands, out_dtype_of, run_compiled
 from cute_fp4.compile import Signature, compile
 from cute_fp4.kernels.epilogue import SPLIT_HEADER
 from cute_fp4.plan import plan
-from cute_fp4.run import split_workspace
 from cute_fp4.schedule import Problem
+from cute_fp4.workspaces import split_workspace
 from gpu import selection
 
 WATCHDOG_S = 240

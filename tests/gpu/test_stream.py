@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import packed, reference
+from cute_fp4 import operands, packed, reference, run, tuning
 from cute_fp4.api import make_operands, poisoned_check
 from cute_fp4.bench import capture_graph
 from cute_fp4.compile import Signature, compile
@@ -114,10 +114,9 @@ def _grouped_kernel(fmt: str = "bf16", out: str = "bf16"):
 
 
 def _run(kern, a, pw, offs, n: int, alpha=None):
-    from cute_fp4 import grouped
 
     out = torch.full((a.shape[0], n), float("nan"), dtype=kern.out_dtype, device="cuda")
-    grouped.run_grouped(kern, a, pw, offs, out=out, alpha=alpha)
+    run.run_grouped(kern, a, pw, offs, out=out, alpha=alpha)
     torch.cuda.synchronize()
     return out
 
@@ -156,12 +155,11 @@ def test_auto_runs_the_grouped_stream_kernel_at_decode_w4a16_and_w4a4():
     """grouped_gemm "auto" on a packed stack at a few rows per expert runs the stream
     kernel, W4A16 and W4A4 (the activation's BF16 block values), in a CUDA graph replayed
     with new offsets as eagerly."""
-    from cute_fp4 import grouped
 
     counts, n, k = _routing(16, 64, 71), 1536, 1024
     a, w, pw, offs = _grouped_case(counts, n, k, seed=71)
-    dims = grouped.check_grouped_operands(a, pw, offs, None, None)
-    assert "stream" in grouped.auto_schedule_name(selection.family(), dims)
+    dims = operands.check_grouped_operands(a, pw, offs, None, None)
+    assert "stream" in tuning.grouped_auto_name(selection.family(), dims)
     for act in (a, cf.quantize(a.float())):
         out = torch.full((16, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = cf.grouped_gemm(act, pw, offs, out=out)

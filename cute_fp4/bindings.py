@@ -1,0 +1,383 @@
+"""Launches kept between calls: a call like an earlier one launches through a binding of
+it (:class:`BoundLaunch`: one validity test, then the kernel's TVM-FFI entry on raw
+addresses), else takes the launch path's full path (``cute_fp4.run``) and binds what it
+launched for the next. Three kinds of callers keep them:
+
+* ``gemm``'s eager body (:func:`gemm`): per weight object, per (M, dtypes);
+* the custom ops' bodies (:func:`mm`: ``cute_fp4::mm`` / ``mm_packed``), whose weight
+  wrappers are new every call: keyed by the buffers' addresses (:func:`op_key`);
+* a prepared layer (:class:`Launcher`, ``cute_fp4.layers.Linear``): its W4A16 launch, and
+  its W4A4 launches with the activation quantizer bound too (``quant.BoundActivation``).
+
+A binding holds only what it fixed (the kernel, the weight's addresses, alpha, sizes, a
+split-K workspace) and gives way (launching nothing) when any of it no longer holds: its
+time is up ("auto" is resolved again), the weight moved, or for split-K the stream, its
+workspace or a capture (``cute_fp4.workspaces``). ``compile.clear_cache`` drops them all.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from cute_fp4 import quant, run, workspaces
+from cute_fp4.compile import on_clear
+from cute_fp4.operands import A_FORMATS, alpha_tensor
+from cute_fp4.quant import quantize_activation
+from cute_fp4.tuning import resolution_deadline
+from cute_fp4.workspaces import generation, may_keep, split_workspace
+
+_BOUND_MAX = 64  # bindings per weight or layer: many distinct M (prefill) clear the table
+
+
+class BoundLaunch:
+    """A GEMM kernel's launch with its weight, alpha, sizes and split-K workspace fixed
+    (W4A16; W4A4 with A's block scales given per call): ``run.run_checked``'s checks and
+    argument building done once, so a repeated call (a layer's forward at one M) pays one
+    validity test and the TVM-FFI call (:func:`bind`). The caller checks the activation
+    and allocates the output as before; :meth:`launch` returns False, launching nothing,
+    when the binding no longer holds (module docstring)."""
+
+    __slots__ = ("kernel", "key", "_ffi", "_stream_of", "_dev", "_args", "_split",
+                 "_generation", "_expires")
+
+    def __init__(self, kernel, key, raw: tuple[int, ...], dev: int, expires: float):
+        """``raw``: the kernel's raw arguments of the launch being bound
+        (``CompiledGemm.raw_args``); A's, its scales', C's and alpha's addresses and the
+        stream are the call's (``kernels.launch.BoundArgs``)."""
+        self.kernel, self.key = kernel, key
+        self._ffi, self._stream_of, self._dev = kernel.ffi, kernel.stream_handle, dev
+        self._args = kernel.bound_args(raw)
+        self._split = kernel.schedule.split_k > 1
+        self._generation, self._expires = generation(), expires
+
+    def launch(self, a: torch.Tensor, b, out: torch.Tensor) -> bool:
+        """Launch on ``a`` (the checked activation, [M, K] memory) and ``b`` (the weight it
+        was bound to: its data must still be where it was) into ``out`` ([M, N] memory)
+        on the current stream, or return False (nothing launched)."""
+        return self.launch_ptrs(a.data_ptr(), None, b.data.data_ptr(), out.data_ptr())
+
+    def accepts(self, b_ptr: int) -> int | None:
+        """The current stream's handle if a launch on the weight data at ``b_ptr`` would go
+        through now, else None (what :meth:`launch_ptrs` tests first; a W4A4 call asks
+        before launching its activation kernels, which the full path would repeat)."""
+        if b_ptr != self._args.b:
+            return None
+        stream = self._stream_of(self._dev)
+        if self._split and (stream != self._args.stream or self._generation != generation()
+                            or workspaces.capturing_now() or not may_keep(stream)):
+            return None
+        if time.monotonic() >= self._expires:
+            return None
+        return stream
+
+    def launch_ptrs(self, a_ptr: int, a_scale_ptr: int | None, b_ptr: int, out_ptr: int,
+                    alpha_ptr: int | None = None) -> bool:
+        """:meth:`launch` on raw addresses: A's data, A's block scales (W4A4 bindings,
+        :func:`bind` with ``a_scale_per_call``; None: the bound slot), the weight's data,
+        C's, and alpha's (a float32 device scalar computed per call, as a dynamic activation
+        scale gives it; None: the bound alpha)."""
+        stream = self.accepts(b_ptr)
+        if stream is None:
+            return False
+        self._ffi(*self._args(a_ptr, a_scale_ptr, out_ptr, alpha_ptr, stream))
+        return True
+
+
+def bind(kernel, a, b, out, alpha, dims, key, expires: float,
+         a_scale_per_call: bool = False) -> BoundLaunch | None:
+    """A :class:`BoundLaunch` of ``kernel`` for B = ``b`` and ``dims`` (= (M, N, K,
+    a_format), the activation's, as ``run.run_checked`` takes them), after that launched
+    the same call on ``a`` into ``out``; None where there is nothing to fix (no TVM-FFI
+    entry; W4A4 unless ``a_scale_per_call``: A's block scales change with every call, so
+    its caller passes their address to :meth:`BoundLaunch.launch_ptrs`; an alpha that is
+    not already a float32 device scalar, whose copy would not follow the original) or, for
+    split-K, while capturing. ``key``: what the caller matches it on (kept as ``.key``)."""
+    w4a4 = dims[3] == "nvfp4"
+    if getattr(kernel, "ffi", None) is None or (w4a4 and not a_scale_per_call):
+        return None
+    dev = b.data.device
+    split = kernel.schedule.split_k > 1
+    if split and (workspaces.capturing(dev) or not may_keep(kernel.stream_handle(dev.index))):
+        return None
+    alpha_t = alpha_tensor(None, b, alpha)
+    if alpha_t is not alpha and alpha_t is not b.global_scale:
+        return None  # a converted copy: the binding would not see the scale change
+    ws = split_workspace(kernel, dims[0], dims[1], dev) if split else None
+    raw = kernel.raw_args(run.operands(a, b, out, alpha_t, dims[3], ws))
+    return BoundLaunch(kernel, key, raw, dev.index, expires)
+
+
+# ----------------------------------------------------------------------------- gemm
+
+# gemm's bindings, per weight object (held weakly): (M, A's dtype, out dtype) -> BoundLaunch
+_GEMM_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def gemm(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=None,
+         silu_mul: bool = False, nvfp4_out=None) -> torch.Tensor:
+    """``cute_fp4.gemm``'s eager body: a W4A16 call like an earlier one on the same weight
+    object through its binding (:func:`bound_gemm`), else ``run.gemm_call``, whose launch
+    is bound for the next (:func:`remember_gemm`)."""
+    plain = bias is None and not silu_mul and nvfp4_out is None
+    if plain and not check:
+        result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
+        if result is not None:
+            return result
+
+    def keep(kern, a_, b_, result, alpha_, dims):
+        remember_gemm(kern, a_, b_, result, schedule, out_dtype, alpha_, dims)
+
+    return run.gemm_call(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
+                         nvfp4_out, keep=keep if plain else None)
+
+
+def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
+    """``gemm(a, b, schedule=..., out=..., out_dtype=..., alpha=...)`` through the binding an
+    earlier W4A16 call on the same weight object left (:func:`remember_gemm`), or None:
+    nothing launched and nothing written, and the caller takes the full path, which raises
+    on bad input. Tested here: what the binding fixed (:func:`gemm_key`: the schedule,
+    alpha, the weight's shape, scale and alpha buffers); for A and the output, what can
+    differ between calls that the full path's memo would pass (shape, dtype, contiguity,
+    16-byte alignment, device). The rest (B's data, split-K's stream and workspace, a
+    capture, expiry) is :meth:`BoundLaunch.launch`'s."""
+    table = _GEMM_BOUND.get(b)
+    if table is None or type(a) is not torch.Tensor or a.dim() != 2:
+        return None
+    m, k = a.shape
+    bound = table.get((m, a.dtype, out_dtype))
+    key = gemm_key(schedule, alpha, b)
+    if bound is None or bound.key != key:
+        return None
+    (n, kb), dev = key[4], b.data.get_device()
+    if k != kb or not a.is_contiguous() or a.data_ptr() % 16 or a.get_device() != dev:
+        return None
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    elif (type(out) is not torch.Tensor or out.dtype != out_dtype or out.shape != (m, n)
+          or not out.is_contiguous() or out.data_ptr() % 16 or out.get_device() != dev):
+        return None
+    return out if bound.launch(a, b, out) else None
+
+
+def gemm_key(schedule, alpha, b) -> tuple | None:
+    """What a ``gemm`` binding on the weight ``b`` is matched on besides M and the dtypes
+    (its table's keys): the schedule argument (a name by value, a Schedule by identity),
+    alpha (by identity), the addresses of the weight's block scales and of the alpha buffer
+    (alpha, else the weight's global scale) and the weight's shape; None where that buffer
+    is not a tensor (never bound). The objects follow their ids at the end: the binding
+    keeps them alive, so a comparison reaches them only where the ids matched, and
+    there finds the same object (a tensor is never compared by value)."""
+    src = b.global_scale if alpha is None else alpha
+    if not isinstance(src, torch.Tensor):
+        return None
+    return (schedule if type(schedule) is str else id(schedule), id(alpha),
+            b.scale.data_ptr(), src.data_ptr(), tuple(b.shape), schedule, alpha)
+
+
+def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims) -> None:
+    """After ``run.run_checked(kernel, a, b, out, alpha, dims)`` ran a W4A16 ``gemm``: keep
+    its binding for :func:`bound_gemm` (nothing for W4A4 or an alpha :func:`bind` cannot
+    fix)."""
+    key = gemm_key(schedule, alpha, b)
+    if type(a) is not torch.Tensor or key is None:
+        return
+    bound = bind(kernel, a, b, out, alpha, dims, key, resolution_deadline(schedule))
+    if bound is None:
+        return
+    table = _GEMM_BOUND.get(b)
+    if table is None:
+        table = _GEMM_BOUND[b] = {}
+    if len(table) >= _BOUND_MAX:
+        table.clear()
+    table[(dims[0], a.dtype, out_dtype)] = bound
+
+
+# ----------------------------------------------------------------------------- the ops
+
+# the custom ops' bindings (their bodies get fresh weight wrappers every call): keyed by
+# everything the launch depends on, the weight's buffers by address (op_key); they hold
+# addresses only, so a stale entry can only match a call whose buffers are where the
+# bound ones were: the launch then reads the call's own buffers
+_OP_BOUND: dict = {}
+_OP_BOUND_MAX = 512
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the ops' bindings accept
+
+
+def mm(a, a_scale, b, b_scale, alpha, n: int, k: int, out_dtype, schedule,
+       packed: bool) -> torch.Tensor:
+    """The body of ``cute_fp4::mm`` (``packed`` False, ``n`` = B's rows) and ``mm_packed``:
+    a W4A16 call like an earlier one through its binding (:func:`bound_op`), else
+    ``run.op_call``, whose launch is bound for the next (:func:`remember_op`)."""
+    key = None
+    if (a_scale is None and isinstance(schedule, str)
+            and all(type(t) in _PLAIN for t in (a, b, b_scale, alpha))):
+        key = op_key("mm_packed" if packed else "mm", a, b, b_scale, alpha, n, k,
+                     out_dtype, schedule)
+        result = bound_op(key, a, b)
+        if result is not None:
+            return result
+
+    def keep(kern, a_, b_, result, alpha_, dims):
+        remember_op(key, kern, a_, b_, result, alpha_, dims, resolution_deadline(schedule))
+
+    return run.op_call(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule, packed,
+                       keep=keep if key is not None else None)
+
+
+def op_key(kind: str, a, b, b_scale, alpha, n: int, k: int, out_dtype, schedule) -> tuple:
+    """The binding key of a W4A16 ``cute_fp4::mm`` / ``mm_packed`` call (``kind``): A's
+    row count, dtype and device, the weight's, scales' and alpha's addresses, shapes,
+    dtypes and contiguity, N, K, the output dtype and the schedule name."""
+    return (kind, a.shape[0], a.dtype, a.get_device(), n, k, out_dtype, schedule,
+            b.data_ptr(), b.shape, b.dtype, b.is_contiguous(), b_scale.data_ptr(),
+            b_scale.shape, b_scale.dtype, b_scale.is_contiguous(), alpha.data_ptr(),
+            alpha.dtype, alpha.numel())
+
+
+def bound_op(key: tuple, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The op call of ``key`` (:func:`op_key` of this call) through the binding an
+    earlier call with the same key left (:func:`remember_op`), into a new output; or None:
+    nothing launched, and the caller takes the full path (which raises on bad input).
+    Tested here beyond the key: A is a plain 2-D tensor of K columns, contiguous and
+    16-byte aligned."""
+    bound = _OP_BOUND.get(key)
+    if (bound is None or type(a) is not torch.Tensor or a.dim() != 2 or a.shape[1] != key[5]
+            or not a.is_contiguous() or a.data_ptr() % 16):
+        return None
+    out = torch.empty((key[1], key[4]), dtype=key[6], device=a.device)
+    ok = bound.launch_ptrs(a.data_ptr(), None, b.data_ptr(), out.data_ptr())
+    return out if ok else None
+
+
+def remember_op(key: tuple, kernel, a, b, out, alpha, dims, expires: float) -> None:
+    """After the op call of ``key`` ran ``run.run_checked(kernel, a, b, out, alpha, dims)``
+    (``b`` the body's weight wrapper): keep its binding for :func:`bound_op`."""
+    if type(a) is not torch.Tensor:
+        return
+    bound = bind(kernel, a, b, out, alpha, dims, key, expires)
+    if bound is None:
+        return
+    if len(_OP_BOUND) >= _OP_BOUND_MAX:
+        _OP_BOUND.clear()
+    _OP_BOUND[key] = bound
+
+
+def clear_bindings() -> None:
+    """Drop every binding of :func:`bound_gemm` and :func:`bound_op` (``compile.clear_cache``
+    does, through ``compile.on_clear``; a layer's go with its kernels' expiry or a new
+    weight)."""
+    _GEMM_BOUND.clear()
+    _OP_BOUND.clear()
+
+
+on_clear(clear_bindings)
+
+
+# ----------------------------------------------------------------------------- a layer's
+
+def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
+                device_index: int, packed: bool = False):
+    """The compiled kernel of a layer's call of this shape (``run.kernel``: "auto" is
+    resolved again every second, so a new tuning is picked up)."""
+    return run.kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed)
+
+
+def _run(kern, a, w, alpha, dims, out=None) -> torch.Tensor:
+    """A layer's checked launch (``run.run_checked``)."""
+    return run.run_checked(kern, a, w, out, alpha, dims)
+
+
+class Launcher:
+    """The launches of a prepared layer's GEMM on its weight (``cute_fp4.layers.Linear``):
+    the first call at an M and dtype takes the full path (kernel, checks, workspace) and
+    binds it; the next launch through the binding. ``bound``: (M, dtype[, "w4a4"]) ->
+    the binding(s), at most :data:`_BOUND_MAX`."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self):
+        self.bound: dict[tuple, object] = {}
+
+    def w4a16(self, x: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
+              packed: bool) -> None:
+        """``out = x @ w^T`` (W4A16, alpha the weight's global scale) for a checked ``x``
+        (contiguous, 16-byte aligned, [..., K] of M rows on the weight's device ``dev``)."""
+        bound = self.bound.get((m, x.dtype))
+        if (bound is not None and bound.key[0] is w and bound.key[1] is schedule
+                and bound.launch(x, w, out)):
+            return
+        k, n = w.shape[1], w.shape[0]
+        fmt, alpha = A_FORMATS[x.dtype], w.global_scale
+        kern = _kernel_for(schedule, m, n, k, fmt, x.dtype, dev, packed=packed)
+        dims = (m, n, k, fmt)
+        _run(kern, x, w, alpha, dims, out)
+        self._keep((m, x.dtype), bind(kern, x, w, out, alpha, dims, (w, schedule),
+                                      resolution_deadline(schedule)))
+
+    def w4a4(self, x2: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
+             packed: bool, input_scale, alpha) -> None:
+        """``out`` = the W4A4 product of ``x2`` ([M, K], checked) quantized by the fused
+        kernel (``input_scale``: static, with ``alpha`` = its product with the weight's
+        global scale made once; None: dynamic, per call) and ``w``; on a packed weight with
+        ``schedule="auto"`` as ``run.via_values`` says (the activation's exact BF16 block
+        values, then the W4A16 kernel: static, quantized to them in one pass,
+        ``quant.quantize_values``; dynamic, quantized then decoded, the decoder writing
+        alpha). From the second call at an M and dtype both launches go through a binding
+        (``quant.BoundActivation`` and :class:`BoundLaunch`)."""
+        bound = self.bound.get((m, x2.dtype, "w4a4"))
+        if bound is not None and self._launch_bound_w4a4(bound, x2, w, schedule, out,
+                                                         input_scale, alpha):
+            return
+        k, n = w.shape[1], w.shape[0]
+        gs = w.global_scale
+        dynamic = input_scale is None
+        decode = run.via_values(schedule, "nvfp4", packed)
+        a_alpha = alpha
+        if decode and not dynamic:  # the values in one pass
+            fmt, a = A_FORMATS[torch.bfloat16], quant.quantize_values(x2, input_scale)
+        elif decode:  # the decoder writes alpha too
+            fmt = A_FORMATS[torch.bfloat16]
+            a, a_alpha = quant.w4a16_operands(quantize_activation(x2, None), gs, None)
+        else:
+            fmt, a = "nvfp4", quantize_activation(x2, input_scale)
+            if dynamic:  # gemm's own product, made here as the tensor the binding takes
+                a_alpha = alpha_tensor(a, w, None)
+        kern = _kernel_for(schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
+        dims = (m, n, k, fmt)
+        _run(kern, a, w, a_alpha, dims, out)
+        if dynamic and not (gs.dtype == torch.float32 and gs.numel() == 1
+                            and gs.device == x2.device):
+            return  # alpha from a scale of another dtype or device: the full path
+        gemm_ = bind(kern, a, w, out, a_alpha, dims, (w, schedule, alpha),
+                     resolution_deadline(schedule), a_scale_per_call=not decode)
+        act = gemm_ and quant.BoundActivation.make(
+            x2, input_scale, decode, (input_scale, gs), other_scale=gs if dynamic else None)
+        self._keep((m, x2.dtype, "w4a4"), None if act is None else (act, gemm_))
+
+    @staticmethod
+    def _launch_bound_w4a4(bound, x2, w, schedule, out, input_scale, alpha) -> bool:
+        act, gemm_ = bound
+        if (act.key[0] is not input_scale or act.key[1] is not w.global_scale
+                or gemm_.key[0] is not w or gemm_.key[1] is not schedule
+                or gemm_.key[2] is not alpha):
+            return False
+        b_ptr = w.data.data_ptr()
+        if gemm_.accepts(b_ptr) is None:  # e.g. split-K while capturing: the full path
+            return False
+        # scratch: held until the GEMM is queued behind the activation kernels on this stream
+        scratch, a_ptr, sfa_ptr, alpha_ptr = act.launch(x2)  # noqa: F841
+        return gemm_.launch_ptrs(a_ptr, sfa_ptr or None, b_ptr, out.data_ptr(),
+                                 alpha_ptr or None)
+
+    def _keep(self, key: tuple, binding) -> None:
+        if len(self.bound) >= _BOUND_MAX:
+            self.bound.clear()
+        if binding is not None:
+            self.bound[key] = binding
+
+
+__all__ = ["BoundLaunch", "Launcher", "bind", "bound_gemm", "bound_op", "clear_bindings",
+           "gemm", "gemm_key", "mm", "op_key", "remember_gemm", "remember_op"]
