@@ -400,6 +400,10 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
     _check_scale_type(global_scale)
+    if x.dim() == 2 and global_scale is not None and _count(global_scale) != 1:
+        raise InputError(f"quantize(): global_scale of a 2-D tensor {list(x.shape)} must be "
+                         f"one value, got {_count(global_scale)} (one per expert goes with "
+                         "a 3-D stack [E, R, K])")
     if not x.is_floating_point() or x.element_size() == 1:
         raise InputError(f"quantize() needs a float32/float16/bfloat16/float64 tensor, "
                          f"got {x.dtype}")
@@ -441,6 +445,13 @@ def _check_scale_type(global_scale) -> None:
         raise InputTypeError("quantize(): global_scale must be None, a float, a float "
                              "tensor or a list of floats, "
                              f"got {type(global_scale).__name__} {global_scale!r}")
+
+
+def _count(global_scale) -> int:
+    """How many values a global scale that passed :func:`_check_scale_type` holds."""
+    if isinstance(global_scale, torch.Tensor):
+        return global_scale.numel()
+    return len(global_scale) if isinstance(global_scale, list | tuple) else 1
 
 
 def _check_finite(xf: torch.Tensor, bad: int | None = None,

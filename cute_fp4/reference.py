@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 
@@ -54,6 +55,22 @@ def _operand(x, name: str) -> tuple[torch.Tensor, torch.Tensor]:
                          f"got {type(x).__name__}")
 
 
+def _alpha(alpha, experts: int) -> torch.Tensor:
+    """``alpha`` (a real number or a real tensor: one value, or with ``experts`` > 1 one
+    per expert) as float64, rounded through float32 as the kernels read it."""
+    real = (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool)) or (
+        isinstance(alpha, torch.Tensor) and not alpha.is_complex() and alpha.dtype != torch.bool)
+    if not real:
+        raise InputTypeError(f"alpha must be a float or a real tensor, got "
+                             f"{type(alpha).__name__} {getattr(alpha, 'dtype', alpha)!r}")
+    count = alpha.numel() if isinstance(alpha, torch.Tensor) else 1
+    if count not in (1, experts):
+        want = "one value" if experts == 1 else f"one value or one per expert ({experts})"
+        raise InputError(f"alpha must be {want}, got {count} (shape "
+                         f"{tuple(alpha.shape)})")
+    return torch.as_tensor(alpha, dtype=torch.float32).double()
+
+
 def _prepare(a, b, alpha):
     if not isinstance(b, NVFP4Tensor):
         raise InputTypeError(f"b must be an NVFP4Tensor [N, K], got {type(b).__name__}")
@@ -65,7 +82,7 @@ def _prepare(a, b, alpha):
     if alpha is None:
         alpha64 = (ag * bg).double()
     else:
-        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().reshape(())
+        alpha64 = _alpha(alpha, 1).reshape(())
     dev = bv.device
     return av.to(dev), bv, alpha64.to(dev)
 
@@ -266,11 +283,7 @@ def _grouped_prepare(a, b, offsets, alpha):
     if alpha is None:
         alpha64 = ag.to(dev) * b.global_scale.double()
     else:
-        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().reshape(-1).to(dev)
-        if alpha64.numel() not in (1, n_exp):
-            raise InputError(f"alpha must be a scalar or hold one value per expert "
-                             f"({n_exp}), got {alpha64.numel()}")
-        alpha64 = alpha64.expand(n_exp)
+        alpha64 = _alpha(alpha, n_exp).reshape(-1).to(dev).expand(n_exp)
     return av.to(dev), b, offs, alpha64
 
 

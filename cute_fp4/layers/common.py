@@ -115,6 +115,30 @@ def check_weight(weight, name: str = "") -> None:
                          "expert (weight.expert(e)), or cute_fp4.layers.Experts for the stack")
 
 
-__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_schedule", "check_weight",
+def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale_2,
+                   input_scale=None) -> None:
+    """ModelOpt tensors of one layer against the layer ``name`` (out_features ``n``,
+    in_features ``k``) they fill, the weight first (a weight of the wrong K is the
+    weight's fault, not its scale's): typed errors naming the layer, what it needs and
+    what came. Nothing may change a layer's declared size."""
+    at = f"{f'layer {name}' if name else 'the layer'} (out_features={n}, in_features={k})"
+    tensors = (("weight", weight, (torch.uint8,), (n, k // 2), "K/2"),
+               ("weight_scale", weight_scale, (torch.float8_e4m3fn, torch.uint8),
+                (n, k // 16), "K/16"))
+    for key, t, dtypes, shape, last in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{at}: {key} must be a torch.Tensor, got "
+                                 f"{type(t).__name__}")
+        if t.dtype not in dtypes or tuple(t.shape) != shape:
+            want, got = (str(d).removeprefix("torch.") for d in (dtypes[0], t.dtype))
+            raise FormatError(f"{at}: {key} must be {want} [N, {last}] = {list(shape)}, "
+                              f"got {got} {list(t.shape)}")
+    for key, v in (("weight_scale_2", weight_scale_2), ("input_scale", input_scale)):
+        if isinstance(v, torch.Tensor) and (not v.is_floating_point() or v.numel() != 1):
+            raise FormatError(f"{at}: {key} must be one float32 value, got {v.dtype} "
+                              f"{list(v.shape)}")
+
+
+__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_modelopt", "check_schedule", "check_weight",
            "device_scalar", "reads_packed", "resolve_layout", "resolve_mode", "scalar",
            "where"]

@@ -40,6 +40,7 @@ from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers.common import (
     ACT_FORMATS,
+    check_modelopt,
     check_schedule,
     check_weight,
     device_scalar,
@@ -236,10 +237,9 @@ class Linear:
         """Overwrite the weight (and the calibrated input scale, when given) in place with
         a ModelOpt checkpoint's tensors; the tensors keep their addresses (CUDA graphs
         captured before stay valid)."""
+        check_modelopt(self.name, self.out_features, self.in_features, weight, weight_scale,
+                       weight_scale_2, input_scale)
         w = NVFP4Tensor.from_modelopt(weight, weight_scale, weight_scale_2)
-        if w.shape != (self.out_features, self.in_features):
-            raise FormatError(f"{where(self.name)}checkpoint weight is {list(w.shape)}, the "
-                              f"layer is [{self.out_features}, {self.in_features}]")
         gs = scalar(w.global_scale, f"{where(self.name)}weight_scale_2", self.device)
         with torch.no_grad():
             self.stored.data.copy_(self.layout_bytes(w.data))
