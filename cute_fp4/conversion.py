@@ -95,6 +95,10 @@ def _layer_tensors(name: str, lin: torch.nn.Linear, state_dict: Mapping) -> dict
     """The checkpoint tensors of layer ``name`` (ModelOpt's names and ``bias``; None where
     absent), checked against the layer they fill (``nn.check_modelopt``)."""
     sd = {key: state_dict.get(f"{name}.{key}") for key in (*CHECKPOINT_KEYS, "bias")}
+    for key, t in sd.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"state_dict[{name + '.' + key!r}] must be a torch.Tensor, "
+                                 f"got {type(t).__name__}")
     if sd["weight_scale_2"] is None:
         raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
     if sd["weight"] is None:

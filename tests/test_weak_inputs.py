@@ -52,7 +52,7 @@ def test_convert_refuses_a_weight_of_another_k():
     ("weight_scale_2", torch.ones(2), r"weight_scale_2 must be one float32 value, got "
      r"torch.float32 \[2\]"),
     ("weight_scale_2", torch.ones((), dtype=torch.int32), "weight_scale_2 must be one"),
-    ("weight", "bytes", "weight must be a torch.Tensor, got str"),
+    ("weight", "bytes", r"state_dict\['0.weight'\] must be a torch.Tensor, got str"),
 ])
 def test_convert_checks_each_tensor_against_the_layer(key, value, match):
     model = nn.Sequential(nn.Linear(128, 64))
@@ -134,14 +134,15 @@ def test_quantize_names_a_global_scale_of_several_values():
 
 def test_reference_names_an_alpha_of_several_values():
     x, w = torch.randn(16, 64).bfloat16(), cf.quantize(torch.randn(32, 64))
-    with pytest.raises(InputError, match=r"alpha must be one value, got 2 \(shape \(2,\)\)"):
+    with pytest.raises(InputError, match=r"alpha must be one value, got 2"):
         reference.gemm(x, w, alpha=torch.tensor([1.0, 2.0]))
-    with pytest.raises(InputTypeError, match="alpha must be a float or a real tensor, got str"):
+    with pytest.raises(InputTypeError, match="alpha must be a float, a list of floats or a "
+                       "real tensor, got str"):
         reference.check(torch.zeros(16, 32), x, w, alpha="1")
     ref = reference.gemm(x, w, alpha=torch.tensor([2.0]))
     assert torch.equal(ref, reference.gemm(x, w, alpha=2.0))
     stack = cf.quantize(torch.randn(2, 32, 64))
-    with pytest.raises(InputError, match=r"one value or one per expert \(2\), got 3"):
+    with pytest.raises(InputError, match=r"hold one value per expert \(2\), got 3"):
         reference.grouped_gemm(x, stack, [0, 8, 16], alpha=torch.ones(3))
 
 

@@ -9,6 +9,7 @@ bytes), "packed" (WGMMA fragment order, ``cute_fp4.packed``) or "auto"
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -82,7 +83,7 @@ def check_schedule(schedule) -> None:
 def scalar(value, name: str, device) -> torch.Tensor:
     """A positive finite FP32 scale as a 0-d tensor on ``device`` (checked once, at
     preparation or load: reading a GPU value synchronises)."""
-    t = torch.as_tensor(value, dtype=torch.float32)
+    t = scale_values(value, name)
     if t.numel() != 1:
         raise FormatError(f"{name} must be a scalar, got {t.numel()} elements "
                           f"(shape {tuple(t.shape)})")
@@ -90,6 +91,26 @@ def scalar(value, name: str, device) -> torch.Tensor:
     if not (v > 0 and math.isfinite(v)):
         raise FormatError(f"{name} must be finite and > 0, got {v:g}")
     return t.reshape(()).to(device)
+
+
+def scale_values(value, name: str) -> torch.Tensor:
+    """Scales given as a number, a list of numbers or a real tensor holding data, as a
+    float32 tensor of their shape with at least one value; anything else is a typed error
+    naming ``name`` (before torch sees it)."""
+    def number(v) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            raise FormatError(f"{name} must be real values with data, got {value.dtype} on "
+                              f"{value.device}")
+    elif not (number(value) or (isinstance(value, list | tuple) and all(map(number, value)))):
+        raise InputTypeError(f"{name} must be a float, a list of floats or a float32 tensor, "
+                             f"got {type(value).__name__}")
+    t = torch.as_tensor(value, dtype=torch.float32)
+    if t.numel() == 0:
+        raise FormatError(f"{name} holds no value (shape {tuple(t.shape)})")
+    return t
 
 
 def device_scalar(t: torch.Tensor, device: torch.device) -> bool:
@@ -139,6 +160,6 @@ def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale
                               f"{list(v.shape)}")
 
 
-__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_modelopt", "check_schedule", "check_weight",
-           "device_scalar", "reads_packed", "resolve_layout", "resolve_mode", "scalar",
-           "where"]
+__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_modelopt", "check_schedule",
+           "check_weight", "device_scalar", "reads_packed", "resolve_layout", "resolve_mode",
+           "scalar", "scale_values", "where"]

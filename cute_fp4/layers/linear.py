@@ -47,6 +47,7 @@ from cute_fp4.layers.common import (
     resolve_layout,
     resolve_mode,
     scalar,
+    scale_values,
     where,
 )
 from cute_fp4.nvfp4 import NVFP4Tensor
@@ -153,7 +154,7 @@ class Linear:
                 raise FormatError(f"{where(name)}{what} must be a 2-D tensor, got {got}")
         n, k = weight.shape[0], weight.shape[1] * 2
         check_sizes(n, k, name)
-        gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
+        gs = scale_values(weight_scale_2, f"{where(name)}weight_scale_2").reshape(-1)
         sizes = [n] if output_sizes is None else [int(s) for s in output_sizes]
         if sum(sizes) != n or gs.numel() not in (1, len(sizes)):
             raise FormatError(f"{where(name)}output_sizes {sizes} (sum {sum(sizes)}) and "
@@ -161,7 +162,7 @@ class Linear:
                               f"weight's {n} rows: one global scale, or one per shard")
         inp = None
         if input_scale is not None:
-            inp = torch.as_tensor(input_scale, dtype=torch.float32).reshape(-1).max()
+            inp = scale_values(input_scale, f"{where(name)}input_scale").reshape(-1).max()
         if gs.numel() > 1 and not bool((gs == gs[0]).all()):
             return cls._sharded(weight, weight_scale, gs, sizes, inp, bias, mode, layout,
                                 schedule, name)
