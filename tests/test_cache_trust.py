@@ -11,28 +11,12 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_cache import Calls, get  # the stand-in for compiled kernels
 
 from cute_fp4 import cache
 from cute_fp4.cache import META, OBJECT, BuildCache, CacheWarning, DiskCache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="no POSIX owners")
-
-
-class Calls:
-    def __init__(self):
-        self.built = 0
-
-    def build(self):
-        self.built += 1
-        return b"OBJECT" * 10
-
-    @staticmethod
-    def export(art, d: Path):
-        (d / OBJECT).write_bytes(art)
-
-    @staticmethod
-    def load(path: Path):
-        return path.read_bytes()
 
 
 @pytest.fixture(autouse=True)
@@ -41,10 +25,6 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(cache, "BUILD_STATS", type(cache.BUILD_STATS)())  # the session's own
     yield
     cache._SAID.clear()
-
-
-def get(dc, calls, key="k1"):
-    return dc.get_or_build(key, calls.build, calls.export, calls.load)
 
 
 def _refused_twice(dc, calls, match: str, key: str = "k1") -> None:
