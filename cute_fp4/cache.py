@@ -11,6 +11,12 @@ version, the Python version and the target.
   process waits, then loads what the first stored.
 * A truncated, corrupted or stale entry is discarded and rebuilt; an unwritable cache
   directory means running uncached. Each of these is said once per process (a warning).
+* Trust: the cache loads native code, so it loads only from where no one but the current
+  user can write, as ssh and pip do. A cache directory, an entry or an entry's file
+  (the object and ``meta.json`` with its SHA-256) that is not owned by the current user,
+  or is writable by its group or by others, is refused: one warning, then every kernel
+  is compiled in memory only (nothing loaded or stored there). Directories the cache
+  makes are ``0o700``, the files of an entry it stores lose group and other write.
 
 Environment: ``CUTE_FP4_CACHE_DIR`` (default ``~/.cache/cute_fp4/kernels``),
 ``CUTE_FP4_CACHE=0`` turns the disk cache off.
@@ -111,19 +117,43 @@ class DiskCache:
                      load: Callable[[Path], object]) -> tuple[object, str]:
         """Returns (artefact, how) with ``how`` in {"loaded", "built", "built-uncached"}."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            lock = open(self.root / f"{key}.lock", "a+")  # noqa: SIM115
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            why = untrusted(self.root)
+            lock = None if why else open(self.root / f"{key}.lock", "a+")  # noqa: SIM115
         except OSError as e:
             _say_once("unwritable", f"cache directory {self.root} is not usable ({e}); "
                       "running uncached")
             return build(), "built-uncached"
+        if lock is None:
+            return self._distrusted(why, build)
         with lock, _locked(lock):
+            why = self._untrusted_entry(key)
+            if why:
+                return self._distrusted(why, build)
             hit = self._load(key, load)
             if hit is not None:
                 return hit, "loaded"
             art = build()
             self._store(key, art, export)
             return art, "built"
+
+    def _distrusted(self, why: str, build: Callable[[], object]) -> tuple[object, str]:
+        _say_once("untrusted", f"refusing {why}: others could replace the native code loaded "
+                  f"from there; compiling in memory only (make it the current user's and "
+                  f"writable by no one else, e.g. chmod go-w, or set CUTE_FP4_CACHE_DIR)")
+        return build(), "built-uncached"
+
+    def _untrusted_entry(self, key: str) -> str | None:
+        """Why entry ``key`` (its folder and files) must not be used, None when it is
+        absent or only the current user can write it."""
+        entry = self.root / key
+        try:
+            if not entry.exists():
+                return None
+            return untrusted(entry) or next(
+                filter(None, (untrusted(p) for p in sorted(entry.iterdir()))), None)
+        except OSError as e:  # vanished or unreadable: _load discards and rebuilds it
+            return None if not entry.exists() else f"entry {entry} ({e})"
 
     def _load(self, key: str, load: Callable[[Path], object]):
         entry = self.root / key
@@ -160,6 +190,8 @@ class DiskCache:
             meta = {"fingerprint": self.fingerprint,
                     "sha256": _sha256(tmp / self.object_name)}
             (tmp / META).write_text(json.dumps(meta))
+            for p in tmp.iterdir():  # only the owner writes (whatever the umask)
+                os.chmod(p, p.stat().st_mode & ~0o022)
             final = self.root / key
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -168,6 +200,24 @@ class DiskCache:
                       f"({type(e).__name__}: {e}); it will be compiled again next time")
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def untrusted(path: Path) -> str | None:
+    """Why ``path`` (followed if a link: a link to another user's folder is theirs) is not
+    to be trusted: not owned by the current user, or writable by its group or others; None
+    when only the owner can write it, or where there are no POSIX owners (Windows)."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return None
+    st = os.stat(path)
+    uid = getuid()
+    if st.st_uid != uid:
+        return f"{path}: it is owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if st.st_mode & 0o022:
+        who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "others"))
+                           if st.st_mode & bit)
+        return f"{path}: it is writable by {who} (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 @contextlib.contextmanager
@@ -334,7 +384,7 @@ class BuildCache(DiskCache):
         import time
 
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.utime(self.root)
             folders = sorted((p for p in self.base.iterdir()
                               if p.is_dir() and p.name != "tools"),

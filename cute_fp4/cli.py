@@ -138,6 +138,7 @@ def _kloop_cell(k: dict | None) -> str:
 def cmd_validate(args) -> int:
     import textwrap
 
+    shapes, named = _shapes(args.shapes), _named(args, "validate")
     family = _device_family()
     from cute_fp4.api import validate
     from cute_fp4.compile import EMULATION_NOTE, Signature, compile_emulated
@@ -146,7 +147,7 @@ def cmd_validate(args) -> int:
 
     if args.emulate and family != "sm90":
         raise InputError(f"--emulate runs SM120 schedules on an SM90 GPU; this GPU is {family}")
-    scheds = _resolve(args.names, args.all, "sm120" if args.emulate else family, cmd="validate")
+    scheds = named or _resolve([], True, "sm120" if args.emulate else family, cmd="validate")
     jobs = [(s, fmt) for s in scheds for fmt in args.formats]
     ok, noted = True, False
     for i, (s, fmt) in enumerate(jobs, 1):
@@ -162,28 +163,29 @@ def cmd_validate(args) -> int:
             noted = True
         tables.progress(i, len(jobs), f"validate {s.name} ({fmt}{', emulated' if emulate else ''})")
         kern = compile_emulated(s, Signature(fmt)) if emulate else s
-        rep = validate(kern, shapes=_shapes(args.shapes), a_format=fmt)
+        rep = validate(kern, shapes=shapes, a_format=fmt)
         print(f"[emulated MMA] {rep}" if emulate else rep, flush=True)
         ok &= rep.passed
     return EXIT_OK if ok else EXIT_REFUSED
 
 
 def cmd_bench(args) -> int:
+    shapes, named = _shapes(args.shapes), _named(args, "bench", required=False)
     family = _device_family()
     from cute_fp4.bench import run_bench
 
-    scheds = _resolve(args.names, args.all, family, cmd="bench", grouped=False) \
-        if (args.names or args.all) else None
-    rows = run_bench(scheds, _shapes(args.shapes),
-                     formats=args.formats, validate=not args.no_validate)
+    scheds = named or (_resolve([], True, family, cmd="bench", grouped=False)
+                       if args.all else None)
+    rows = run_bench(scheds, shapes, formats=args.formats, validate=not args.no_validate)
     return _emit(rows, args)
 
 
 def cmd_tune(args) -> int:
+    shapes = _shapes(args.shapes)
     _device_family()
     from cute_fp4.tune import tune
 
-    rows = tune(_shapes(args.shapes), formats=args.formats)
+    rows = tune(shapes, formats=args.formats)
     return _emit(rows, args)
 
 
@@ -201,7 +203,17 @@ def _device_family() -> str:
     return require_device().target.family
 
 
+def _named(args, cmd: str, required: bool = True):
+    """The schedules named on the command line, resolved before a GPU is looked for (a
+    mistyped name is a usage error on any machine); None for ``--all`` (and, when names
+    are not ``required``, for neither)."""
+    if args.names or (required and not args.all):
+        return _resolve(args.names, args.all, cmd=cmd)
+    return None
+
+
 def _shapes(specs: list[str] | None):
+    """``--shapes`` as (M, N, K) tuples, checked before a GPU is looked for."""
     if not specs:
         return None
     out = []
@@ -209,7 +221,12 @@ def _shapes(specs: list[str] | None):
         try:
             m, n, k = (int(x) for x in spec.split(","))
         except ValueError:
-            raise CuteFp4Error(f"bad shape {spec!r}: expected M,N,K (three integers)") from None
+            alt = spec.lower().replace("x", ",").replace(" ", "")
+            hint = f" (did you mean {alt}?)" if alt.count(",") == 2 and alt != spec else ""
+            raise InputError(f"--shapes {spec!r}: expected M,N,K, three integers separated "
+                             f"by commas{hint}") from None
+        if min(m, n, k) <= 0:
+            raise InputError(f"--shapes {spec!r}: M, N and K must be > 0")
         out.append((m, n, k))
     return out
 

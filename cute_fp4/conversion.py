@@ -17,7 +17,7 @@ import torch
 
 from cute_fp4 import mlp as mlp_mod
 from cute_fp4.errors import CuteFp4Warning, FormatError, InputError, InputTypeError
-from cute_fp4.layers.common import check_schedule
+from cute_fp4.layers.common import check_modelopt, check_schedule
 from cute_fp4.layers.linear import K_MULTIPLE, N_MULTIPLE
 from cute_fp4.nn import CHECKPOINT_KEYS, LAYOUTS, MODES, NVFP4Linear
 
@@ -91,13 +91,28 @@ def _skip_reason(name: str, lin: torch.nn.Linear, rules, has_checkpoint: bool) -
     return None
 
 
+def _layer_tensors(name: str, lin: torch.nn.Linear, state_dict: Mapping) -> dict:
+    """The checkpoint tensors of layer ``name`` (ModelOpt's names and ``bias``; None where
+    absent), checked against the layer they fill (``nn.check_modelopt``)."""
+    sd = {key: state_dict.get(f"{name}.{key}") for key in (*CHECKPOINT_KEYS, "bias")}
+    for key, t in sd.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"state_dict[{name + '.' + key!r}] must be a torch.Tensor, "
+                                 f"got {type(t).__name__}")
+    if sd["weight_scale_2"] is None:
+        raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
+    if sd["weight"] is None:
+        raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight")
+    check_modelopt(name, lin.out_features, lin.in_features, sd["weight"], sd["weight_scale"],
+                   sd["weight_scale_2"], sd["input_scale"])
+    return sd
+
+
 def _build(name: str, lin: torch.nn.Linear, mode: str, schedule,
            state_dict: Mapping | None, layout: str) -> NVFP4Linear:
     if state_dict is None or f"{name}.weight_scale" not in state_dict:
         return NVFP4Linear.from_linear(lin, mode, schedule, layout=layout)
-    sd = {key: state_dict.get(f"{name}.{key}") for key in (*CHECKPOINT_KEYS, "bias")}
-    if sd["weight_scale_2"] is None:
-        raise FormatError(f"state_dict has {name}.weight_scale but no {name}.weight_scale_2")
+    sd = _layer_tensors(name, lin, state_dict)
     bias = sd["bias"] if sd["bias"] is not None else lin.bias
     if bias is not None and bias.is_meta:
         raise FormatError(f"{name}.bias is on the meta device and not in the state_dict")
@@ -246,10 +261,7 @@ def _build_mlp(name: str, projs, opts) -> tuple[torch.nn.Module | None, str | No
                                                       layout, group), None
         t = {}
         for p, lin in zip(("gate_proj", "up_proj", "down_proj"), projs):
-            sd = {k: state_dict.get(f"{name}.{p}.{k}") for k in (*CHECKPOINT_KEYS, "bias")}
-            if sd["weight_scale_2"] is None:
-                raise FormatError(f"state_dict has {name}.{p}.weight_scale but no "
-                                  f"{name}.{p}.weight_scale_2")
+            sd = _layer_tensors(f"{name}.{p}", lin, state_dict)
             if sd["bias"] is None and lin.bias is not None:
                 if lin.bias.is_meta:
                     raise FormatError(f"{name}.{p}.bias is on the meta device and not in "

@@ -31,7 +31,7 @@ import operator
 
 import torch
 
-from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; 8..15 are negatives
 E2M1_MAX = 6.0
@@ -202,6 +202,7 @@ def _scale_size_message(lead, rows: int, k: int, rp: int, cp: int, scale) -> str
 def _global_scales(global_scale, lead) -> torch.Tensor:
     """The global scale(s) as float32: 0-d for a 2-D tensor, [E] for an expert stack (a
     single value is repeated for every expert); finite and > 0 (reads the values)."""
+    _check_scale_type(global_scale, "NVFP4Tensor")
     gs = torch.as_tensor(global_scale, dtype=torch.float32)
     if not lead:
         if gs.numel() != 1:
@@ -257,6 +258,9 @@ class NVFP4Tensor:
         if data.dtype != torch.uint8 or data.dim() not in (2, 3):
             raise FormatError(f"data must be uint8 [R, K/2], got {data.dtype} with shape "
                               f"{tuple(data.shape)} (an expert stack is [E, R, K/2])")
+        if shape is not None and not isinstance(shape, tuple | list | torch.Size):
+            raise InputTypeError(f"shape must be a tuple (R, K) or (E, R, K), got "
+                                 f"{type(shape).__name__}")
         natural = (*data.shape[:-1], data.shape[-1] * 2)
         dims = natural if shape is None else tuple(shape)
         if dims != natural:
@@ -264,6 +268,9 @@ class NVFP4Tensor:
             raise FormatError(f"shape {dims} does not match data {tuple(data.shape)} "
                               f"(expected {want})")
         *lead, rows, k = dims
+        if k == 0 or 0 in lead:
+            raise FormatError(f"an NVFP4 tensor needs K > 0 (and E > 0 experts), got shape "
+                              f"{dims}")
         if k % self.fmt.block:
             raise FormatError(f"K = {k} is not a multiple of the block size {self.fmt.block}")
         if scale.dtype not in (self.fmt.scale_dtype, torch.uint8):
@@ -327,8 +334,18 @@ class NVFP4Tensor:
         return self.data.device
 
     def to(self, device) -> NVFP4Tensor:
-        return NVFP4Tensor(self.data.to(device), self.scale.to(device),
-                           self.global_scale.to(device), self.shape)
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InputError(f"NVFP4Tensor.to(): {device!r} is not a device") from None
+        if self.device.type == "meta" and target.type != "meta":
+            raise InputError(f"an NVFP4Tensor on the meta device has no data to move to "
+                             f"{device}")
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"NVFP4Tensor.to({str(device)!r}): CUDA is not available")
+        # the parts were checked when this tensor was made: moving them keeps them valid
+        return NVFP4Tensor._unchecked(self.data.to(target), self.scale.to(target),
+                                      self.global_scale.to(target), self.shape)
 
     def cuda(self) -> NVFP4Tensor:
         return self.to("cuda")
@@ -360,6 +377,13 @@ class NVFP4Tensor:
                       weight_scale_2) -> NVFP4Tensor:
         """From a ModelOpt NVFP4 checkpoint: ``weight`` uint8 [N, K/2], ``weight_scale``
         e4m3 [N, K/16] (linear layout), ``weight_scale_2`` FP32 global (decode form)."""
+        if not isinstance(weight, torch.Tensor) or not isinstance(weight_scale, torch.Tensor):
+            raise InputTypeError(f"from_modelopt(weight, weight_scale, ...) takes torch "
+                                 f"tensors, got {type(weight).__name__} and "
+                                 f"{type(weight_scale).__name__}")
+        if weight.is_meta or weight_scale.is_meta:
+            raise InputError("from_modelopt reads the scales (NaN and sign checks): weight "
+                             "and weight_scale must hold data, not be on the meta device")
         if weight.dim() != 2 or weight_scale.dim() != 2:
             raise FormatError(f"weight and weight_scale must be 2-D, got shapes "
                               f"{tuple(weight.shape)} and {tuple(weight_scale.shape)}")
@@ -379,8 +403,9 @@ class NVFP4Tensor:
         return cls(weight, swizzle_scales(weight_scale.contiguous()), weight_scale_2, (n, k))
 
     def __repr__(self) -> str:
-        if self.experts is not None:
-            return f"NVFP4Tensor(shape={self.shape}, experts={self.experts}, device={self.device})"
+        if self.experts is not None or self.device.type == "meta":  # meta: no value to show
+            e = "" if self.experts is None else f", experts={self.experts}"
+            return f"NVFP4Tensor(shape={self.shape}{e}, device={self.device})"
         return (f"NVFP4Tensor(shape={self.shape}, device={self.device}, "
                 f"global_scale={float(self.global_scale):.6g})")
 
@@ -400,9 +425,16 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"quantize() takes a torch.Tensor, got {type(x).__name__}")
     _check_scale_type(global_scale)
+    if x.dim() == 2 and global_scale is not None and _count(global_scale) != 1:
+        raise InputError(f"quantize(): global_scale of a 2-D tensor {list(x.shape)} must be "
+                         f"one value, got {_count(global_scale)} (one per expert goes with "
+                         "a 3-D stack [E, R, K])")
     if not x.is_floating_point() or x.element_size() == 1:
         raise InputError(f"quantize() needs a float32/float16/bfloat16/float64 tensor, "
                          f"got {x.dtype}")
+    if x.is_meta:
+        raise InputError(f"quantize() reads x's values: x {list(x.shape)} is on the meta "
+                         "device (no data)")
     if x.dim() == 3:
         return _quantize_experts(x, global_scale)
     if x.dim() != 2:
@@ -429,18 +461,33 @@ def _check_quantizable(x: torch.Tensor) -> None:
         raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
 
 
-def _check_scale_type(global_scale) -> None:
-    """A global scale is None, a real number, a tensor or a list/tuple of numbers (one per
-    expert); anything else is a typed error."""
+def _check_scale_type(global_scale, who: str = "quantize()") -> None:
+    """A global scale is None (``quantize`` only), a real number, a real tensor with data
+    or a list/tuple of numbers (one per expert); anything else is a typed error."""
     def number(v) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool)
 
-    ok = (global_scale is None or isinstance(global_scale, torch.Tensor) or number(global_scale)
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.is_complex() or global_scale.dtype == torch.bool:
+            raise InputTypeError(f"{who}: global_scale must be a real tensor, got "
+                                 f"{global_scale.dtype}")
+        if global_scale.is_meta:
+            raise InputError(f"{who}: global_scale is on the meta device (no value to read)")
+        return
+    ok = ((global_scale is None and who == "quantize()") or number(global_scale)
           or (isinstance(global_scale, list | tuple) and all(map(number, global_scale))))
     if not ok:
-        raise InputTypeError("quantize(): global_scale must be None, a float, a float "
+        none = "None, " if who == "quantize()" else ""
+        raise InputTypeError(f"{who}: global_scale must be {none}a float, a float "
                              "tensor or a list of floats, "
                              f"got {type(global_scale).__name__} {global_scale!r}")
+
+
+def _count(global_scale) -> int:
+    """How many values a global scale that passed :func:`_check_scale_type` holds."""
+    if isinstance(global_scale, torch.Tensor):
+        return global_scale.numel()
+    return len(global_scale) if isinstance(global_scale, list | tuple) else 1
 
 
 def _check_finite(xf: torch.Tensor, bad: int | None = None,

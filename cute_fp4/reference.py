@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 
 import torch
 
@@ -41,7 +43,12 @@ _TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0*
 
 def _operand(x, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(values without the global scale as float64, global scale as float64)."""
+    if isinstance(x, NVFP4Tensor | torch.Tensor) and x.device.type == "meta":
+        raise InputError(f"{name} is on the meta device: the reference reads its values")
     if isinstance(x, NVFP4Tensor):
+        if x.experts is not None:
+            raise InputError(f"{name} must be one 2-D [rows, K] tensor, got an expert stack "
+                             f"{list(x.shape)} (grouped_gemm takes stacks)")
         return x.block_values(torch.float64), x.global_scale.double()
     if isinstance(x, torch.Tensor):
         if x.dtype not in (torch.bfloat16, torch.float16):
@@ -52,6 +59,29 @@ def _operand(x, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return x.double(), torch.tensor(1.0, dtype=torch.float64)
     raise InputTypeError(f"{name} must be an NVFP4Tensor or a torch.Tensor, "
                          f"got {type(x).__name__}")
+
+
+def _alpha(alpha, experts: int) -> torch.Tensor:
+    """``alpha`` (a real number, a list of them or a real tensor: one value, or with
+    ``experts`` > 1 one per expert) as float64, rounded through float32 as the kernels
+    read it."""
+    def number(v) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+    real = number(alpha) or (isinstance(alpha, list | tuple) and all(map(number, alpha))) or (
+        isinstance(alpha, torch.Tensor) and not alpha.is_complex() and alpha.dtype != torch.bool)
+    if not real:
+        raise InputTypeError(f"alpha must be a float, a list of floats or a real tensor, got "
+                             f"{type(alpha).__name__} {getattr(alpha, 'dtype', alpha)!r}")
+    if isinstance(alpha, torch.Tensor) and alpha.is_meta:
+        raise InputError("alpha is on the meta device: the reference reads its value")
+    count = alpha.numel() if isinstance(alpha, torch.Tensor) else (
+        len(alpha) if isinstance(alpha, list | tuple) else 1)
+    if count not in (1, experts):
+        want = ("one value" if experts == 1
+                else f"a scalar or hold one value per expert ({experts})")
+        raise InputError(f"alpha must be {want}, got {count}")
+    return torch.as_tensor(alpha, dtype=torch.float32).double()
 
 
 def _prepare(a, b, alpha):
@@ -65,7 +95,7 @@ def _prepare(a, b, alpha):
     if alpha is None:
         alpha64 = (ag * bg).double()
     else:
-        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().reshape(())
+        alpha64 = _alpha(alpha, 1).reshape(())
     dev = bv.device
     return av.to(dev), bv, alpha64.to(dev)
 
@@ -132,6 +162,7 @@ def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
     reaches the output dtype's overflow threshold with the same sign (IEEE rounding of a
     result too large for FP16, say); anywhere else it fails like a NaN.
     """
+    _check_out(out)
     av, bv, alpha64 = _prepare(a, b, alpha)
     ref = (av @ bv.T) * alpha64
     got = out.detach().double().to(ref.device)
@@ -143,6 +174,16 @@ def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
     return CheckResult((av.shape[0], bv.shape[0], av.shape[1]),
                        float(err.max()) if err.numel() else 0.0, ratio, nonfinite,
                        nonfinite == 0 and ratio <= 1.0)
+
+
+def _check_out(out) -> None:
+    """A kernel's output to compare: a bf16/fp16/fp32 tensor with values."""
+    if not isinstance(out, torch.Tensor):
+        raise InputTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype not in _PRECISION:
+        raise InputError(f"out must be bfloat16, float16 or float32, got {out.dtype}")
+    if out.is_meta:
+        raise InputError("out is on the meta device: there are no values to check")
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor,
@@ -221,9 +262,14 @@ def group_bounds(offsets, experts: int, total_m: int) -> list[int]:
     if isinstance(offsets, torch.Tensor):
         if offsets.is_floating_point() or offsets.is_complex() or offsets.dtype == torch.bool:
             raise InputError(f"offsets must be an integer tensor, got {offsets.dtype}")
+        if offsets.is_meta:
+            raise InputError("offsets are on the meta device: the reference reads them")
         offs = [int(v) for v in offsets.reshape(-1).tolist()]
     elif isinstance(offsets, (list, tuple)):
-        offs = [int(v) for v in offsets]
+        try:
+            offs = [operator.index(v) for v in offsets]
+        except TypeError:
+            raise InputTypeError(f"offsets must be ints, got {offsets!r}") from None
     else:
         raise InputTypeError(f"offsets must be a tensor or a sequence of ints, got "
                              f"{type(offsets).__name__}")
@@ -266,11 +312,7 @@ def _grouped_prepare(a, b, offsets, alpha):
     if alpha is None:
         alpha64 = ag.to(dev) * b.global_scale.double()
     else:
-        alpha64 = torch.as_tensor(alpha, dtype=torch.float32).double().reshape(-1).to(dev)
-        if alpha64.numel() not in (1, n_exp):
-            raise InputError(f"alpha must be a scalar or hold one value per expert "
-                             f"({n_exp}), got {alpha64.numel()}")
-        alpha64 = alpha64.expand(n_exp)
+        alpha64 = _alpha(alpha, n_exp).reshape(-1).to(dev).expand(n_exp)
     return av.to(dev), b, offs, alpha64
 
 
@@ -334,8 +376,7 @@ def check_grouped(out: torch.Tensor, a, b, offsets, alpha=None) -> GroupedCheckR
     """:func:`check` for a grouped GEMM: every expert's rows under the same error rule
     (its own alpha and K), aggregated; empty experts have no rows to check. A row no
     expert wrote (NaN-poisoned) fails."""
-    if out.dtype not in _PRECISION:
-        raise InputError(f"out must be bfloat16, float16 or float32, got {out.dtype}")
+    _check_out(out)
     ref, bound, offs, shape = _grouped_ref(a, b, offsets, alpha, out.dtype)
     got = out.detach().double().to(ref.device)
     if got.shape != ref.shape:

@@ -428,8 +428,8 @@ def test_load_modelopt_of_another_shape_is_refused():
     layer = cnn.NVFP4Linear.from_linear(_linear(64, 32))
     _, t = _modelopt_tensors(64, 64)
     del t["input_scale"]
-    with pytest.raises(FormatError, match=r"checkpoint weight is \[64, 64\], the layer is "
-                       r"\[32, 64\]"):
+    with pytest.raises(FormatError, match=r"\(out_features=32, in_features=64\): weight "
+                       r"must be uint8 \[N, K/2\] = \[32, 32\], got uint8 \[64, 32\]"):
         layer.load_modelopt(**t)
 
 

@@ -14,7 +14,7 @@ import os
 import torch
 
 from cute_fp4.errors import DeviceError, InputError
-from cute_fp4.hf.checkpoint import read_quant_format
+from cute_fp4.hf.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_quant_format
 from cute_fp4.hf.quantizer import MODES, register
 
 __all__ = ["from_pretrained"]
@@ -49,6 +49,7 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
         raise InputError(f"gate_up_group must be None, 8 or 32, got {gate_up_group!r}")
     path = os.fspath(path)
     fmt = read_quant_format(path)
+    _one_checkpoint(path)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device={str(device)!r} but CUDA is not available; "
@@ -67,3 +68,15 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     transformers_kwargs.setdefault("device_map", {"": dev})
     transformers_kwargs.setdefault("experts_implementation", "cute_fp4")
     return AutoModelForCausalLM.from_pretrained(path, config=config, **transformers_kwargs)
+
+
+def _one_checkpoint(path: str) -> None:
+    """Refuse a directory holding both an index (with its shards) and a single-file
+    checkpoint: which one is meant is unknown (transformers and the header checks would
+    each pick one), so nothing is loaded."""
+    both = [n for n in (INDEX_FILE, SINGLE_FILE) if os.path.exists(os.path.join(path, n))]
+    if len(both) == 2:
+        raise CheckpointError(SINGLE_FILE, "(file)", f"one checkpoint: {INDEX_FILE} with "
+                              f"its shards, or {SINGLE_FILE}", f"both {INDEX_FILE} and "
+                              f"{SINGLE_FILE} in {path}",
+                              "remove the files of the one that is not the checkpoint")

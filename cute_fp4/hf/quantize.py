@@ -118,10 +118,12 @@ def _calibrate(model, todo: dict, batches: Iterable) -> dict[str, object]:
         hooks.append(mod.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 if isinstance(batch, dict):
+                    _check_token_ids(model, batch.get("input_ids"), i)
                     model(**batch)
                 elif isinstance(batch, torch.Tensor):
+                    _check_token_ids(model, batch, i)
                     model(input_ids=batch)
                 else:
                     raise InputTypeError("calibration batches must be input_ids tensors or "
@@ -130,6 +132,28 @@ def _calibrate(model, todo: dict, batches: Iterable) -> dict[str, object]:
         for h in hooks:
             h.remove()
     return amax
+
+
+def _check_token_ids(model, ids, i: int) -> None:
+    """Calibration batch ``i``'s ``input_ids`` (when it has them): integers within the
+    model's vocabulary (the embedding's rows), checked before the model runs."""
+    if ids is None:
+        return
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
+            or ids.dtype == torch.bool:
+        got = getattr(ids, "dtype", type(ids).__name__)
+        raise InputTypeError(f"calibration batch {i}: input_ids must be an integer tensor of "
+                             f"token ids, got {got}")
+    if vocab is None or ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"calibration batch {i}: token id {bad} is outside the model's "
+                         f"vocabulary of {vocab} (ids 0 .. {vocab - 1}); tokenize with the "
+                         "model's own tokenizer")
 
 
 def _expert_amax(mod, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:

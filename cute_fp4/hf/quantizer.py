@@ -39,7 +39,7 @@ from cute_fp4.hf.checkpoint import (
     parse_quant_config,
     read_tensor_index,
 )
-from cute_fp4.layers.common import MODES, resolve_mode
+from cute_fp4.layers.common import MODES, check_modelopt, resolve_mode
 from cute_fp4.layers.linear import K_MULTIPLE, N_MULTIPLE
 from cute_fp4.nn import NVFP4Linear
 
@@ -94,7 +94,9 @@ class QuantizedLinear(torch.nn.Module):
         raise FormatError("a QuantizedLinear is a loading placeholder; it is replaced by an "
                           "NVFP4Linear once its tensors are loaded")
 
-    def finalize(self, mode: str, layout: str = "auto") -> NVFP4Linear:
+    def finalize(self, mode: str, layout: str = "auto", name: str = "") -> NVFP4Linear:
+        check_modelopt(name, self.out_features, self.in_features, self.weight,
+                       self.weight_scale, self.weight_scale_2, self.input_scale)
         ws2 = self.weight_scale_2.reshape(())
         inp = None if self.input_scale is None else self.input_scale.reshape(())
         bias = None if self.bias is None else self.bias.detach()
@@ -329,7 +331,7 @@ class ModelOptNVFP4Quantizer(HfQuantizer):
             _check_loaded(name, holder, [n for n, b in holder._buffers.items()
                                          if b is not None])
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, holder.finalize(self.mode, layout))
+            setattr(model.get_submodule(parent), attr, holder.finalize(self.mode, layout, name))
         for name in self.plan.experts:
             module = model.get_submodule(name)
             _check_loaded(name, module, ex.placeholder_names(module))

@@ -4,19 +4,29 @@ hold: ``NVFP4Linear``'s own state dict (ModelOpt's names), the experts split exp
 expert under the names of the model's transformers conversion mapping (reversed: the
 names a BF16 checkpoint of the model has), everything else as transformers saves it (tied
 weights once), config.json with the ``quantization_config``.
+
+A save replaces, never mixes: every file is written into a staging folder inside the
+directory and renamed into place at the end, so a save that fails or is interrupted while
+writing (the long part) leaves the previous checkpoint as it was; then the weight files of
+the earlier save that the new one does not write (its shards, index or single file) are
+removed. Files that are not a checkpoint's weights (a README, the tokenizer) are left.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
+import tempfile
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
-from cute_fp4.errors import InputTypeError
+from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.hf import experts as ex
-from cute_fp4.hf.checkpoint import QuantFormat, write_safetensors
+from cute_fp4.hf.checkpoint import INDEX_FILE, SINGLE_FILE, QuantFormat, write_safetensors
 from cute_fp4.nn import NVFP4Linear
 
 __all__ = ["save_pretrained"]
@@ -74,14 +84,15 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     safetensors shards of at most ``max_shard_size`` bytes (plus their index), config.json
     with ``quantization_config`` {quant_method: "modelopt", quant_algo: "NVFP4",
     group_size: 16, exclude_modules: [...]}, generation_config.json. Returns the shard
-    names. ``cute_fp4.hf.from_pretrained(path)`` loads it back bit for bit."""
+    names. ``cute_fp4.hf.from_pretrained(path)`` loads it back bit for bit. A checkpoint
+    already in ``path`` is replaced (module docstring); ``path`` an existing file:
+    InputError."""
     if not hasattr(model, "config") or not hasattr(model, "state_dict"):
         raise InputTypeError(f"model must be a transformers model, got {type(model).__name__}")
     if not any(isinstance(m, NVFP4Linear) or ex.holds_nvfp4(m) for m in model.modules()):
         raise InputTypeError("model has no NVFP4 layers: quantize it first "
                              "(cute_fp4.hf.quantize_model) or save it with transformers")
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    path = _checkpoint_dir(path)
     rename, conversions = _renamer(model)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     tensors = {}
@@ -90,9 +101,85 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
             tensors[rename(key)] = t.detach().cpu().contiguous()
     for key, t in _expert_tensors(model, conversions).items():
         tensors[rename(key)] = t.contiguous()
-    files = write_safetensors(tensors, path, max_shard_size)
-    _write_config(model, path, QuantFormat(tuple(_exclusions(model, rename))))
+    _remove_dead_stages(path)
+    stage = tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-", dir=path)
+    try:
+        files = write_safetensors(tensors, stage, max_shard_size)
+        _write_config(model, stage, QuantFormat(tuple(_exclusions(model, rename))))
+        _replace(stage, path)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return files
+
+
+_STAGE = ".cute_fp4-save-"  # + pid-random: a save's staging folder inside the directory
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _checkpoint_dir(path) -> str:
+    """``path`` as a directory, made (with its parents) when absent; InputError when it is
+    a file or cannot be made."""
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"save_pretrained: path {path!r} is an existing file; a checkpoint "
+                         "is a directory (config.json and safetensors shards)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"save_pretrained: cannot make the checkpoint directory {path!r} "
+                         f"({e.strerror or e})") from None
+    return path
+
+
+def _weight_files(path: str) -> set[str]:
+    """The weight files of a checkpoint in ``path``: model.safetensors, the index, the
+    shards the index names and the shards named as transformers and this module name
+    them (``model-00001-of-00004.safetensors``). Nothing else is a save's to remove."""
+    names = set(os.listdir(path))
+    ours = {n for n in names if n in (SINGLE_FILE, INDEX_FILE) or _SHARD.fullmatch(n)}
+    try:
+        with open(os.path.join(path, INDEX_FILE)) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        ours |= {n for n in weight_map.values() if isinstance(n, str) and n in names
+                 and n.endswith(".safetensors") and os.path.basename(n) == n}
+    except (OSError, ValueError, AttributeError):  # no index, or one that is not JSON
+        pass
+    return ours
+
+
+def _replace(stage: str, path: str) -> None:
+    """Move the new checkpoint from ``stage`` into ``path`` and remove the earlier one's
+    weight files that it does not overwrite. The old entry points (index, single file) go
+    first (a single file replacing a single file is one atomic rename) and the new one
+    comes last, so that at every moment the directory holds the old checkpoint, the new
+    one or none that loads (an error), never a mix of the two."""
+    new = sorted(os.listdir(stage))
+    entry = INDEX_FILE if INDEX_FILE in new else SINGLE_FILE
+    stale = _weight_files(path) - set(new)
+    for name in {INDEX_FILE, SINGLE_FILE} - ({entry} if entry == SINGLE_FILE else set()):
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    for name in [n for n in new if n != entry] + [entry]:
+        os.replace(os.path.join(stage, name), os.path.join(path, name))
+    for name in stale - {INDEX_FILE, SINGLE_FILE}:
+        os.remove(os.path.join(path, name))
+
+
+def _remove_dead_stages(path: str) -> None:
+    """Staging folders of saves whose process has ended (killed before it could clean
+    up)."""
+    for name in os.listdir(path):
+        if not name.startswith(_STAGE):
+            continue
+        pid = name[len(_STAGE):].partition("-")[0]
+        try:
+            os.kill(int(pid), 0)
+            continue  # that save is still running
+        except ProcessLookupError:
+            pass
+        except (ValueError, OSError):  # not our name, or a process of another user
+            continue
+        shutil.rmtree(os.path.join(path, name), ignore_errors=True)
 
 
 def _write_config(model, path: str, fmt: QuantFormat) -> None:

@@ -9,6 +9,7 @@ bytes), "packed" (WGMMA fragment order, ``cute_fp4.packed``) or "auto"
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -83,7 +84,7 @@ def check_schedule(schedule) -> None:
 def scalar(value, name: str, device) -> torch.Tensor:
     """A positive finite FP32 scale as a 0-d tensor on ``device`` (checked once, at
     preparation or load: reading a GPU value synchronises)."""
-    t = torch.as_tensor(value, dtype=torch.float32)
+    t = scale_values(value, name)
     if t.numel() != 1:
         raise FormatError(f"{name} must be a scalar, got {t.numel()} elements "
                           f"(shape {tuple(t.shape)})")
@@ -91,6 +92,26 @@ def scalar(value, name: str, device) -> torch.Tensor:
     if not (v > 0 and math.isfinite(v)):
         raise FormatError(f"{name} must be finite and > 0, got {v:g}")
     return t.reshape(()).to(device)
+
+
+def scale_values(value, name: str) -> torch.Tensor:
+    """Scales given as a number, a list of numbers or a real tensor holding data, as a
+    float32 tensor of their shape with at least one value; anything else is a typed error
+    naming ``name`` (before torch sees it)."""
+    def number(v) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            raise FormatError(f"{name} must be real values with data, got {value.dtype} on "
+                              f"{value.device}")
+    elif not (number(value) or (isinstance(value, list | tuple) and all(map(number, value)))):
+        raise InputTypeError(f"{name} must be a float, a list of floats or a float32 tensor, "
+                             f"got {type(value).__name__}")
+    t = torch.as_tensor(value, dtype=torch.float32)
+    if t.numel() == 0:
+        raise FormatError(f"{name} holds no value (shape {tuple(t.shape)})")
+    return t
 
 
 def where(name: str) -> str:
@@ -111,6 +132,30 @@ def check_weight(weight, name: str = "") -> None:
                          "expert (weight.expert(e)), or cute_fp4.layers.Experts for the stack")
 
 
-__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_schedule", "check_weight",
-           "reads_packed", "resolve_layout", "resolve_mode", "scalar",
-           "where"]
+def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale_2,
+                   input_scale=None) -> None:
+    """ModelOpt tensors of one layer against the layer ``name`` (out_features ``n``,
+    in_features ``k``) they fill, the weight first (a weight of the wrong K is the
+    weight's fault, not its scale's): typed errors naming the layer, what it needs and
+    what came. Nothing may change a layer's declared size."""
+    at = f"{f'layer {name}' if name else 'the layer'} (out_features={n}, in_features={k})"
+    tensors = (("weight", weight, (torch.uint8,), (n, k // 2), "K/2"),
+               ("weight_scale", weight_scale, (torch.float8_e4m3fn, torch.uint8),
+                (n, k // 16), "K/16"))
+    for key, t, dtypes, shape, last in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{at}: {key} must be a torch.Tensor, got "
+                                 f"{type(t).__name__}")
+        if t.dtype not in dtypes or tuple(t.shape) != shape:
+            want, got = (str(d).removeprefix("torch.") for d in (dtypes[0], t.dtype))
+            raise FormatError(f"{at}: {key} must be {want} [N, {last}] = {list(shape)}, "
+                              f"got {got} {list(t.shape)}")
+    for key, v in (("weight_scale_2", weight_scale_2), ("input_scale", input_scale)):
+        if isinstance(v, torch.Tensor) and (not v.is_floating_point() or v.numel() != 1):
+            raise FormatError(f"{at}: {key} must be one float32 value, got {v.dtype} "
+                              f"{list(v.shape)}")
+
+
+__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_modelopt", "check_schedule",
+           "check_weight", "reads_packed", "resolve_layout", "resolve_mode", "scalar",
+           "scale_values", "where"]

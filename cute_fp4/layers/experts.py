@@ -49,7 +49,7 @@ from cute_fp4.api import quantize_op
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.fused import device_group, interleave_gate_up, natural_gate_up, silu_mul_unfused
 from cute_fp4.grouped import grouped_gemm
-from cute_fp4.layers.common import LAYOUTS, resolve_mode, scalar, where
+from cute_fp4.layers.common import LAYOUTS, resolve_mode, scalar, scale_values, where
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape, swizzle_scales
 from cute_fp4.packed import PackedNVFP4Weight, pack, packed_rows, repack
 from cute_fp4.targets import capability_major
@@ -262,7 +262,7 @@ class Experts:
                 w2, (tuple, list)) or len(w2) != 3:
             raise InputTypeError(f"{where(name)}w13 and w2 must each be (weight, "
                                  "weight_scale, weight_scale_2)")
-        gs13 = torch.as_tensor(w13[2], dtype=torch.float32)
+        gs13 = scale_values(w13[2], f"{where(name)}w13 weight_scale_2")
         e = w13[0].shape[0] if isinstance(w13[0], torch.Tensor) else 0
         if gs13.dim() == 2 and tuple(gs13.shape) == (e, 2):
             gate, up = gs13[:, 0].contiguous(), gs13[:, 1].contiguous()
@@ -274,7 +274,7 @@ class Experts:
         ex, h, i = check_stacks(*stacks, name)
         if layout not in LAYOUTS:
             raise InputError(f"{where(name)}layout must be one of {LAYOUTS}, got {layout!r}")
-        scales = tuple(None if s is None else torch.as_tensor(s, dtype=torch.float32).max()
+        scales = tuple(None if s is None else scale_values(s, f"{where(name)}input_scales").max()
                        for s in input_scales)
         dev = stacks[0].device
         mode = resolve_mode(mode, dev, all(s is not None for s in scales))
@@ -467,7 +467,7 @@ def modelopt_stack(name: str, weight, weight_scale, weight_scale_2) -> NVFP4Tens
     scale = torch.empty((e, rp, cp), dtype=torch.float8_e4m3fn, device=weight.device)
     for x in range(e):
         scale[x] = swizzle_scales(scale_e4m3[x])
-    gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
+    gs = scale_values(weight_scale_2, f"{name} weight_scale_2").reshape(-1)
     return NVFP4Tensor(weight, scale, gs.to(weight.device), (e, n, 2 * half_k))
 
 

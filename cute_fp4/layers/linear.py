@@ -41,11 +41,13 @@ from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers.common import (
     ACT_FORMATS,
+    check_modelopt,
     check_schedule,
     check_weight,
     resolve_layout,
     resolve_mode,
     scalar,
+    scale_values,
     where,
 )
 from cute_fp4.nvfp4 import NVFP4Tensor
@@ -136,7 +138,7 @@ class Linear:
                 raise FormatError(f"{where(name)}{what} must be a 2-D tensor, got {got}")
         n, k = weight.shape[0], weight.shape[1] * 2
         check_sizes(n, k, name)
-        gs = torch.as_tensor(weight_scale_2, dtype=torch.float32).reshape(-1)
+        gs = scale_values(weight_scale_2, f"{where(name)}weight_scale_2").reshape(-1)
         sizes = [n] if output_sizes is None else [int(s) for s in output_sizes]
         if sum(sizes) != n or gs.numel() not in (1, len(sizes)):
             raise FormatError(f"{where(name)}output_sizes {sizes} (sum {sum(sizes)}) and "
@@ -144,7 +146,7 @@ class Linear:
                               f"weight's {n} rows: one global scale, or one per shard")
         inp = None
         if input_scale is not None:
-            inp = torch.as_tensor(input_scale, dtype=torch.float32).reshape(-1).max()
+            inp = scale_values(input_scale, f"{where(name)}input_scale").reshape(-1).max()
         if gs.numel() > 1 and not bool((gs == gs[0]).all()):
             return cls._sharded(weight, weight_scale, gs, sizes, inp, bias, mode, layout,
                                 schedule, name)
@@ -220,10 +222,9 @@ class Linear:
         """Overwrite the weight (and the calibrated input scale, when given) in place with
         a ModelOpt checkpoint's tensors; the tensors keep their addresses (CUDA graphs
         captured before stay valid)."""
+        check_modelopt(self.name, self.out_features, self.in_features, weight, weight_scale,
+                       weight_scale_2, input_scale)
         w = NVFP4Tensor.from_modelopt(weight, weight_scale, weight_scale_2)
-        if w.shape != (self.out_features, self.in_features):
-            raise FormatError(f"{where(self.name)}checkpoint weight is {list(w.shape)}, the "
-                              f"layer is [{self.out_features}, {self.in_features}]")
         gs = scalar(w.global_scale, f"{where(self.name)}weight_scale_2", self.device)
         with torch.no_grad():
             self.stored.data.copy_(self.layout_bytes(w.data))
