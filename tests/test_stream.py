@@ -214,3 +214,34 @@ def test_plain_weight_w4a16_on_sm12x_says_to_repack(monkeypatch):
     monkeypatch.setattr(targets, "require_device", lambda *a, **k: fake)
     with pytest.raises(InputError, match="repack"):
         api.resolve_schedule("auto", 1, 4096, 4096, "bf16", torch.bfloat16)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+def test_weights_are_the_only_reads_before_the_wait(target, tmp_path):
+    """The launch's ``early`` flag in the SASS (``ACQBULK`` = griddepcontrol.wait,
+    ``PREEXIT`` = launch_dependents): a wait taken only when the flag is off comes before
+    any global access; then the ring's cp.async (``LDGSTS``: the weight and its scale
+    words) and nothing else; then the release; then the wait every thread passes before
+    the activations, alpha and the split-K counters are read."""
+    import re
+
+    from test_pdl_sass import GLOBAL, _ops
+
+    from cute_fp4.compile import compile_report
+
+    s = stream_decode_schedule(target, 1, 8192, 8192)
+    assert s.split_k > 1  # the split-K store's counters come after the wait too
+    row = compile_report(s, target, Problem(1, 8192, 8192, "bf16"), dump_dir=str(tmp_path))
+    assert row["ok"], row.get("reason")
+    sass = next(tmp_path.glob("*.sass")).read_text()
+    (fn,) = re.split(r"Function : ", sass)[1:]
+    ops = [op for op in _ops(fn) if op != "LDGDEPBAR"]  # cp.async.commit_group: no access
+    release = ops.index("PREEXIT")
+    waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    first_global = next(i for i, op in enumerate(ops) if GLOBAL.match(op))
+    assert waits[0] < first_global, "the flag-off wait comes after a global access"
+    before = [op for op in ops[:release] if GLOBAL.match(op)]
+    assert before and all(op.startswith(("LDGSTS", "UBLKPF")) for op in before), before
+    after = next(i for i in waits if i > release)
+    assert not [op for op in ops[release:after] if GLOBAL.match(op)]
