@@ -6,7 +6,7 @@ bytes, timed in the same run as the decode figures it stands beside.
 A decode GEMM (M = 1..16) has to read its weight once: ``N K / 2`` bytes of E2M1 codes and
 ``N K / 16`` of UE4M3 scales (``weight_bytes``). Its floor here is not a datasheet rate but
 a plain streaming read of exactly those bytes on this GPU (:func:`floor`): a Triton kernel
-that loads 16-byte words (``.cg``, evict-first), XORs them into one word per program and
+that loads 16-byte words (``.cg``: L2 only), XORs them into one word per program and
 stores it, over the bytes of 8 distinct copies (one launch per copy, one CUDA graph), L2
 flushed before every replay (cold: each copy comes from device memory, as a decoder's
 layers do), median of ``reps`` replays, divided by 8; the best of a few grid and block
@@ -59,8 +59,7 @@ def _kernel():
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(pid * BLOCK, n_words, step):
             offs = start + tl.arange(0, BLOCK)
-            acc ^= tl.load(x_ptr + offs, mask=offs < n_words, other=0, cache_modifier=".cg",
-                           eviction_policy="evict_first")
+            acc ^= tl.load(x_ptr + offs, mask=offs < n_words, other=0, cache_modifier=".cg")
         tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
 
     return read

@@ -17,6 +17,9 @@ two tests above could fail (the early read does happen before the writer's bytes
 
 from __future__ import annotations
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
 import pytest
 import torch
 
@@ -142,50 +145,38 @@ class _Writer:
     spins ``ns`` nanoseconds on the global timer, then copies ``src`` over ``dst`` (int32
     words): a weight being rewritten while the GEMM after it may already run."""
 
-    @staticmethod
-    def build():
-        import cuda.bindings.driver as cuda
-        import cutlass
-        import cutlass.cute as cute
+    @cute.jit
+    def __call__(self, src: cute.Tensor, dst: cute.Tensor, ns: cutlass.Int64,
+                 stream: cuda.CUstream):
+        self.kernel(src, dst, ns).launch(grid=[2, 1, 1], block=[128, 1, 1], stream=stream,
+                                         use_pdl=True)
 
-        class Writer:
-            @cute.jit
-            def __call__(self, src: cute.Tensor, dst: cute.Tensor, ns: cutlass.Int64,
-                         stream: cuda.CUstream):
-                self.kernel(src, dst, ns).launch(grid=[2, 1, 1], block=[128, 1, 1],
-                                                 stream=stream, use_pdl=True)
-
-            @cute.kernel
-            def kernel(self, src: cute.Tensor, dst: cute.Tensor, ns: cutlass.Int64):
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-                t0 = cute.arch.globaltimer()
-                t = t0
-                while t - t0 < ns:
-                    t = cute.arch.globaltimer()
-                tidx, _, _ = cute.arch.thread_idx()
-                bidx, _, _ = cute.arch.block_idx()
-                for i in cutlass.range(bidx * 128 + tidx, cute.size(dst), 256):
-                    dst[i] = src[i]
-
-        return Writer()
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, dst: cute.Tensor, ns: cutlass.Int64):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        t0 = cute.arch.globaltimer()
+        t = t0
+        while t - t0 < ns:
+            t = cute.arch.globaltimer()
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        for i in cutlass.range(bidx * 128 + tidx, cute.size(dst), 256):
+            dst[i] = src[i]
 
 
 def _writer(src_words, dst_words):
-    import cutlass
-    import cutlass.cute as cute
-    from cuda.bindings import driver
     from cutlass.cute.runtime import from_dlpack
 
     def tensor(t):
         return from_dlpack(t).mark_layout_dynamic()
 
-    fn = cute.compile(_Writer.build(), tensor(src_words), tensor(dst_words),
-                      cutlass.Int64(0), driver.CUstream(0))
+    fn = cute.compile(_Writer(), tensor(src_words), tensor(dst_words), cutlass.Int64(0),
+                      cuda.CUstream(0))
 
     def launch(ns: int):
         fn(tensor(src_words), tensor(dst_words), cutlass.Int64(ns),
-           driver.CUstream(torch.cuda.current_stream().cuda_stream))
+           cuda.CUstream(torch.cuda.current_stream().cuda_stream))
 
     return launch
 
