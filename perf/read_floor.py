@@ -180,6 +180,32 @@ def chain_floor_us(total_bytes: int, rate: float | None = None) -> float:
     return total_bytes / (rate or read_rate())
 
 
+def kernel_timeline(fn) -> list[dict]:
+    """The device kernels of one call of ``fn`` (a graph replay too: CUPTI records each
+    kernel of the graph) under ``torch.profiler``: name, start and end (us, from the first
+    kernel's start), sorted by start."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted(({"name": e.name, "start": e.time_range.start, "end": e.time_range.end}
+                  for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA
+                  and e.time_range.elapsed_us() > 0), key=lambda e: e["start"])
+    t0 = evs[0]["start"] if evs else 0
+    return [{**e, "start": round(e["start"] - t0, 3), "end": round(e["end"] - t0, 3)}
+            for e in evs]
+
+
+def busy_us(events: list[dict]) -> float:
+    """Microseconds during which at least one of ``events`` ran (overlaps counted once)."""
+    total, end = 0.0, -1e30
+    for e in sorted(events, key=lambda e: e["start"]):
+        if e["end"] > end:
+            total += e["end"] - max(e["start"], end)
+            end = e["end"]
+    return total
+
+
 class Floors:
     """Read floors per weight size, measured once per process (every benchmark of a run
     shares them)."""

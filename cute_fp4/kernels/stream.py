@@ -213,6 +213,7 @@ class StreamGemm(GemmLaunch):
     act_hoist = True  # a unit's activation pairs loaded before its first decode (H200,
     # 1 x 8192 x 8192: 19.9 us against 22.3 loaded per K block, L1TEX stalls 41% -> 30%)
     dual_acc = False  # even and odd units of a batch into two accumulator sets (added last)
+    group_major = True  # a unit's MMAs row group by row group (K blocks inner)
     l2_ahead = 0  # batches of the CTA's units asked into L2 (cp.async.bulk.prefetch.L2) ahead
     # of the ring, by one thread; 0: none
     release = True  # griddepcontrol.launch_dependents once the ring's first loads are issued
@@ -444,33 +445,53 @@ class StreamGemm(GemmLaunch):
         multiplied into its accumulator."""
         blk, sQ, sS, k_units, warp, lane, mine = ring
         bf16 = self.mma_dtype is cutlass.BFloat16
-        q = []
-        for j in cutlass.range_constexpr(GROUPS):
-            words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
-            cute.autovec_copy(sQ[(None, j, i, slot)], words)
-            q.append(words)
         sw = cute.make_rmem_tensor((2 * PAIRS,), cutlass.Uint32)
         cute.autovec_copy(sS[(None, None, lane // 4, i, slot)], sw)
         a32 = cute.recast_tensor(frA, cutlass.Uint32)
-        b32 = cute.recast_tensor(frB, cutlass.Uint32)
         col = ku * (UNIT_K // 2) + lane % 4  # the pair at K 2c of this unit, in words
-        xs = []  # act_hoist: every activation pair of the unit, loaded before any decode
+        frBs = []  # act_hoist: each K block's B fragment, all loaded before any decode
         if cutlass.const_expr(self.act_hoist):
             for kb in cutlass.range_constexpr(4):
+                fb = cute.make_rmem_tensor_like(frB)
+                b32 = cute.recast_tensor(fb, cutlass.Uint32)
                 for nb in cutlass.range_constexpr(self.n_blocks):
-                    xs.append(activation_pair(p.mA32, x_rows[nb], col, kb))
-        for kb in cutlass.range_constexpr(4):
-            for nb in cutlass.range_constexpr(self.n_blocks):
-                b32[2 * nb], b32[2 * nb + 1] = (
-                    xs[kb * self.n_blocks + nb] if cutlass.const_expr(self.act_hoist)
-                    else activation_pair(p.mA32, x_rows[nb], col, kb))
+                    b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
+                                                                   kb)
+                frBs.append(fb)
+
+        def mma(j, kb, word):  # group j's A fragment of K block kb, into its accumulator
+            fb = frB
+            if cutlass.const_expr(self.act_hoist):
+                fb = frBs[kb]
+            else:
+                b32 = cute.recast_tensor(frB, cutlass.Uint32)
+                for nb in cutlass.range_constexpr(self.n_blocks):
+                    b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
+                                                                   kb)
+            s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
+            s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
+            o = decode_fragment(word, s_lo, s_hi, kb, tables, bf16)
+            for r in cutlass.range_constexpr(4):
+                a32[r] = o[r]
+            cute.gemm(mma1, accs[j], frA, fb, accs[j])
+
+        if cutlass.const_expr(self.group_major and self.act_hoist):
+            # one row group's four words at a time (4 registers live, not 16); each
+            # accumulator still takes its K blocks in order: the same bits
             for j in cutlass.range_constexpr(GROUPS):
-                s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
-                s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
-                o = decode_fragment(q[j][kb], s_lo, s_hi, kb, tables, bf16)
-                for r in cutlass.range_constexpr(4):
-                    a32[r] = o[r]
-                cute.gemm(mma1, accs[j], frA, frB, accs[j])
+                words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
+                cute.autovec_copy(sQ[(None, j, i, slot)], words)
+                for kb in cutlass.range_constexpr(4):
+                    mma(j, kb, words[kb])
+        else:
+            q = []
+            for j in cutlass.range_constexpr(GROUPS):
+                words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
+                cute.autovec_copy(sQ[(None, j, i, slot)], words)
+                q.append(words)
+            for kb in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(GROUPS):
+                    mma(j, kb, q[j][kb])
 
     @cute.jit
     def _reduce(self, sQ_all, accs, warp, lane):

@@ -59,17 +59,6 @@ def _target() -> str:
     return require_device().target.name
 
 
-def kernel_events(prof) -> list[dict]:
-    """The profile's device kernels: name, start and end in us, sorted by start."""
-    evs = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
-            evs.append({"name": e.name[:80], "start": e.time_range.start,
-                        "end": e.time_range.end})
-    evs.sort(key=lambda e: e["start"])
-    return evs
-
-
 def timeline(call) -> dict:
     """One cold replay of ``call`` captured in a graph, profiled; and 30 cold replays timed."""
     import read_floor
@@ -79,10 +68,7 @@ def timeline(call) -> dict:
     torch.cuda.synchronize()
     read_floor.flush_l2()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    evs = [e for e in kernel_events(prof) if "read" not in e["name"]]
+    evs = [{**e, "name": e["name"][:80]} for e in read_floor.kernel_timeline(g.replay)]
     gaps = [round(b["start"] - a["end"], 2) for a, b in zip(evs, evs[1:])]
     times = []
     for _ in range(30):
@@ -93,10 +79,7 @@ def timeline(call) -> dict:
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e3)
-    t0 = evs[0]["start"] if evs else 0
-    return {"kernels": [{**e, "start": round(e["start"] - t0, 2),
-                         "end": round(e["end"] - t0, 2)} for e in evs],
-            "gaps_us": gaps, "overlapping_pairs": sum(gp < 0 for gp in gaps),
+    return {"kernels": evs, "gaps_us": gaps, "overlapping_pairs": sum(gp < 0 for gp in gaps),
             "replay_us": round(statistics.median(times), 2)}
 
 

@@ -17,6 +17,8 @@ the launch's ``early`` flag off and on:
   (``cp.async.bulk.prefetch.L2``) beyond the ring;
 * ``ctas4``: launch bounds of 4 CTAs per SM (at most 128 registers), at the auto split
   and twice it (4 CTAs per SM of work);
+* ``kb_major`` (``kb_major_ctas4``): a unit's MMAs K block by K block, all four row
+  groups' words live (146 registers on sm_90a), the order before 2026-12-06;
 * ``load_only`` (the rings alone), ``compute_only`` (no loads), ``null`` (neither): the
   memory pipeline's rate, the K loop's, the fixed cost.
 
@@ -46,10 +48,11 @@ SHAPES = ((1, 4096, 4096), (1, 8192, 8192), (1, 1024, 4096), (1, 4096, 14336),
 KNOBS = {  # label -> class attributes
     "base": {}, "norelease": {"release": False}, "l2_4": {"l2_ahead": 4},
     "l2_16": {"l2_ahead": 16}, "ctas4": {"min_ctas": 4},
+    "kb_major": {"group_major": False}, "kb_major_ctas4": {"group_major": False, "min_ctas": 4},
     "null": {}, "load_only": {}, "compute_only": {},
 }
 PROBES = ("null", "load_only", "compute_only")  # outputs that are not products
-NEIGHBOURS = {"base": (2, 0.5), "ctas4": (2,)}  # also run at these multiples of the split
+NEIGHBOURS = {"base": (2,), "ctas4": (2,)}  # also run at these multiples of the split
 LABELS = ("base", "norelease", "l2_4", "l2_16", "ctas4", "load_only", "compute_only", "null")
 
 
