@@ -84,6 +84,7 @@ for phase in ${PHASES:-tests probe timeline}; do
       done;;
   esac
   say "phase $phase: $(( $(date +%s) - s )) s"
+  tar czf "$final/out.tgz" -C "$OUT" .  # what is done so far, should a later phase be cut
 done
 say "total $(( $(date +%s) - t0 )) s"
 grep -hE "FAILED|Error|error" "$OUT"/pytest-*.txt 2>/dev/null | head -20
