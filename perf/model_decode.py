@@ -400,7 +400,7 @@ def accuracy(logits: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def layer_error(ref: nn.Module, q: nn.Module, name: str = "model.layers.0.mlp.gate_proj",
+def layer_error(ref: nn.Module, q: nn.Module, name: str = "model.layers.0.self_attn.q_proj",
                 rows: int = 16) -> float:
     """Relative error of one converted projection against its BF16 original on N(0, 1)
     inputs: the quantization error of a single layer, which the logits' error compounds
@@ -448,8 +448,10 @@ def quantized_copy(model: nn.Module, mode: str, amax: dict | None) -> tuple[nn.M
 
         rep = hf.quantize_model(q, mode=mode, fuse_mlp=False)  # projections and experts
         return q, {"converted": len(rep.quantized), "skipped": [n for n, _ in rep.skipped]}
+    # W4A16: gate and up as one GEMM with SiLU-and-mul in its epilogue (NVFP4GatedMLP);
+    # W4A4: unfused (per-layer input scales below)
     rep = cute_fp4.convert(q, mode, skip=lambda name, lin: not _is_projection(name),
-                           fuse_mlp=False)  # per-layer input scales below
+                           fuse_mlp=mode == "w4a16")
     if amax is not None:
         for name in rep.converted:
             q.get_submodule(name).set_input_scale(amax[name] / 2688.0)

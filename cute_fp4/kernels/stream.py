@@ -27,13 +27,15 @@ to spend few instructions per weight element:
   unit's before its first decode, so their latency is paid once per unit; rows of an
   activation tile past M read row M - 1 and their columns of D are never stored;
 * across kernel boundaries (programmatic dependent launch, ``roles.PDL``): a CTA fills its
-  warps' rings (both batches: weight and scale words only), then releases its dependents
-  (``griddepcontrol.launch_dependents``), so that the next kernel's CTAs become resident
-  and start their own loads while this one streams and drains, then waits
-  (``griddepcontrol.wait``) before it reads an activation, alpha, a split-K counter or
-  anything the kernels before it write. With the launch's ``early`` flag set (dense only,
-  see Constraints) the ring is filled *before* the wait: the weight streams while the
-  kernel before still runs;
+  warps' rings (both batches: weight and scale words only), waits (``griddepcontrol.wait``)
+  before it reads an activation, alpha, a split-K counter or anything the kernels before
+  it write, then releases its dependents (``griddepcontrol.launch_dependents``), so that
+  the next kernel's CTAs become resident and start their own loads while this one streams
+  and drains. With the launch's ``early`` flag set (dense only, see Constraints) the ring
+  is filled *before* the wait: the weight streams while the kernel before still runs.
+  The release comes after the wait so that one kernel at most runs ahead: released
+  before it (H100, 2026-12-06), every later GEMM of a chain became resident at once and
+  fetched its ring, and 8192^2 took 26.0 us per GEMM with the flag against 22.0 without;
 * K is split over ``split_k`` CTAs per output tile (``kernels/scheduler.py``: balanced
   ranges of 64-element units), and the partials are reduced in the kernel, in split order,
   by the last CTA of a tile to arrive (``epilogue.store_split_k``: the same bits on every
@@ -58,9 +60,9 @@ Constraints:
 * Weights before the wait (the launch's ``early`` flag, ``kernels/launch.py``; 0 unless
   the caller passes 1): the ring's first two batches of the weight and its scales (and,
   with ``l2_ahead``, later ones asked into L2) are read before ``griddepcontrol.wait``,
-  so they may be read while any kernel earlier on the stream is still running: not only
-  the one just before (a kernel that releases before its own wait, as this one does with
-  the flag, lets the one after it start while the one before it runs). **Rule: a weight
+  so they may be read while a kernel earlier on the stream is still running: the one just
+  before, and any before that one if it released its dependents before its own wait (the
+  package's kernels release after theirs; a foreign kernel may not). **Rule: a weight
   read before the wait must not be written by a kernel still in flight earlier on the
   stream.** Its bytes must be final before the launch can start: written before a host
   synchronisation or an event the stream waited on, or before a kernel launched without
@@ -360,10 +362,13 @@ class StreamGemm(GemmLaunch):
             self._issue(ring, b)  # (issues nothing past the warp's last unit)
             cute.arch.cp_async_commit_group()
         self._prefetch_l2(blk, k_units, tidx, self.ring, self.ring + self.l2_ahead)
-        if cutlass.const_expr(self.release):
-            roles.release_dependents()  # this CTA's first loads are out: the next may start
         if cutlass.const_expr(not self.grouped):
             roles.wait_for_inputs()  # activations, alpha and split-K counters after this
+        if cutlass.const_expr(self.release):
+            # this CTA's first loads are out and the kernels before it are done: the next
+            # kernel may start (and, with its flag, read its weight) while this one
+            # streams; after the wait, so that at most one kernel runs ahead of this one
+            roles.release_dependents()
         for b in cutlass.range(n_batches, unroll=1):
             cute.arch.cp_async_wait_group(self.ring - 1)  # batch b has landed
             cute.arch.sync_warp()  # the quad's scale words, copied by its four lanes
