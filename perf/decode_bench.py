@@ -280,7 +280,7 @@ def render_md(res: dict) -> str:
     env = res["env"]
     lines = [f"# Decode GEMMs against the read floor, {res['date']}", "",
              f"GPU {env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, "
-             f"CuTe DSL {env.get('cutlass_dsl')}, QuACK {env.get('quack_kernels')}.",
+             f"CuTe DSL {env.get('cute_dsl')}, QuACK {env.get('quack_kernels')}.",
              f"Timing: {res['formulas']['timing']}. Weight bytes "
              f"{res['formulas']['weight_bytes']}; floor: {res['formulas']['floor']}. "
              "Cells: us per call, and floor / time.", "",

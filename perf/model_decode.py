@@ -578,7 +578,7 @@ def markdown(res: dict) -> str:
              "Step: `torch` runs the decode step's ops one by one; `compiled` is the same "
              "step through `torch.compile(fullgraph=True)` (Inductor), for every model.", "",
              f"Floor: the step's weight bytes (projections; MoE: the expected share of the "
-             f"experts) over the read rate of a 1 GiB read ({res['read_rate_TBs']} TB/s, "
+             f"experts) over the read rate of a 1 GiB read ({res.get('read_rate_TBs')} TB/s, "
              "perf/read_floor.py), per model; `_early`: the same NVFP4 model with the "
              "stream kernel's early flag on.", "",
              "| model | step | batch | eager ms/token | graph ms/token | graph tokens/s | "
@@ -598,9 +598,9 @@ def markdown(res: dict) -> str:
               and "eager_ms" in r else "-")
         eager = f"{r['eager_ms']:.3f}" if "eager_ms" in r else "-"
         floor = r.get("floor_ms")
+        over = f"{r['graph_ms'] / floor:.2f}" if floor else "-"
         lines.append(f"{head} {eager} | {r['graph_ms']:.3f} | {tok:,.0f} | {sg} | {se} | "
-                     f"{floor if floor is not None else '-'} | "
-                     f"{r['graph_ms'] / floor if floor else 0:.2f} |")
+                     f"{floor if floor is not None else '-'} | {over} |")
     full = {f"{r['model']} {r['step']} {r['batch']}": r["full_path_launches_per_step"]
             for r in res["results"] if r.get("full_path_launches_per_step")}
     lines += ["", "cute_fp4 launches per step through the full path instead of a binding: "

@@ -247,3 +247,51 @@ def test_weights_are_the_only_reads_before_the_wait(target, tmp_path):
     before = [op for op in ops[:wait] if GLOBAL.match(op)]
     assert before and all(op.startswith(("LDGSTS", "UBLKPF")) for op in before), before
     assert not [op for op in ops[wait:release] if GLOBAL.match(op)]
+
+
+def _perf_module(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    perf = Path(__file__).resolve().parents[1] / "perf"
+    if str(perf) not in sys.path:
+        sys.path.insert(0, str(perf))
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, perf / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_read_floor_reads_the_weight_bytes_and_early_weights_sets_only_the_stream_flag():
+    """perf/read_floor.py imports without a GPU and counts a weight's bytes as the bench
+    does; decode_bench.early_weights sets the launch's early flag (RAW_EARLY) for dense
+    stream kernels only, and only inside the block."""
+    from types import SimpleNamespace
+
+    from cute_fp4 import bench, catalogue
+    from cute_fp4.compile import CompiledGemm
+    from cute_fp4.kernels.launch import RAW_EARLY
+
+    rf = _perf_module("read_floor")
+    assert rf.weight_bytes(8192, 8192) == bench.weight_bytes(8192, 8192, "nvfp4")
+    assert all(per_sm >= 0 and block % 512 == 0 for per_sm, block, _ in rf.CONFIGS)
+    assert rf.busy_us([{"start": 0, "end": 3}, {"start": 2, "end": 5},
+                       {"start": 7, "end": 8}]) == 6
+    db = _perf_module("decode_bench")
+    raw = tuple(range(17))
+    plain = CompiledGemm.raw_args
+    CompiledGemm.raw_args = lambda self, *a, **k: raw
+    try:
+        kinds = {"dense": stream_schedule("sm_90a"),
+                 "grouped": stream_schedule("sm_90a", 8, grouped=True),
+                 "tma": catalogue.get("sm90_default")}
+        with db.early_weights():
+            got = {k: CompiledGemm.raw_args(SimpleNamespace(schedule=s))[RAW_EARLY]
+                   for k, s in kinds.items()}
+        assert got == {"dense": 1, "grouped": RAW_EARLY, "tma": RAW_EARLY}
+        assert CompiledGemm.raw_args(SimpleNamespace())[RAW_EARLY] == RAW_EARLY
+    finally:
+        CompiledGemm.raw_args = plain
