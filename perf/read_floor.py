@@ -84,15 +84,9 @@ def read_call(buf: torch.Tensor, config: tuple[int, int, int]) -> Callable[[], t
 
 def capture(fn):
     """``fn`` captured in a CUDA graph after one call on a side stream: (graph, result)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        result = fn()
-    return g, result
+    from cute_fp4.bench import capture_graph
+
+    return capture_graph(fn)
 
 
 _FLUSH: dict = {}

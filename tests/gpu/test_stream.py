@@ -22,6 +22,9 @@ tests/gpu/test_grouped.py (routings, bad offsets with guard rows, graphs).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,6 +37,9 @@ from cute_fp4.planning.stream import stream_schedule
 from cute_fp4.targets import detect_device
 from gpu import selection
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+from decode_bench import stream_launch as launch_stream  # noqa: E402  (the early flag)
+
 WATCHDOG_S = 600
 
 SHAPES = [(1, 8, 64), (1, 136, 192), (2, 72, 4160), (5, 1000, 832), (8, 4096, 4096),
@@ -45,24 +51,6 @@ VARIANTS = [dict(tile_m=16), dict(tile_m=8), dict(tile_m=16, stages=1),
 
 def _schedule(**kw):
     return stream_schedule(detect_device().target.name, **kw)
-
-
-def launch_stream(kern, a, w, out, early: bool) -> None:
-    """Launch the compiled stream kernel ``kern`` on the current stream with the launch's
-    ``early`` flag (kernels/launch.py ``RAW_EARLY``): what the layer API passes for a
-    weight it finished preparing. ``w``: the packed weight; ``out`` [M, N]."""
-    from cute_fp4.kernels.launch import RAW_EARLY
-    from cute_fp4.operands import alpha_tensor
-    from cute_fp4.run import split_workspace
-
-    m, n = out.shape
-    ws = split_workspace(kern, m, n, out.device) if kern.schedule.split_k > 1 else None
-    raw = kern.raw_args(a, None, w.data, w.scale, out, alpha_tensor(a, w, None), ws)
-    raw = (*raw[:RAW_EARLY], int(early), *raw[RAW_EARLY + 1:])
-    if kern._ffi is not None:
-        kern._ffi(*raw)
-    else:
-        kern._compiled(*kern._dsl_args(raw))
 
 
 def _early_and_late(kern, a, w, pw):
