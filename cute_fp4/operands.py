@@ -40,6 +40,9 @@ class Operands(NamedTuple):
     workspace: tuple | None = None  # split-K (counters, partials) of a dense launch
     offsets: torch.Tensor | None = None  # int32 [E + 1] of a grouped launch
     bias: torch.Tensor | None = None  # the fused bias: float32 [N] ([E, N] grouped)
+    # the stream kernel may read the weight before waiting for the kernel before it (only
+    # for a weight no kernel still in flight on the stream writes: kernels/stream.py)
+    early: bool = False
 
 
 def out_dtype_of(schedule: Schedule) -> torch.dtype:

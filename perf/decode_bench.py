@@ -1,35 +1,42 @@
-"""Decode GEMMs (M = 1..16) against the weight bytes: torch BF16, QuACK W4A16 and cute_fp4.
+"""Decode GEMMs (M = 1..16) against what this GPU can read: torch BF16 and FP8, QuACK
+W4A16 and cute_fp4, each beside the read floor of its weight, timed in the same run.
 
     python perf/decode_bench.py --out DIR [--quick] [--variants] [--ms 1 4 16]
     python perf/decode_bench.py --profile PROVIDER M N K    # launches for Nsight Compute
 
-One process, one NVFP4 weight per shape shared by every provider, every output checked
-against the exact reference (``cute_fp4.bench.check_output``) before its time counts.
-Device time of a CUDA-graph replay (``cute_fp4.bench.Timer``), twice: with L2 flushed
-before every replay (``cold``: the weight comes from HBM, as in a model whose layers
-together exceed the L2) and without (``warm``). Providers:
+One process, one NVFP4 weight per shape, 8 distinct copies of it per provider (each copy
+prepared as the provider prepares a weight, so each reads its own bytes), every output
+checked against the exact reference (``cute_fp4.bench.check_output``) before its time
+counts. Time: the 8 copies' calls back to back in one CUDA graph, L2 flushed before every
+replay (cold: each weight comes from device memory, as a decoder's layers do), median of
+30 replays, divided by 8 (``read_floor.time_copies``): launches overlap as they do in a
+decoder's chain, a kernel's ramp-up and tail are paid as there. The floor of each shape
+is ``read_floor.floor``: a plain streaming read of exactly the weight's bytes (``N K / 2
++ N K / 16``), timed the same way; every row says time / floor. Providers:
 
 * ``torch_bf16``: cuBLAS on the weight's exact BF16 values (what the NVFP4 model replaces);
+* ``torch_fp8``: ``torch._scaled_mm`` with per-tensor scales (FP8 bytes: 1.8x NVFP4's);
 * ``quack_w4a16``: QuACK's ``gemm_w4a16(wformat="nvfp4")`` when ``import quack`` works;
 * ``nvfp4linear_w4a16`` / ``nvfp4linear_w4a4``: ``cute_fp4.nn.NVFP4Linear`` forward, the
   call path of a converted model (``schedule="auto"``; W4A4 with a calibrated static input
   scale: its activation kernel and the GEMM);
-* ``rs_packed_decode``: the register-sourced WGMMA decode schedule ``auto`` picked before
-  the stream kernel (``cute_fp4.api.packed_decode_schedule``), for a same-run comparison;
+* ``stream`` / ``stream_early``: the weight-streaming kernel "auto" picks at this M
+  (``tuning.stream_decode_schedule``; tile M 16 at M > 8) with the launch's ``early``
+  flag off and on (the weight read before the wait: each copy's weight is prepared before
+  the timing, so the rule of kernels/stream.py holds);
 * with ``--variants``: ``stream`` schedules over tile M, split-K and units in flight.
 
-``--profile`` prepares one provider (``stream`` for the stream kernel "auto" picks,
-``rs_packed_decode``, ``torch_bf16``, ``quack_w4a16``) and launches it five times between
-``cudaProfilerStart``/``Stop``, for ``ncu --profile-from-start off``.
-
-Floors: the weight and scale bytes (``N K / 2 + N K / 16``) at the H200's 4.8 TB/s peak
-and at 4.0 TB/s (what torch BF16 reaches on large weights here). Writes
-``DIR/decode_bench.json`` (every row, the environment) and ``DIR/decode_bench.md``.
+``--profile`` prepares one provider (``stream``, ``stream_early``, ``torch_bf16``, ...)
+and launches it five times between ``cudaProfilerStart``/``Stop``, for ``ncu
+--profile-from-start off``. Writes ``DIR/decode_bench.json`` (every row, the floors, the
+environment) and ``DIR/decode_bench.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -37,14 +44,14 @@ from pathlib import Path
 
 import torch
 
-SHAPES = [(8192, 8192), (28672, 4096), (4096, 14336), (4096, 4096), (1024, 4096)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import read_floor  # noqa: E402
+
+SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (8192, 8192), (28672, 4096),
+          (28672, 8192), (128256, 4096)]
 QUICK = [(8192, 8192), (1024, 4096)]
-PEAK_TBS = 4.8
-TORCH_TBS = 4.0
-
-
-def weight_bytes(n: int, k: int) -> int:
-    return n * k // 2 + n * k // 16
+weight_bytes = read_floor.weight_bytes
 
 
 def _linear(w, mode: str, x):
@@ -56,29 +63,73 @@ def _linear(w, mode: str, x):
     return NVFP4Linear(w, mode=mode, input_scale=scale)
 
 
-def providers(ops, variants: list) -> list:
-    """(name, prepare) pairs; ``prepare()`` returns a graph-capturable call and info."""
+def weight_copy(ops):
+    """``ops`` with a copy of its weight in new memory (the same values)."""
+    from cute_fp4.nvfp4 import NVFP4Tensor
+
+    b = ops.b
+    return dataclasses.replace(ops, b=NVFP4Tensor(b.data.clone(), b.scale.clone(),
+                                                  b.global_scale), memo={})
+
+
+def stream_launch(kern, a, w, out, early: bool) -> None:
+    """Launch the compiled stream kernel on the current stream with the launch's ``early``
+    flag (``operands.Operands.early``), as a prepared layer with ``prefetch_weights`` does."""
+    from cute_fp4.operands import Operands, alpha_tensor
+    from cute_fp4.workspaces import split_workspace
+
+    m, n = out.shape
+    ws = split_workspace(kern, m, n, out.device) if kern.schedule.split_k > 1 else None
+    kern.launch(Operands(a, None, w.data, w.scale, out, alpha_tensor(a, w, None), ws,
+                         early=early))
+
+
+@contextlib.contextmanager
+def early_weights():
+    """Inside: every dense launch of the stream kernel through the package's launch path
+    (``CompiledGemm.raw_args``: NVFP4Linear, gemm, their bindings and graphs) sets the
+    ``early`` flag. For benchmarks of weights that no kernel writes while it is on (a
+    prepared layer passes the flag per weight instead: ``Linear.prefetch_weights``)."""
+    from cute_fp4.compile import CompiledGemm
+    from cute_fp4.schedule import Mainloop
+
+    plain = CompiledGemm.raw_args
+
+    def raw_args(self, ops):
+        s = self.schedule
+        if s.mainloop is Mainloop.STREAM and not s.scheduler.grouped:
+            ops = ops._replace(early=True)
+        return plain(self, ops)
+
+    CompiledGemm.raw_args = raw_args
+    try:
+        yield
+    finally:
+        CompiledGemm.raw_args = plain
+
+
+def providers(m: int, n: int, k: int, variants: list) -> list:
+    """(name, prepare, A format) triples; ``prepare(ops)`` returns a graph-capturable call
+    on ``ops``'s weight and an info dict."""
     from cute_fp4 import bench
-    from cute_fp4.api import packed_decode_schedule, stream_decode_schedule
     from cute_fp4.compile import Signature, compile
-    from cute_fp4.operands import alpha_tensor
     from cute_fp4.packed import repack
-    from cute_fp4.run import run_compiled
+    from cute_fp4.tuning import stream_decode_schedule
 
-    m, n, k = ops.mnk
-    pw = repack(ops.b)
-    alpha = alpha_tensor(ops.a16, pw, None)
-
-    def schedule_call(s):
-        def prep():
+    def stream(s, early):
+        def prep(ops):
             kern = compile(s, Signature("bf16"))
+            pw = repack(ops.b)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            return (lambda: run_compiled(kern, ops.a16, pw, out=out, alpha=alpha),
-                    {"schedule": s.name or s.label()})
+
+            def call():
+                stream_launch(kern, ops.a16, pw, out, early)
+                return out
+            return call, {"schedule": s.label(), "early": early}
         return prep
 
     def layer(mode):
-        def prep():
+        def prep(ops):
             lin = _linear(ops.b, mode, ops.a16)
             with torch.no_grad():
                 lin(ops.a16)
@@ -86,7 +137,7 @@ def providers(ops, variants: list) -> list:
         return prep
 
     def peer(p):
-        def prep():
+        def prep(ops):
             why = p.status()
             if why:
                 raise bench.Unavailable(why)
@@ -94,14 +145,17 @@ def providers(ops, variants: list) -> list:
             return r.call, r.info
         return prep
 
+    auto = stream_decode_schedule(_target(), m, n, k)
     out = [("torch_bf16", peer(bench.TORCH_BF16), "bf16"),
+           ("torch_fp8", peer(bench.TORCH_FP8), "bf16"),
            ("quack_w4a16", peer(bench.QUACK_W4A16), "bf16"),
            ("nvfp4linear_w4a16", layer("w4a16"), "bf16"),
            ("nvfp4linear_w4a4", layer("w4a4"), "nvfp4"),
-           ("rs_packed_decode", schedule_call(packed_decode_schedule(n, k)), "bf16"),
-           ("stream_auto", schedule_call(stream_decode_schedule(_target(), m, n, k)), "bf16")]
+           ("stream", stream(auto, False), "bf16"),
+           ("stream_early", stream(auto, True), "bf16")]
     for s in variants:
-        out.append((f"stream {s.label()}", schedule_call(s), "bf16"))
+        out.append((f"stream {s.label()}", stream(s, False), "bf16"))
+        out.append((f"stream_early {s.label()}", stream(s, True), "bf16"))
     return out
 
 
@@ -120,125 +174,136 @@ def variant_schedules(m: int, n: int, k: int) -> list:
             if split * 4 <= units for stages in (1, 2, 4)]
 
 
-def measure(name, prep, a_format, ops, timers) -> dict:
+def measure(name, prep, a_format, ops, copies: int = read_floor.COPIES) -> dict:
+    """One provider on ``copies`` copies of ``ops``'s weight: time per call (cold) and the
+    check of the first and last copy's outputs."""
     from cute_fp4 import bench
 
     m, n, k = ops.mnk
     row = {"M": m, "N": n, "K": k, "provider": name}
     try:
-        call, info = prep()
+        calls = []
+        for i in range(copies):
+            call, info = prep(ops if i == 0 else weight_copy(ops))
+            calls.append(call)
         row.update(info)
-        for label, timer in timers.items():
-            us, out = timer.timed(call)
-            row[f"{label}_us"] = round(us, 2)
-            row[f"{label}_TB/s"] = round(weight_bytes(n, k) / us / 1e6, 3)
-        exact = name != "nvfp4linear_w4a4"
-        row.update(bench.check_output(out[..., :n].reshape(m, n), ops,
-                                      a_format if exact else "bf16", exact))
-        if not exact:  # W4A4: the exact products of the quantized activation
+        us, outs = read_floor.time_copies(calls)
+        row["cold_us"] = round(us, 2)
+        row["TB/s"] = round(weight_bytes(n, k) / us / 1e6, 3)
+        exact = name not in ("nvfp4linear_w4a4", "torch_fp8")
+        for out in (outs[0], outs[-1]):
+            got = bench.check_output(out[..., :n].reshape(m, n), ops,
+                                     a_format if exact else "bf16", exact)
+            if row.get("check", "ok") == "ok":
+                row.update(got)
+        if name == "nvfp4linear_w4a4":  # the exact products of the quantized activation
             row.update({f"w4a4_{k_}": v for k_, v in
-                        bench.check_output(out.reshape(m, n), ops, "nvfp4", True).items()})
+                        bench.check_output(outs[-1].reshape(m, n), ops, "nvfp4",
+                                           True).items()})
         row["status"] = "ok"
     except bench.Unavailable as e:
         row["status"] = f"unavailable: {e}"
     except Exception as e:  # keep measuring the others
         row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    finally:
+        calls = outs = None
+        torch.cuda.empty_cache()
     return row
 
 
-def run(shapes, ms, variants: bool) -> dict:
+def run(shapes, ms, variants: bool, only: set | None = None) -> dict:
     from cute_fp4 import bench
 
-    timers = {"cold": bench.Timer(reps=30, flush=True),
-              "warm": bench.Timer(reps=30, flush=False)}
-    rows = []
+    rows, floors = [], {}
     for n, k in shapes:
+        floors[f"{n}x{k}"] = fl = read_floor.FLOORS(n, k)
+        print(json.dumps({"floor": f"{n}x{k}", **fl}), file=sys.stderr, flush=True)
         for m in ms:
             ops = bench.bench_operands(m, n, k, seed=n + k + m)
-            floor = weight_bytes(n, k) / PEAK_TBS / 1e6
             vs = variant_schedules(m, n, k) if variants else []
-            for name, prep, fmt in providers(ops, vs):
-                row = measure(name, prep, fmt, ops, timers)
-                row["floor_peak_us"] = round(floor, 2)
-                row["floor_4TBs_us"] = round(weight_bytes(n, k) / TORCH_TBS / 1e6, 2)
+            for name, prep, fmt in providers(m, n, k, vs):
+                if only and name not in only:
+                    continue
+                row = measure(name, prep, fmt, ops)
+                row["floor_us"] = fl["floor_us"]
+                if "cold_us" in row:
+                    row["floor_over_time"] = round(fl["floor_us"] / row["cold_us"], 3)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    return {"rows": rows, "env": bench.environment(), "date": time.strftime("%Y-%m-%d"),
-            "formulas": {"weight_bytes": "N*K/2 + N*K/16", "peak_TB/s": PEAK_TBS,
-                         "timing": "CUDA-graph replay, median of 30; cold: L2 flushed "
-                                   "(256 MiB read) before each replay; warm: not"}}
+    return {"rows": rows, "floors": floors, "env": bench.environment(),
+            "date": time.strftime("%Y-%m-%d"),
+            "formulas": {"weight_bytes": "N*K/2 + N*K/16",
+                         "floor": "read_floor.floor: a plain read of the weight bytes, "
+                                  "8 copies per graph, cold, best of read_floor.CONFIGS",
+                         "timing": "8 distinct weight copies per CUDA graph, L2 flushed "
+                                   "(256 MiB read) before each replay, median of 30 "
+                                   "replays / 8"}}
 
 
 def ratios(res: dict) -> list[dict]:
-    """Per (M, N, K): the best stream variant and each provider against torch and QuACK."""
+    """Per (M, N, K): every provider's time, its floor / time, and its speed-up over the
+    peers (peer time / its time)."""
     by = {}
     for r in res["rows"]:
-        if r.get("status") == "ok":
+        if r.get("status") == "ok" and (r.get("check") == "ok" or r.get("check") == "inexact"):
             by.setdefault((r["M"], r["N"], r["K"]), {})[r["provider"]] = r
     out = []
     for (m, n, k), p in sorted(by.items(), key=lambda x: (x[0][1], x[0][2], x[0][0])):
-        line = {"M": m, "N": n, "K": k}
-        for t in ("cold", "warm"):
-            bf = p.get("torch_bf16", {}).get(f"{t}_us")
-            qk = p.get("quack_w4a16", {}).get(f"{t}_us")
-            streams = {name: r[f"{t}_us"] for name, r in p.items() if name.startswith("stream")}
-            for name in ("nvfp4linear_w4a16", "nvfp4linear_w4a4", "rs_packed_decode",
-                         "stream_auto"):
-                us = p.get(name, {}).get(f"{t}_us")
-                if us:
-                    line[f"{t}_{name}_us"] = us
-                    line[f"{t}_{name}_x_bf16"] = round(bf / us, 2) if bf else None
-                    line[f"{t}_{name}_x_quack"] = round(qk / us, 2) if qk else None
-            if streams:
-                best = min(streams, key=streams.get)
-                line[f"{t}_best_stream"] = best
-                line[f"{t}_best_stream_us"] = streams[best]
-                line[f"{t}_best_stream_x_bf16"] = round(bf / streams[best], 2) if bf else None
-            line[f"{t}_torch_bf16_us"], line[f"{t}_quack_us"] = bf, qk
+        line = {"M": m, "N": n, "K": k, "floor_us": res["floors"][f"{n}x{k}"]["floor_us"]}
+        peers = {q: p[q]["cold_us"] for q in ("torch_bf16", "torch_fp8", "quack_w4a16")
+                 if q in p}
+        for name, r in p.items():
+            us = r["cold_us"]
+            line[f"{name}_us"] = us
+            line[f"{name}_floor_over_time"] = round(line["floor_us"] / us, 3)
+            for q, qus in peers.items():
+                if q != name:
+                    line[f"{name}_x_{q}"] = round(qus / us, 2)
         out.append(line)
     return out
 
 
+COLUMNS = (("torch_bf16", "torch BF16"), ("torch_fp8", "cuBLAS FP8"),
+           ("quack_w4a16", "QuACK"), ("nvfp4linear_w4a16", "W4A16 (auto)"),
+           ("nvfp4linear_w4a4", "W4A4 (auto)"), ("stream", "stream"),
+           ("stream_early", "stream early"))
+
+
 def render_md(res: dict) -> str:
     env = res["env"]
-    lines = [f"# Decode GEMMs, {res['date']}", "",
+    lines = [f"# Decode GEMMs against the read floor, {res['date']}", "",
              f"GPU {env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, "
-             f"CuTe DSL {env.get('cutlass_dsl')}, QuACK {env.get('quack_kernels')}.",
+             f"CuTe DSL {env.get('cute_dsl')}, QuACK {env.get('quack_kernels')}.",
              f"Timing: {res['formulas']['timing']}. Weight bytes "
-             f"{res['formulas']['weight_bytes']}; TB/s columns are weight bytes / time.", ""]
-    for t in ("cold", "warm"):
-        lines += [f"## {t}", "",
-                  "| N x K | M | torch BF16 us | QuACK us | W4A16 us | x BF16 | x QuACK | "
-                  "W4A4 us | W4A4/W4A16 | rs_packed us | stream us | floor 4.8 TB/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in ratios(res):
-            a16 = r.get(f"{t}_nvfp4linear_w4a16_us")
-            a4 = r.get(f"{t}_nvfp4linear_w4a4_us")
-            floor = next(x["floor_peak_us"] for x in res["rows"]
-                         if (x["M"], x["N"], x["K"]) == (r["M"], r["N"], r["K"]))
-            lines.append(
-                f"| {r['N']} x {r['K']} | {r['M']} | {r.get(f'{t}_torch_bf16_us')} | "
-                f"{r.get(f'{t}_quack_us')} | {a16} | "
-                f"{r.get(f'{t}_nvfp4linear_w4a16_x_bf16')} | "
-                f"{r.get(f'{t}_nvfp4linear_w4a16_x_quack')} | {a4} | "
-                f"{round(a4 / a16, 2) if a4 and a16 else None} | "
-                f"{r.get(f'{t}_rs_packed_decode_us')} | {r.get(f'{t}_stream_auto_us')} | "
-                f"{floor} |")
-        lines.append("")
-    bad = [r for r in res["rows"] if r.get("status") == "ok" and r.get("check") != "ok"
-           and r["provider"] != "nvfp4linear_w4a4"]
+             f"{res['formulas']['weight_bytes']}; floor: {res['formulas']['floor']}. "
+             "Cells: us per call, and floor / time.", "",
+             "| N x K | M | floor us | " + " | ".join(c for _, c in COLUMNS)
+             + " | early x BF16 | early x FP8 | early x QuACK |",
+             "|---|---|---|" + "---|" * (len(COLUMNS) + 3)]
+    for r in ratios(res):
+        cells = []
+        for name, _ in COLUMNS:
+            us = r.get(f"{name}_us")
+            cells.append("-" if us is None else
+                         f"{us} ({r[f'{name}_floor_over_time']:.2f})")
+        lines.append(f"| {r['N']} x {r['K']} | {r['M']} | {r['floor_us']} | "
+                     + " | ".join(cells) + " | "
+                     + " | ".join(str(r.get(f"stream_early_x_{q}", "-"))
+                                  for q in ("torch_bf16", "torch_fp8", "quack_w4a16"))
+                     + " |")
+    bad = [r for r in res["rows"] if r.get("status") == "ok" and r.get("check") == "FAIL"]
     bad += [r for r in res["rows"] if r["provider"] == "nvfp4linear_w4a4"
             and r.get("status") == "ok" and r.get("w4a4_check") != "ok"]
-    lines.append(f"Outputs failing the exact reference: {len(bad)}.")
+    lines += ["", f"Outputs failing the exact reference: {len(bad)}."]
     return "\n".join(lines) + "\n"
 
 
 def profile(name: str, m: int, n: int, k: int) -> None:
     from cute_fp4 import bench
+
     ops = bench.bench_operands(m, n, k)
-    table = {p[0]: p[1] for p in providers(ops, [])}
-    table["stream"] = table["stream_auto"]
-    call, info = table[name]()
+    table = {p[0]: p[1] for p in providers(m, n, k, [])}
+    call, info = table[name](ops)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -257,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--shapes", nargs="*", help="N,K pairs (default: the issue's seven)")
+    ap.add_argument("--providers", nargs="*", help="only these providers")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_bench: needs a CUDA GPU", file=sys.stderr)
@@ -266,7 +333,9 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required (or --profile)")
-    res = run(QUICK if args.quick else SHAPES, args.ms, args.variants)
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes
+              else QUICK if args.quick else SHAPES)
+    res = run(shapes, args.ms, args.variants, set(args.providers or ()))
     res["ratios"] = ratios(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -246,6 +246,8 @@ def render_decode_bench(data: dict, path: Path) -> list[str]:
     for r in data["rows"]:
         if r.get("status") == "ok":
             by.setdefault((r["N"], r["K"], r["M"]), {})[r["provider"]] = r
+    if "floors" in data:  # 2026-12-06 on: 8 weight copies per graph, the read floor
+        return _render_decode_floor(data, by)
     out = ["Decode GEMMs through `NVFP4Linear` (the call path of a converted model), device "
            "time in us with L2 flushed before each replay (the weight comes from memory). "
            f"Floor: weight and scale bytes ({data['formulas']['weight_bytes']}) at "
@@ -264,6 +266,32 @@ def render_decode_bench(data: dict, path: Path) -> list[str]:
                      _ratio(qk, a16), _us_or(a4), _ratio(a4, a16), us(floor)])
     return out + table(["N x K", "M", "torch BF16", "QuACK", "W4A16", "x torch", "x QuACK",
                         "W4A4", "W4A4 / W4A16", "floor"], rows)
+
+
+def _render_decode_floor(data: dict, by: dict) -> list[str]:
+    """decode_bench's rows against the read floor measured in the same run."""
+    def cold(p, name, check="check"):  # None: absent; "FAIL": its output failed the check
+        r = p.get(name)
+        return None if r is None else r["cold_us"] if r.get(check) in ("ok", "inexact") \
+            else "FAIL"
+
+    rows = []
+    for (n, k, m), p in sorted(by.items()):
+        floor = data["floors"][f"{n}x{k}"]["floor_us"]
+        bf, f8, qk = cold(p, "torch_bf16"), cold(p, "torch_fp8"), cold(p, "quack_w4a16")
+        a16, a4 = cold(p, "nvfp4linear_w4a16"), cold(p, "nvfp4linear_w4a4", "w4a4_check")
+        early = cold(p, "stream_early")
+        rows.append([f"{n} x {k}", m, us(floor), *map(_us_or, (bf, f8, qk, a16, a4, early)),
+                     _ratio(floor, a16), _ratio(bf, a16), _ratio(f8, a16), _ratio(qk, a16)])
+    return ["Decode GEMMs: 8 distinct copies of each weight per CUDA graph, L2 flushed before "
+            "each replay, device time per call in us; `floor`: a plain streaming read of "
+            f"the same bytes ({data['formulas']['weight_bytes']}) timed the same way "
+            "(`perf/read_floor.py`). W4A16 and W4A4: `NVFP4Linear` (\"auto\"); `early`: "
+            "the stream kernel with the launch's early flag (the weight read before the "
+            "wait; what prepared layers run). FAIL: the output failed its check; torch FP8 "
+            "is requantized (inexact).", ""] + table(
+        ["N x K", "M", "floor", "torch BF16", "cuBLAS FP8", "QuACK", "W4A16", "W4A4",
+         "early", "floor / W4A16", "W4A16 x BF16", "W4A16 x FP8", "W4A16 x QuACK"], rows)
 
 
 def _moe_us(case: dict, op: str, provider: str):
@@ -332,19 +360,43 @@ def render_mlp(data: dict, path: Path) -> list[str]:
 def render_model_decode(data: dict, path: Path) -> list[str]:
     res = data["results"]
     base = {(r["batch"], r.get("step")): r for r in res if r["model"] == "bf16"}
+    floors = any("floor_ms" in r for r in res)
     rows = []
     for r in res:
+        if "graph_ms" not in r:
+            continue
         b = base.get((r["batch"], r.get("step")), {})
-        rows.append([r["model"], r["batch"], r.get("step") or "torch",
-                     f"{r['graph_ms']:.3f}", x(b.get("graph_ms"), r["graph_ms"]),
-                     f"{r['eager_ms']:.3f}", x(b.get("eager_ms"), r["eager_ms"])])
+        line = [r["model"], r["batch"], r.get("step") or "torch", f"{r['graph_ms']:.3f}",
+                x(b.get("graph_ms"), r["graph_ms"]),
+                f"{r['eager_ms']:.3f}" if "eager_ms" in r else None,
+                x(b.get("eager_ms"), r.get("eager_ms"))]
+        if floors:
+            line.append(x(r["graph_ms"], r.get("floor_ms")))
+        rows.append(line)
     cfg = data["config"]
-    return [f"{cfg['layers']} Llama layers (hidden {cfg['hidden']}, MLP "
+    moe = cfg.get("model") == "moe"
+    what = (f"{cfg['layers']} Qwen3-MoE layers (hidden {cfg['hidden']}, {cfg['experts']} "
+            f"experts of {cfg['moe_intermediate']}, top-{cfg['experts_per_token']}), random "
+            "weights, `cute_fp4.hf.quantize_model`" if moe else
+            f"{cfg['layers']} Llama layers (hidden {cfg['hidden']}, MLP "
             f"{cfg['intermediate']}), random weights, `cute_fp4.nn.convert`; W4A4 with a "
-            f"{data.get('w4a4_scale', 'static')} input scale. ms per decode step; `step`: "
-            "op by op (`torch`) or through `torch.compile` (`compiled`); `graph`: the step "
-            "under CUDA graphs. x BF16: the BF16 model's time over this one's.", ""] + table(
-        ["model", "batch", "step", "graph ms", "x BF16", "eager ms", "x BF16"], rows)
+            f"{data.get('w4a4_scale', 'static')} input scale")
+    out = [f"{what}. ms per decode step; `step`: op by op (`torch`) or through "
+           "`torch.compile` (`compiled`); `graph`: the step under CUDA graphs. x BF16: the "
+           "BF16 model's time over this one's" + ("; `/ floor`: the step's time over its "
+           "weights' bytes at the rate of a 1 GiB read (MoE: the expected share of the "
+           "experts); `_early`: the stream kernel's early flag on." if floors else "."), ""]
+    headers = ["model", "batch", "step", "graph ms", "x BF16", "eager ms", "x BF16"]
+    out += table(headers + (["/ floor"] if floors else []), rows)
+    prof = data.get("profiles") or {}
+    prow = [[name, p["span_us"], p["cute_fp4_busy_us"], p["projections_floor_us"],
+             x(p["cute_fp4_busy_us"], p["projections_floor_us"])]
+            for name, p in prof.items() if p.get("cute_fp4_busy_us")]
+    if prow:
+        out += ["One replay of the step at batch 1, profiled: the time during which the "
+                "cute_fp4 kernels ran against their weights' read floor.", ""] + table(
+            ["model", "step span us", "cute_fp4 busy us", "floor us", "busy / floor"], prow)
+    return out
 
 
 def render_hf(data: dict, path: Path) -> list[str]:
@@ -479,9 +531,10 @@ SECTIONS: list[Section] = [
             "perf/moe_bench.py --ops layer --stem moe-fused", _has("cases")),
     Section("Fused epilogue: a gated MLP", "**/mlp.json", render_mlp, "perf/mlp_bench.py",
             _has("rows", "hidden", "floor_us")),
-    Section("A Llama decoder", "**/*model_decode*.json", render_model_decode,
+    Section("A decoder step", "**/*model_decode*.json", render_model_decode,
             "perf/model_decode.py", _has("results", "config"),
-            lambda d: f"{d.get('w4a4_scale', 'static')} input scale"),
+            lambda d: ("Qwen3-MoE-like" if d["config"].get("model") == "moe" else
+                       f"Llama-like, {d.get('w4a4_scale', 'static')} input scale")),
     Section("NVFP4 checkpoints in transformers", "**/hf_generate*.json", render_hf,
             "perf/hf_generate.py", _has("models")),
     Section("Activation quantizer", "**/*quant*.json", render_quantize,

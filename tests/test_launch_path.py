@@ -66,10 +66,11 @@ def test_raw_args_are_the_dsl_arguments_as_ints(kernel, split_k):
     ops = Operands(a, None, b.data, b.scale, out, alpha, ws)
     raw = kern.raw_args(ops, 132, 0xABC0)
     dsl = kern.runtime_args(ops, "stream")
-    assert len(raw) == len(dsl) == 16 and all(type(x) is int for x in raw)
+    assert len(raw) == len(dsl) == 17 and all(type(x) is int for x in raw)
     assert [int(p.__tvm_ffi_opaque_ptr__()) for p in dsl[:11]] == list(raw[:11])
     assert [int(x) for x in dsl[11:14]] == list(raw[11:14]) == [M, N, K]
-    assert raw[14:] == (132, 0xABC0) and dsl[15] == "stream"
+    assert raw[14:] == (132, 0, 0xABC0) and dsl[16] == "stream"  # max_ctas, early, stream
+    assert kern.raw_args(ops._replace(early=True), 132, 0xABC0)[15] == 1
     sfb, pal = b.scale.data_ptr(), alpha.data_ptr()
     assert raw[:6] == (a.data_ptr(), sfb, b.data.data_ptr(), sfb, out.data_ptr(), pal)
     # pWork = the partials, pCount = the header and counters; pBias: alpha (no bias)
@@ -133,8 +134,8 @@ def test_without_tvm_ffi_the_dsl_call_path_gets_its_objects(kernel):
 
     assert int(args[0].__tvm_ffi_opaque_ptr__()) == a.data_ptr()
     assert int(args[4].__tvm_ffi_opaque_ptr__()) == out.data_ptr()
-    assert isinstance(args[15], driver.CUstream) and int(args[15]) == 0x5000
-    assert [int(x) for x in args[11:15]] == [M, N, K, 7]  # max_ctas of compiled_gemm
+    assert isinstance(args[16], driver.CUstream) and int(args[16]) == 0x5000
+    assert [int(x) for x in args[11:16]] == [M, N, K, 7, 0]  # max_ctas of compiled_gemm, early
     # the same types and alignments as runtime_args makes (what fake_args compiled)
     ref = kernel.runtime_args(Operands(a, None, b.data, b.scale, out, torch.ones(1)), None)
     for got, want in zip(args[:11], ref[:11]):

@@ -214,3 +214,84 @@ def test_plain_weight_w4a16_on_sm12x_says_to_repack(monkeypatch):
     monkeypatch.setattr(targets, "require_device", lambda *a, **k: fake)
     with pytest.raises(InputError, match="repack"):
         api.resolve_schedule("auto", 1, 4096, 4096, "bf16", torch.bfloat16)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target", ["sm_90a", "sm_120a"])
+def test_weights_are_the_only_reads_before_the_wait(target, tmp_path):
+    """The launch's ``early`` flag in the SASS (``ACQBULK`` = griddepcontrol.wait,
+    ``PREEXIT`` = launch_dependents): a wait taken only when the flag is off comes before
+    any global access; then the ring's cp.async (``LDGSTS``: the weight and its scale
+    words) and nothing else up to the wait every thread passes before the activations,
+    alpha and the split-K counters are read; the release after that wait (one kernel at
+    most runs ahead)."""
+    import re
+
+    from test_pdl_sass import GLOBAL, _ops
+
+    from cute_fp4.compile import compile_report
+
+    s = stream_decode_schedule(target, 1, 8192, 8192)
+    assert s.split_k > 1  # the split-K store's counters come after the wait too
+    row = compile_report(s, target, Problem(1, 8192, 8192, "bf16"), dump_dir=str(tmp_path))
+    assert row["ok"], row.get("reason")
+    sass = next(tmp_path.glob("*.sass")).read_text()
+    (fn,) = re.split(r"Function : ", sass)[1:]
+    ops = [op for op in _ops(fn) if op != "LDGDEPBAR"]  # cp.async.commit_group: no access
+    release = ops.index("PREEXIT")
+    waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    first_global = next(i for i, op in enumerate(ops) if GLOBAL.match(op))
+    assert waits[0] < first_global, "the flag-off wait comes after a global access"
+    wait = max(i for i in waits if i < release)
+    assert wait > first_global, "no wait between the ring's loads and the release"
+    before = [op for op in ops[:wait] if GLOBAL.match(op)]
+    assert before and all(op.startswith(("LDGSTS", "UBLKPF")) for op in before), before
+    assert not [op for op in ops[wait:release] if GLOBAL.match(op)]
+
+
+def _perf_module(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    perf = Path(__file__).resolve().parents[1] / "perf"
+    if str(perf) not in sys.path:
+        sys.path.insert(0, str(perf))
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, perf / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_read_floor_reads_the_weight_bytes_and_early_weights_sets_only_the_stream_flag():
+    """perf/read_floor.py imports without a GPU and counts a weight's bytes as the bench
+    does; decode_bench.early_weights sets the launch's early flag (Operands.early) for
+    dense stream kernels only, and only inside the block."""
+    from types import SimpleNamespace
+
+    from cute_fp4 import bench, catalogue
+    from cute_fp4.compile import CompiledGemm
+    from cute_fp4.operands import Operands
+
+    rf = _perf_module("read_floor")
+    assert rf.weight_bytes(8192, 8192) == bench.weight_bytes(8192, 8192, "nvfp4")
+    assert all(per_sm >= 0 and block % 512 == 0 for per_sm, block, _ in rf.CONFIGS)
+    assert rf.busy_us([{"start": 0, "end": 3}, {"start": 2, "end": 5},
+                       {"start": 7, "end": 8}]) == 6
+    db = _perf_module("decode_bench")
+    ops = Operands(*range(6))
+    plain = CompiledGemm.raw_args
+    CompiledGemm.raw_args = lambda self, o: o.early
+    try:
+        kinds = {"dense": stream_schedule("sm_90a"),
+                 "grouped": stream_schedule("sm_90a", 8, grouped=True),
+                 "tma": catalogue.get("sm90_default")}
+        with db.early_weights():
+            got = {k: CompiledGemm.raw_args(SimpleNamespace(schedule=s), ops)
+                   for k, s in kinds.items()}
+        assert got == {"dense": True, "grouped": False, "tma": False}
+        assert CompiledGemm.raw_args(SimpleNamespace(), ops) is False
+    finally:
+        CompiledGemm.raw_args = plain

@@ -3,7 +3,7 @@
 Compiled signature (all families)::
 
     (pA, pSFA, pB, pSFB, pC, pAlpha, pWork, pCount, pBias, pSFOut, pGSOut, m, n, k,
-     max_ctas, stream)
+     max_ctas, early, stream)
 
 raw global pointers and Int32 sizes, so one compile serves every shape and a launch reads
 only ``data_ptr()`` and ``shape`` of the torch tensors (no DLPack per call). Compiled with
@@ -29,7 +29,10 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
   ``NVFP4Tensor`` as ``out`` (:func:`raw_args`);
 * ``n`` is the GEMM's N (the weight's rows): with ``"silu_mul"`` the output has N / 2
   columns;
-* ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count).
+* ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count);
+* ``early``: 1 lets the stream kernel read the weight and its scales before
+  ``griddepcontrol.wait`` (``Operands.early``; kernels/stream.py states when that is safe),
+  0 keeps every global read after the wait; other kernels ignore it.
 
 The caller (``cute_fp4.api.check_operands``) has checked dtypes, shapes, contiguity and
 16-byte alignment: the pointers carry no layout. :func:`global_tensors` rebuilds the
@@ -75,6 +78,7 @@ class GemmTensors(NamedTuple):
     mCount: cute.Tensor  # split-K: the header and counters, flat int32 (without: unused)
     mBias: cute.Tensor  # (N,) float32: the fused bias (without "bias": unused)
     nv: NvOut | None = None  # "nvfp4_out": codes, blocked scales, global scale
+    early: cutlass.Int32 | None = None  # the launch's ``early`` flag (the stream kernel's)
 
 
 def out_dtype(schedule: Schedule) -> type:
@@ -100,7 +104,7 @@ def _ptr(dtype, address, align):
     return make_ptr(dtype, address, _GMEM, assumed_align=align)
 
 
-N_POINTERS = 11  # pointer arguments of the launch signature (then m, n, k, max_ctas, stream)
+N_POINTERS = 11  # pointer arguments of the signature (then m, n, k, max_ctas, early, stream)
 
 
 def pointer_slots(types: PointerTypes, split_k: int) -> tuple[tuple[type, int], ...]:
@@ -118,7 +122,7 @@ def fake_args(types: PointerTypes, split_k: int, max_ctas: int) -> tuple:
 
     i32 = cutlass.Int32
     ptrs = tuple(_ptr(dtype, 0, align) for dtype, align in pointer_slots(types, split_k))
-    return (*ptrs, i32(0), i32(0), i32(0), i32(max_ctas), make_fake_stream())
+    return (*ptrs, i32(0), i32(0), i32(0), i32(max_ctas), i32(0), make_fake_stream())
 
 
 def runtime_args(types: PointerTypes, split_k: int, ops: Operands, stream,
@@ -152,7 +156,7 @@ def raw_args(split_k: int, ops: Operands, max_ctas: int, stream: int,
     return (ops.a.data_ptr(), sfb if ops.a_scale is None else ops.a_scale.data_ptr(),
             ops.b.data_ptr(), sfb, out.data_ptr(), pal, work, count,
             pal if ops.bias is None else ops.bias.data_ptr(), sfo, gso, m, cols * out_cols,
-            ops.b.shape[-1] * 2, max_ctas, stream)
+            ops.b.shape[-1] * 2, max_ctas, int(ops.early), stream)
 
 
 class BoundArgs:
@@ -209,7 +213,7 @@ def _sf_bytes(ptr, rows, half_k):
 
 def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pWork,
                    pCount, pBias, m, n, k, ops: tuple = (), pSFOut=None,
-                   pGSOut=None) -> GemmTensors:
+                   pGSOut=None, early=None) -> GemmTensors:
     """The launch's global tensors over the raw pointers (call while tracing); ``ops``: the
     schedule's fused epilogue operations (``"silu_mul"``: D has N / 2 columns)."""
     n = cute.assume(n, divby=8)
@@ -241,7 +245,7 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
         nv = NvOut(mQ, cute.make_tensor(pSFOut, cute.make_layout((sf_len,))),
                    cute.make_tensor(pGSOut, cute.make_layout((1,))))
     return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
-                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount, mBias, nv)
+                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount, mBias, nv, early)
 
 
 class GemmLaunch:
@@ -268,11 +272,11 @@ class GemmLaunch:
                  pWork: cute.Pointer, pCount: cute.Pointer, pBias: cute.Pointer,
                  pSFOut: cute.Pointer, pGSOut: cute.Pointer,
                  m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 max_ctas: cutlass.Int32, stream: cuda.CUstream):
+                 max_ctas: cutlass.Int32, early: cutlass.Int32, stream: cuda.CUstream):
         """Entry point: raw global pointers and sizes (see the module docstring)."""
         self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
                                     pAlpha, pWork, pCount, pBias, m, n, k, self.ops,
-                                    pSFOut, pGSOut),
+                                    pSFOut, pGSOut, early),
                      max_ctas, stream)
 
     def fake_args(self) -> tuple:
@@ -308,7 +312,7 @@ class NoopLaunch:
                  pWork: cute.Pointer, pCount: cute.Pointer, pBias: cute.Pointer,
                  pSFOut: cute.Pointer, pGSOut: cute.Pointer,
                  m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 max_ctas: cutlass.Int32, stream):
+                 max_ctas: cutlass.Int32, early: cutlass.Int32, stream):
         pass
 
 

@@ -26,6 +26,16 @@ to spend few instructions per weight element:
   come from global memory (L1-resident: every CTA reads the same few kilobytes), all of a
   unit's before its first decode, so their latency is paid once per unit; rows of an
   activation tile past M read row M - 1 and their columns of D are never stored;
+* across kernel boundaries (programmatic dependent launch, ``roles.PDL``): a CTA fills its
+  warps' rings (both batches: weight and scale words only), waits (``griddepcontrol.wait``)
+  before it reads an activation, alpha, a split-K counter or anything the kernels before
+  it write, then releases its dependents (``griddepcontrol.launch_dependents``), so that
+  the next kernel's CTAs become resident and start their own loads while this one streams
+  and drains. With the launch's ``early`` flag set (dense only, see Constraints) the ring
+  is filled *before* the wait: the weight streams while the kernel before still runs.
+  The release comes after the wait so that one kernel at most runs ahead: released
+  before it (H100, 2026-12-06), every later GEMM of a chain became resident at once and
+  fetched its ring, and 8192^2 took 26.0 us per GEMM with the flag against 22.0 without;
 * K is split over ``split_k`` CTAs per output tile (``kernels/scheduler.py``: balanced
   ranges of 64-element units), and the partials are reduced in the kernel, in split order,
   by the last CTA of a tile to arrive (``epilogue.store_split_k``: the same bits on every
@@ -47,6 +57,23 @@ Constraints:
   16; checked while tracing), the output ``[M, N / 2]``; split-K applies them in the last
   split, to the sum.
 * One CTA per (64 rows, activation tile, split): not persistent.
+* Weights before the wait (the launch's ``early`` flag, ``kernels/launch.py``; 0 unless
+  the caller passes 1): the ring's first two batches of the weight and its scales (and,
+  with ``l2_ahead``, later ones asked into L2) are read before ``griddepcontrol.wait``,
+  so they may be read while a kernel earlier on the stream is still running: the one just
+  before, and any before that one if it released its dependents before its own wait (the
+  package's kernels release after theirs; a foreign kernel may not). **Rule: a weight
+  read before the wait must not be written by a kernel still in flight earlier on the
+  stream.** Its bytes must be final before the launch can start: written before a host
+  synchronisation or an event the stream waited on, or before a kernel launched without
+  PDL, or one that waits before it releases, that came between the writer and this
+  launch (each of those starts only once everything before it has completed). Weights
+  loaded, repacked or converted on the stream and then read with the flag on in the same
+  breath break it (tests/gpu/test_pdl.py shows the old bytes being read). The flag is for
+  weights a layer finished preparing (``cute_fp4.layers``); the activations, alpha,
+  bias, offsets and split-K workspace are always read after the wait. Grouped launches
+  ignore it: which expert a CTA streams comes from the offsets, which the kernel before
+  writes.
 * Grouped (``Scheduler(grouped=True)``, :class:`StreamGroupedGemm`, MoE experts at decode):
   the units are a :class:`~cute_fp4.kernels.scheduler.GroupedScheduler`'s, row tiles of
   ``tile.m`` rows of each expert that has rows (offsets clamped to ``[0, M_total]`` and
@@ -138,6 +165,8 @@ class StreamParams(NamedTuple):
     mCount: cute.Tensor | None  # split-K header and arrival counters (without: None)
     mOffsets: cute.Tensor | None = None  # grouped: int32 [experts + 1]; dense: None
     mBias: cute.Tensor | None = None  # fused "bias": (N,), grouped (N, experts); else None
+    early: cutlass.Int32 | None = None  # dense: 1 reads the weight before the wait; grouped:
+    # None (the experts come from the offsets, after the wait)
 
 
 class Block(NamedTuple):
@@ -186,6 +215,11 @@ class StreamGemm(GemmLaunch):
     act_hoist = True  # a unit's activation pairs loaded before its first decode (H200,
     # 1 x 8192 x 8192: 19.9 us against 22.3 loaded per K block, L1TEX stalls 41% -> 30%)
     dual_acc = False  # even and odd units of a batch into two accumulator sets (added last)
+    group_major = True  # a unit's MMAs row group by row group (K blocks inner)
+    l2_ahead = 0  # batches of the CTA's units asked into L2 (cp.async.bulk.prefetch.L2) ahead
+    # of the ring, by one thread; 0: none
+    release = True  # griddepcontrol.launch_dependents once the ring's first loads are issued
+    min_ctas = None  # CTAs per SM the launch bounds ask ptxas to fit (registers); None: none
 
     def _setup(self):
         """The rings' shared storage: per warp, ``RING`` batches of ``batch`` units of
@@ -247,10 +281,15 @@ class StreamGemm(GemmLaunch):
             units = TileScheduler.create(n, m, half_k * 2, (UNIT_ROWS, self.tile_m, UNIT_K),
                                          self.split_k)
             work = (t.mWork, t.mCount) if self.split_k > 1 else (None, None)  # absent: None
-            params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work, None, bias)
+            params = StreamParams(mA32, mQ, mS, gD, t.mAlpha, units, m, n, *work, None, bias,
+                                  t.early)
+        # launch bounds: ptxas fits min_ctas CTAs per SM in the registers; the carveout is
+        # given (all shared memory: the rings) so that no device is asked while compiling
+        bounds = ({} if self.min_ctas is None else
+                  {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": 100})
         self.kernel(params).launch(grid=[units.grid(False, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], smem=self.smem_bytes,
-                                   stream=stream, use_pdl=roles.PDL)
+                                   stream=stream, use_pdl=roles.PDL, **bounds)
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
@@ -314,18 +353,24 @@ class StreamGemm(GemmLaunch):
         for nb in cutlass.range_constexpr(self.n_blocks):
             x_rows.append(blk.row0 + cutlass.min(nb * 8 + lane // 4, blk.rows - 1))
         ring = (blk, sQ, sS, k_units, warp, lane, mine)
-        if cutlass.const_expr(not self.grouped):
-            roles.wait_for_inputs()
         n_batches = (mine + self.batch - 1) // self.batch
-        ahead = self.ring - 1  # batches issued before the first is decoded
-        for b in cutlass.range_constexpr(ahead):
+        if cutlass.const_expr(not self.grouped):
+            if p.early == 0:
+                roles.wait_for_inputs()  # (grouped: waited for the offsets already)
+        # the whole ring: weight and scale words only, before the wait when p.early is set
+        for b in cutlass.range_constexpr(self.ring):
             self._issue(ring, b)  # (issues nothing past the warp's last unit)
             cute.arch.cp_async_commit_group()
+        self._prefetch_l2(blk, k_units, tidx, self.ring, self.ring + self.l2_ahead)
+        if cutlass.const_expr(not self.grouped):
+            roles.wait_for_inputs()  # activations, alpha and split-K counters after this
+        if cutlass.const_expr(self.release):
+            # this CTA's first loads are out and the kernels before it are done: the next
+            # kernel may start (and, with its flag, read its weight) while this one
+            # streams; after the wait, so that at most one kernel runs ahead of this one
+            roles.release_dependents()
         for b in cutlass.range(n_batches, unroll=1):
-            if b + ahead < n_batches:
-                self._issue(ring, b + ahead)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(ahead)
+            cute.arch.cp_async_wait_group(self.ring - 1)  # batch b has landed
             cute.arch.sync_warp()  # the quad's scale words, copied by its four lanes
             for i in cutlass.range_constexpr(self.batch):
                 t = b * self.batch + i
@@ -333,6 +378,12 @@ class StreamGemm(GemmLaunch):
                     mine_accs = accs[GROUPS * (i % sets): GROUPS * (i % sets + 1)]
                     self._unit(p, ring, b % self.ring, i, blk.k_begin + warp + WARPS * t,
                                x_rows, tables, mma1, frA, frB, mine_accs)
+            cute.arch.sync_warp()  # every lane is done with slot b % ring: refill it
+            if b + self.ring < n_batches:
+                self._issue(ring, b + self.ring)
+            cute.arch.cp_async_commit_group()
+            self._prefetch_l2(blk, k_units, tidx, b + self.ring + self.l2_ahead,
+                              b + self.ring + self.l2_ahead + 1)
         cute.arch.cp_async_wait_group(0)
         if cutlass.const_expr(sets > 1):
             for j in cutlass.range_constexpr(GROUPS):
@@ -373,39 +424,79 @@ class StreamGemm(GemmLaunch):
                           sS[(None, lane % 4, lane // 4, i, slot)])
 
     @cute.jit
+    def _prefetch_l2(self, blk: Block, k_units, tidx, first, last):
+        """``l2_ahead``: thread 0 asks L2 for the CTA's K units of batches ``[first, last)``
+        (a batch of the four warps is ``WARPS * batch`` consecutive units of the block's
+        range: one contiguous run of weight bytes and one of scale atoms, which the row
+        block shares with its neighbour) with ``cp.async.bulk.prefetch.L2``, clamped to the
+        CTA's range. Nothing is written; the ring's cp.async then finds the lines in L2."""
+        if cutlass.const_expr(self.l2_ahead > 0):
+            per = WARPS * self.batch
+            u0 = cutlass.min(first * per, blk.k_count)
+            u1 = cutlass.min(last * per, blk.k_count)
+            if tidx == 0 and u1 > u0:
+                ku = blk.k_begin + u0
+                q = blk.mQ.iterator + cute.assume(unit_word_index(blk.blk, ku, k_units),
+                                                  divby=UNIT_WORDS)
+                sf = blk.mS.iterator + cute.assume(
+                    ((blk.blk // 2) * k_units + ku) * SF_ATOM_WORDS, divby=SF_ATOM_WORDS)
+                prefetch_l2(q, (u1 - u0) * UNIT_BYTES)
+                prefetch_l2(sf, (u1 - u0) * SF_ATOM_WORDS * 4)
+
+    @cute.jit
     def _unit(self, p: StreamParams, ring, slot, i, ku, x_rows, tables, mma1, frA, frB, accs):
         """One K unit (ring ``slot``, position ``i``) of all four row groups: per K block of
         16, the activation fragment once, then each group's A fragment decoded and
         multiplied into its accumulator."""
         blk, sQ, sS, k_units, warp, lane, mine = ring
         bf16 = self.mma_dtype is cutlass.BFloat16
-        q = []
-        for j in cutlass.range_constexpr(GROUPS):
-            words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
-            cute.autovec_copy(sQ[(None, j, i, slot)], words)
-            q.append(words)
         sw = cute.make_rmem_tensor((2 * PAIRS,), cutlass.Uint32)
         cute.autovec_copy(sS[(None, None, lane // 4, i, slot)], sw)
         a32 = cute.recast_tensor(frA, cutlass.Uint32)
-        b32 = cute.recast_tensor(frB, cutlass.Uint32)
         col = ku * (UNIT_K // 2) + lane % 4  # the pair at K 2c of this unit, in words
-        xs = []  # act_hoist: every activation pair of the unit, loaded before any decode
+        frBs = []  # act_hoist: each K block's B fragment, all loaded before any decode
         if cutlass.const_expr(self.act_hoist):
             for kb in cutlass.range_constexpr(4):
+                fb = cute.make_rmem_tensor_like(frB)
+                b32 = cute.recast_tensor(fb, cutlass.Uint32)
                 for nb in cutlass.range_constexpr(self.n_blocks):
-                    xs.append(activation_pair(p.mA32, x_rows[nb], col, kb))
-        for kb in cutlass.range_constexpr(4):
-            for nb in cutlass.range_constexpr(self.n_blocks):
-                b32[2 * nb], b32[2 * nb + 1] = (
-                    xs[kb * self.n_blocks + nb] if cutlass.const_expr(self.act_hoist)
-                    else activation_pair(p.mA32, x_rows[nb], col, kb))
+                    b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
+                                                                   kb)
+                frBs.append(fb)
+
+        def mma(j, kb, word):  # group j's A fragment of K block kb, into its accumulator
+            fb = frB
+            if cutlass.const_expr(self.act_hoist):
+                fb = frBs[kb]
+            else:
+                b32 = cute.recast_tensor(frB, cutlass.Uint32)
+                for nb in cutlass.range_constexpr(self.n_blocks):
+                    b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
+                                                                   kb)
+            s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
+            s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
+            o = decode_fragment(word, s_lo, s_hi, kb, tables, bf16)
+            for r in cutlass.range_constexpr(4):
+                a32[r] = o[r]
+            cute.gemm(mma1, accs[j], frA, fb, accs[j])
+
+        if cutlass.const_expr(self.group_major and self.act_hoist):
+            # one row group's four words at a time (4 registers live, not 16); each
+            # accumulator still takes its K blocks in order: the same bits
             for j in cutlass.range_constexpr(GROUPS):
-                s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
-                s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
-                o = decode_fragment(q[j][kb], s_lo, s_hi, kb, tables, bf16)
-                for r in cutlass.range_constexpr(4):
-                    a32[r] = o[r]
-                cute.gemm(mma1, accs[j], frA, frB, accs[j])
+                words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
+                cute.autovec_copy(sQ[(None, j, i, slot)], words)
+                for kb in cutlass.range_constexpr(4):
+                    mma(j, kb, words[kb])
+        else:
+            q = []
+            for j in cutlass.range_constexpr(GROUPS):
+                words = cute.make_rmem_tensor((LANE_WORDS,), cutlass.Uint32)
+                cute.autovec_copy(sQ[(None, j, i, slot)], words)
+                q.append(words)
+            for kb in cutlass.range_constexpr(4):
+                for j in cutlass.range_constexpr(GROUPS):
+                    mma(j, kb, q[j][kb])
 
     @cute.jit
     def _reduce(self, sQ_all, accs, warp, lane):
@@ -469,6 +560,14 @@ class StreamGroupedGemm(GroupedLaunch, StreamGemm):
     grouped signature (kernels/launch.py ``GroupedLaunch``)."""
 
     b_row_align = UNIT_ROWS  # each expert's packed weight has packed_rows(N) rows
+
+
+@cute.jit
+def prefetch_l2(ptr, size):
+    """``cp.async.bulk.prefetch.L2.global [ptr], size``: ``size`` bytes (a multiple of 16)
+    from global memory into L2, asynchronously, best effort (sm_90a and sm_120a)."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                         read_only_args=[ptr.toint(), cutlass.Int32(size)])
 
 
 def activation_pair(mA32, row, col, kb):

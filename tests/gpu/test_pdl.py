@@ -5,10 +5,21 @@ the kernel just before each launch rewrite that launch's input, with values that
 every round, so that a kernel that read its input before the previous grid's memory was
 visible would return the previous round's answer: eagerly, in a chain of the package's own
 kernels (quantize -> dequantize -> GEMM, each triggering the next early), and under a CUDA
-graph replayed on new inputs. Outputs are poisoned before every round."""
+graph replayed on new inputs. Outputs are poisoned before every round.
+
+Weights before the wait (the stream kernel's ``early`` flag): a kernel that releases its
+dependents at once, then waits 200 us, then rewrites the weight of the GEMM launched right
+after it. With the flag off the GEMM must compute with the new weight; with the flag on
+and a kernel launched without PDL in between (what ends the writer's flight: the rule of
+kernels/stream.py) too; with the flag on straight after the writer the rule is broken on
+purpose, and the GEMM must be seen computing with the old weight, which shows that the
+two tests above could fail (the early read does happen before the writer's bytes land)."""
 
 from __future__ import annotations
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
 import pytest
 import torch
 
@@ -18,6 +29,7 @@ from cute_fp4.kernels import roles
 from cute_fp4.operands import make_operands
 from cute_fp4.packed import repack
 from gpu import selection
+from gpu.test_stream import launch_stream
 
 pytestmark = pytest.mark.gpu("sm90", "sm120")
 ROUNDS = 4
@@ -124,3 +136,82 @@ def test_w4a4_chain_under_a_graph_replayed_on_new_inputs():
         a_ref = cf.quantize(x, gs)
         res = reference.check(out, a_ref, b)
         assert res.passed, (r, str(res))
+
+
+# ----------------------------------------------------------------------------- early weights
+
+class _Writer:
+    """A PDL kernel that lets the next launch start at once (``launch_dependents`` first),
+    spins ``ns`` nanoseconds on the global timer, then copies ``src`` over ``dst`` (int32
+    words): a weight being rewritten while the GEMM after it may already run."""
+
+    @cute.jit
+    def __call__(self, src: cute.Tensor, dst: cute.Tensor, ns: cutlass.Int64,
+                 stream: cuda.CUstream):
+        self.kernel(src, dst, ns).launch(grid=[2, 1, 1], block=[128, 1, 1], stream=stream,
+                                         use_pdl=True)
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, dst: cute.Tensor, ns: cutlass.Int64):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        t0 = cute.arch.globaltimer()
+        t = t0
+        while t - t0 < ns:
+            t = cute.arch.globaltimer()
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        for i in cutlass.range(bidx * 128 + tidx, cute.size(dst), 256):
+            dst[i] = src[i]
+
+
+def _writer(src_words, dst_words):
+    from cutlass.cute.runtime import from_dlpack
+
+    def tensor(t):
+        return from_dlpack(t).mark_layout_dynamic()
+
+    fn = cute.compile(_Writer(), tensor(src_words), tensor(dst_words), cutlass.Int64(0),
+                      cuda.CUstream(0))
+
+    def launch(ns: int):
+        fn(tensor(src_words), tensor(dst_words), cutlass.Int64(ns),
+           cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+
+    return launch
+
+
+@pytest.mark.parametrize("case", ["late", "early-after-a-full-dependency", "early-broken"])
+def test_a_weight_written_just_before_the_gemm(case):
+    """K = 512: each warp's whole K range fits the ring, so with the flag on the GEMM reads
+    all of its weight before its wait."""
+    from cute_fp4.compile import Signature, compile
+    from cute_fp4.planning.stream import stream_schedule
+    from cute_fp4.targets import detect_device
+
+    m, n, k = 1, 4096, 512
+    kern = compile(stream_schedule(detect_device().target.name, 8), Signature("bf16"))
+    a, b_old = make_operands(m, n, k, "bf16", seed=3)
+    b_new = cf.NVFP4Tensor(b_old.data ^ 0x77, b_old.scale, b_old.global_scale)  # new codes
+    w, w_new = repack(b_old), repack(b_new)
+    src = w_new.data.view(torch.int32).flatten()
+    write = _writer(src, w.data.view(torch.int32).flatten())
+    scratch = torch.zeros(1, device="cuda")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    for r in range(ROUNDS):
+        w.data.copy_(repack(b_old).data)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        write(200_000)  # releases its dependents, then writes the new codes 200 us later
+        if case == "early-after-a-full-dependency":
+            scratch.add_(1)  # launched without PDL: starts once the writer has completed
+        launch_stream(kern, a, w, out, early=case != "late")
+        torch.cuda.synchronize()
+        assert torch.equal(w.data, w_new.data), r  # the writer did write
+        if case == "early-broken":
+            res = reference.check(out, a, b_old)
+            assert res.passed, ("the GEMM launched right after the writer did not compute "
+                                f"with the old weight: the early read was not forced ({res})")
+        else:
+            res = reference.check(out, a, b_new)
+            assert res.passed, (r, str(res))

@@ -7,6 +7,11 @@ activation tiles, both tile heights), N tails (multiples of 8 not of 64), K from
 units in flight, BF16 and FP16 activations, BF16/FP16/FP32 outputs; split-K reruns
 bit-identical; through ``gemm`` with a PackedNVFP4Weight and "auto".
 
+Weights before the wait (the launch's ``early`` flag, kernels/stream.py): every variant
+above again with the flag on, bit-identical to the flag off (the same arithmetic), M =
+1..16 over tails, split-K, and in a CUDA graph of several GEMMs in a row (each reading
+its weight while the one before runs).
+
 Grouped (MoE experts at decode): M = 1..16 rows over random routings (empty experts, all
 rows on one expert), N and K tails, BF16/FP16 activations, FP16/FP32 outputs and a given
 alpha, reruns bit-identical; ``grouped_gemm`` "auto" on a packed stack (W4A16 and W4A4
@@ -16,6 +21,9 @@ tests/gpu/test_grouped.py (routings, bad offsets with guard rows, graphs).
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +36,9 @@ from cute_fp4.compile import Signature, compile
 from cute_fp4.planning.stream import stream_schedule
 from cute_fp4.targets import detect_device
 from gpu import selection
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+from decode_bench import stream_launch as launch_stream  # noqa: E402  (the early flag)
 
 WATCHDOG_S = 600
 
@@ -42,6 +53,18 @@ def _schedule(**kw):
     return stream_schedule(detect_device().target.name, **kw)
 
 
+def _early_and_late(kern, a, w, pw):
+    """(flag on, flag off) outputs of one problem, each poisoned first, the first checked."""
+    outs = []
+    for early in (True, False):
+        out = torch.full((a.shape[0], w.shape[0]), float("nan"), dtype=kern.out_dtype,
+                         device="cuda")
+        launch_stream(kern, a, pw, out, early)
+        torch.cuda.synchronize()
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.gpu("sm90", "sm120")
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in
                                                                   kw.items()))
@@ -54,6 +77,73 @@ def test_stream_matches_reference(kw):
         a, b = make_operands(m, n, k, "bf16", seed=i)
         res = poisoned_check(kern, a, b)  # run_compiled packs b for the stream kernel
         assert res.passed, f"{s.label()} {(m, n, k)}: {res}"
+
+
+@pytest.mark.gpu("sm90", "sm120")
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in
+                                                                  kw.items()))
+def test_stream_early_weights_match_reference_and_the_late_read(kw):
+    """The flag on: the same shapes against the exact reference, bit-identical to the
+    flag off, and again (reruns bit-identical)."""
+    s = _schedule(**kw)
+    kern = compile(s, Signature("bf16"))
+    for i, (m, n, k) in enumerate(SHAPES):
+        if s.split_k > k // 64:
+            continue
+        a, w = make_operands(m, n, k, "bf16", seed=100 + i)
+        pw = packed.repack(w)
+        early, late = _early_and_late(kern, a, w, pw)
+        res = reference.check(early, a, w)
+        assert res.passed, f"{s.label()} {(m, n, k)} early: {res}"
+        assert torch.equal(early.view(torch.uint8), late.view(torch.uint8)), (m, n, k)
+        again, _ = _early_and_late(kern, a, w, pw)
+        assert torch.equal(again.view(torch.uint8), early.view(torch.uint8)), (m, n, k)
+
+
+@pytest.mark.gpu("sm90", "sm120")
+@pytest.mark.parametrize("split", [1, 4])
+def test_stream_early_weights_every_decode_size(split):
+    """M = 1..16 (both tile heights), N and K tails, the flag on and off."""
+    for tm in (8, 16):
+        kern = compile(_schedule(tile_m=tm, split_k=split), Signature("bf16"))
+        for m in range(1, 17):
+            if m > tm and tm == 8 and m % 3:
+                continue  # two 8-row tiles: a few M are enough
+            n, k = (136, 4160) if m % 2 else (1000, 832)
+            a, w = make_operands(m, n, k, "bf16", seed=200 + m + tm)
+            early, late = _early_and_late(kern, a, w, packed.repack(w))
+            assert reference.check(early, a, w).passed, (tm, split, m, n, k)
+            assert torch.equal(early.view(torch.uint8), late.view(torch.uint8)), (tm, m)
+
+
+@pytest.mark.gpu("sm90", "sm120")
+def test_a_chain_of_early_reads_in_a_graph():
+    """Four GEMMs in a row on one stream, each reading its weight before its wait (and the
+    activation the one before wrote after it): captured once, replayed on new inputs."""
+    kern = compile(_schedule(tile_m=8, split_k=2), Signature("bf16"))
+    n = k = 1024
+    ws = [make_operands(1, n, k, "bf16", seed=300 + i)[1] for i in range(4)]
+    pws = [packed.repack(w) for w in ws]
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    hs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+
+    def chain():
+        src = x
+        for pw, h in zip(pws, hs):
+            launch_stream(kern, src, pw, h, True)
+            src = h
+
+    g, _ = capture_graph(chain, warmups=2)
+    for r in range(3):
+        x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16) * (r + 1))
+        for h in hs:
+            h.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        src = x
+        for w, h in zip(ws, hs):
+            assert reference.check(h, src, w).passed, r
+            src = h
 
 
 @pytest.mark.gpu("sm90", "sm120")
