@@ -158,8 +158,7 @@ def gpu_main(args) -> dict:
         w = b.dequantize(torch.bfloat16)
         out = torch.empty((m, N), dtype=torch.bfloat16, device="cuda")
         cf.gemm(a16, b, out=out)
-        kern = host.kernel_for("auto", (m, N, K, "bf16"), torch.bfloat16,
-                               b.data.get_device(), api.resolve_schedule)
+        kern = run.kernel("auto", (m, N, K, "bf16"), torch.bfloat16, b.data.get_device())
         calls = {
             "torch F.linear bf16": lambda: torch.nn.functional.linear(a16, w),  # noqa: B023
             "cute_fp4 gemm W4A16": lambda: cf.gemm(a16, b),  # noqa: B023

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import catalogue, grouped, operands, packed, reference, run, tuning
+from cute_fp4 import catalogue, operands, packed, reference, run, tuning
 from cute_fp4.bench import capture_graph
 from cute_fp4.compile import Signature, compile, compile_emulated  # noqa: A004
 from cute_fp4.errors import InputError, OffsetsError
@@ -327,7 +327,7 @@ def test_torch_compile_runs_the_op():
 
 def test_w4a4_on_a_packed_stack_runs_on_the_block_values():
     """W4A4 with "auto" on a packed stack (sm_90a): decoded to the activation's exact BF16
-    block values, then the W4A16 grouped kernel (grouped.via_values): the same products as
+    block values, then the W4A16 grouped kernel (run.via_values): the same products as
     the reference over the routings, with the default and a given alpha, in a graph with
     changed offsets, and bit-identical reruns."""
     selection.skip_unless_packed()
@@ -337,7 +337,7 @@ def test_w4a4_on_a_packed_stack_runs_on_the_block_values():
         b = packed.repack(cf.quantize(_awkward(len(counts), n, k, seed=71).cuda()))
         offs = _offsets(counts)
         dims = operands.check_grouped_operands(a, b, offs, None, None)
-        assert grouped.via_values("auto", dims)
+        assert run.via_values("auto", dims.a_format, dims.packed)
         out = torch.full((sum(counts), n), float("nan"), dtype=torch.bfloat16, device="cuda")
         y = cf.grouped_gemm(a, b, offs, out=out)
         assert y is out and reference.check_grouped(out, a, b, offs).passed, name

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cute_fp4 as cf
-from cute_fp4 import api, bindings, catalogue, reference
+from cute_fp4 import bindings, catalogue, reference, run
 from cute_fp4.api import make_operands
 from cute_fp4.bench import capture_graph
 from gpu import selection
@@ -49,14 +49,13 @@ def test_tvm_ffi_path_is_used_and_matches_the_dsl_path(monkeypatch, fresh_kernel
     fmt = one_format()
     a, b = make_operands(16, 1024, 4096, fmt)
     y = cf.gemm(a, b)
-    kern = host.kernel_for("auto", (16, 1024, 4096, fmt), torch.bfloat16,
-                           b.data.get_device(), api.resolve_schedule)
+    kern = run.kernel("auto", (16, 1024, 4096, fmt), torch.bfloat16, b.data.get_device())
     assert kern.call_path == "tvm-ffi"
     monkeypatch.setenv(host.TVM_FFI_ENV, "0")
     host.clear_cache()
     y_dsl = cf.gemm(a, b)
-    kern_dsl = host.kernel_for("auto", (16, 1024, 4096, fmt), torch.bfloat16,
-                               b.data.get_device(), api.resolve_schedule)
+    kern_dsl = run.kernel("auto", (16, 1024, 4096, fmt), torch.bfloat16,
+                          b.data.get_device())
     assert kern_dsl.call_path == "dsl" and kern_dsl is not kern
     torch.cuda.synchronize()
     assert torch.equal(bits(y), bits(y_dsl))
@@ -70,12 +69,12 @@ def test_a_disk_cache_load_launches(monkeypatch, tmp_path, fresh_kernels):
     a, b = make_operands(16, 512, 2048, "nvfp4")
     host.clear_cache()
     built = host.compile(s, host.Signature("nvfp4"))
-    y1 = built(a, b)
+    y1 = run.run_compiled(built, a, b)
     host.clear_cache()
     loaded = host.compile(s, host.Signature("nvfp4"))
     assert built.source == "built" and loaded.source == "loaded"
     assert loaded.call_path == ("tvm-ffi" if HAVE_TVM_FFI else "dsl")
-    y2 = loaded(a, b)
+    y2 = run.run_compiled(loaded, a, b)
     torch.cuda.synchronize()
     assert torch.equal(bits(y1), bits(y2)) and reference.check(y2, a, b).passed
 
