@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cute_fp4.errors import CompileError, InputError
+from cute_fp4.families import family_of, resolve
 from cute_fp4.plan import Plan, plan
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 from cute_fp4.targets import Target, get_target
@@ -29,27 +30,17 @@ if TYPE_CHECKING:
 
 
 def kernel_class(schedule: Schedule) -> type:
-    """The kernel class that implements ``schedule``: the ``stream`` mainloop's (one for
-    every family it plans for), else its target family's."""
-    grouped = schedule.scheduler.grouped
-    if schedule.mainloop is Mainloop.STREAM:
-        from cute_fp4.kernels.stream import StreamGemm, StreamGroupedGemm
-
-        return StreamGroupedGemm if grouped else StreamGemm
-    if schedule.arch.family == "sm120":
-        from cute_fp4.kernels.sm120 import Sm120Gemm, Sm120GroupedGemm
-
-        return Sm120GroupedGemm if grouped else Sm120Gemm
-    from cute_fp4.kernels.sm90 import Sm90Gemm, Sm90GroupedGemm
-
-    return Sm90GroupedGemm if grouped else Sm90Gemm
+    """The kernel class that implements ``schedule``: its kernel family's
+    (``families.family_of``), dense or grouped."""
+    fam = family_of(schedule)
+    return resolve(fam.grouped_kernel if schedule.scheduler.grouped else fam.kernel)
 
 
 def mma_opcode(schedule: Schedule) -> str:
-    """The tensor-core SASS opcode prefix ``schedule``'s kernel must contain: the target's
-    (``OMMA.SF``, ``HGMMA``), or ``HMMA`` for the ``stream`` mainloop's warp-level
-    16-bit ``mma.sync``."""
-    return "HMMA" if schedule.mainloop is Mainloop.STREAM else schedule.arch.sass_mma_prefix
+    """The tensor-core SASS opcode prefix ``schedule``'s kernel must contain (its family's:
+    ``OMMA.SF`` on SM12x, ``HGMMA`` on sm_90a, ``HMMA`` for the ``stream`` mainloop's
+    warp-level 16-bit ``mma.sync``)."""
+    return family_of(schedule).sass_mma(schedule)
 
 
 def retarget(schedule: Schedule, target: str | Target | None) -> Schedule:

@@ -9,8 +9,9 @@ all call it, and the kernels allocate shared memory with the very same region li
 byte (CI checks this).
 
 This module is the driver: the rules live in one module per kernel family
-(``cute_fp4/planning/sm120.py``, ``sm90.py``, over ``common.py``), chosen by the target's
-``family``; a family without rules is refused, never planned by another's. The driver
+(``cute_fp4/planning/sm120.py``, ``sm90.py``, ``stream.py``, over ``common.py``), named by
+the family's row of ``cute_fp4.families``; a schedule no family runs is refused, never
+planned by another's. The driver
 searches the stage count, runs the family's checks and then the shared ones, and words the
 shared-memory refusal.
 
@@ -25,10 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cute_fp4 import families
 from cute_fp4.errors import ScheduleError
-from cute_fp4.planning import sm90 as _sm90
-from cute_fp4.planning import sm120 as _sm120
-from cute_fp4.planning import stream as _stream
 from cute_fp4.planning.common import (
     ALIGN,
     COMMON_CHECKS,
@@ -46,11 +45,7 @@ from cute_fp4.planning.common import (
 )
 from cute_fp4.planning.common import align as _align
 from cute_fp4.schedule import Problem, Schedule, WarpRoles
-from cute_fp4.targets import Family, Target
-
-# family -> its planning rules; the driver never branches on the family otherwise
-FAMILY_RULES: dict[Family, FamilyRules] = {Family.SM120: _sm120.RULES,
-                                           Family.SM90: _sm90.RULES}
+from cute_fp4.targets import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +110,14 @@ class Plan:
 
 # ----------------------------------------------------------------------------- dispatch
 
-def family_rules(target: Target) -> FamilyRules | None:
-    """The planning rules of ``target``'s family, None when it has none."""
-    return FAMILY_RULES.get(target.family)
-
-
 def schedule_rules(schedule: Schedule) -> FamilyRules | None:
-    """The rules ``schedule`` is planned by: its family's, or those of the ``stream``
-    mainloop, one kernel for several families (planning/stream.py checks which)."""
-    if _stream.streaming(schedule):
-        return _stream.RULES
-    return family_rules(schedule.arch)
+    """The rules ``schedule`` is planned by: its kernel family's (``families.family_of``;
+    the ``stream`` mainloop's is one kernel for several target families, and
+    planning/stream.py checks which), None when no family runs it."""
+    for fam in families.FAMILIES:
+        if fam.runs(schedule):
+            return families.resolve(fam.rules)
+    return None
 
 
 def _rules(schedule: Schedule) -> FamilyRules:
@@ -137,7 +129,8 @@ def _rules(schedule: Schedule) -> FamilyRules:
 
 def _no_rules_reason(t: Target) -> str:
     return (f"{t.name} (compute capability {t.cc[0]}.{t.cc[1]}, family {t.family}) has no "
-            f"planning rules; planned families: {', '.join(map(str, FAMILY_RULES))}")
+            f"planning rules; kernel families: "
+            f"{', '.join(f.name for f in families.FAMILIES)}")
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -191,7 +184,7 @@ def _single_stage_warnings(s: Schedule, fit: int) -> list[str]:
 
 
 def _unplanned(s: Schedule, p: Problem) -> Plan:
-    """The refusal of a schedule whose target family has no planning rules."""
+    """The refusal of a schedule no kernel family runs (so none plans it)."""
     return Plan(schedule=s, problem=p, target=s.arch, stages=0, epi_stages=epi_stages(s),
                 epi_tile=epilogue_tile(s), stage_bytes={}, regions=(),
                 reasons=(_no_rules_reason(s.arch),))
@@ -205,9 +198,9 @@ def plan(schedule: Schedule | str, problem: Problem | tuple | None = None) -> Pl
     carries the byte counts when memory is also a problem. Without a problem, a schedule
     that takes only 16-bit activations (grouped sm_90a) is planned for BF16 A.
     """
-    from cute_fp4.catalogue import resolve
+    from cute_fp4 import catalogue
 
-    schedule, problem = resolve(schedule, problem)
+    schedule, problem = catalogue.resolve(schedule, problem)
     if problem is None:  # any problem: NVFP4 A, or 16-bit A for a W4A16-only schedule
         first = _plan(schedule, Problem())
         if first.ok:
@@ -236,5 +229,5 @@ def _plan(s: Schedule, p: Problem) -> Plan:
 
 __all__ = ["Plan", "Region", "RegisterSplit", "plan", "smem_regions",
            "stage_bytes", "max_stages", "epilogue_tile", "c_elem_bytes", "register_split",
-           "family_rules", "FAMILY_RULES", "WarpRoles", "ALIGN", "SF_VEC", "SF_ATOM_ROWS",
+           "schedule_rules", "WarpRoles", "ALIGN", "SF_VEC", "SF_ATOM_ROWS",
            "MAX_EPI_STAGES", "silu_group"]

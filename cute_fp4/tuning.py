@@ -29,7 +29,9 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
@@ -171,7 +173,7 @@ def pick(name: str, m: int, n: int, k: int, a_format: str) -> Schedule:
     if name != "auto":
         return catalogue.get(name)
     dev = gemm_device()
-    if dev.target.family == "sm120" and a_format != "nvfp4":
+    if a_format not in auto_row(dev.target.family).plain_formats:
         raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
                          "stream kernel, which reads the fragment-order packed weight: "
                          "pass cute_fp4.packed.repack(w) once (NVFP4Linear holds it so), "
@@ -186,46 +188,56 @@ SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
 
 def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
               a_format: str = "bf16", target: str | None = None) -> Schedule:
-    """The catalogue schedule a shape gets when nothing was tuned for it (``packed``: the
-    weight is a fragment-order PackedNVFP4Weight, which the ``rs_packed`` and ``stream``
-    mainloops read; the schedule depends on the activation format, ``a_format``;
-    ``target``: the GPU's target name, default the family's first)."""
+    """The catalogue schedule a shape gets when nothing was tuned for it: the GPU family's
+    row of :data:`AUTO` (``packed``: the weight is a fragment-order PackedNVFP4Weight,
+    which the ``rs_packed`` and ``stream`` mainloops read; the schedule depends on the
+    activation format, ``a_format``; ``target``: the GPU's target name, default the
+    family's first)."""
+    row = auto_row(family)
+    if packed:
+        return row.packed(m, n, k, a_format, target or _family_target(family))
+    return row.dense(m, n, k)
+
+
+def _sm90_dense(m: int, n: int, k: int) -> Schedule:
+    """sm_90a, plain weight: the swap-AB decode tile up to :data:`SWAPAB_MAX_M`, then the
+    64-row decode tile, 128 x 128 and 128 x 256 tiles as M grows."""
     from cute_fp4 import catalogue
 
-    if packed:
-        target = target or _family_target(family)
-        if family == "sm120":
-            if a_format == "nvfp4":
-                raise InputError("on sm_120a/sm_121a a PackedNVFP4Weight takes 16-bit "
-                                 "activations (the stream kernel); W4A4 runs on the plain "
-                                 "weight: use weight.unpack()")
-            # the stream kernel is SM120's only W4A16 kernel: every M (activation tiles of
-            # 8 rows up to M = 8, else of 16, as many as M needs)
-            return stream_decode_schedule(target, min(m, 16), n, k)
-        if family != "sm90":
-            raise InputError(f"a PackedNVFP4Weight runs on sm_90a and sm_120a/sm_121a, not "
-                             f"on {family}; use weight.unpack()")
-        return _packed_heuristic(m, n, k, a_format, target)
-    if family == "sm90":
-        if m <= SWAPAB_MAX_M:
-            # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
-            tm = 8 if m <= 8 else 16 if m <= 16 else 32
-            s = catalogue.get("sm90_decode_swapab")
-            if s.tile.m != tm:
-                s = s.replace(tile=(tm, s.tile.n, s.tile.k))
-            # one CTA per 64 weight rows; split-K (reduced in the kernel) where that leaves
-            # SMs idle: measured on H200 (perf/results/2026-12-01-h200-decode.md), M = 1:
-            # N x K = 1024 x 4096 17.0 -> 10.2 us (split 4), 4096 x 4096 16.3 -> 13.5 (2)
-            split = decode_split(-(-n // s.tile.n), -(-k // s.tile.k), s.arch.sm_count)[1]
-            return s.replace(split_k=split) if split > 1 else s
-        # measured on H200, N = K = 8192 (perf/results/2026-11-30-h200.md): at M = 256
-        # 128x128x64 takes 96 us vs 138 us for 128x256x64 (twice the tiles); from M = 1024
-        # the 128x256x64 default is fastest
-        name = ("sm90_decode" if m <= 64 else "sm90_128x128x64" if m <= 512
-                else "sm90_default")
-    else:
-        name = "sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default"
-    return catalogue.get(name)
+    if m <= SWAPAB_MAX_M:
+        # swap-AB decode: activation tile (WGMMA's N) = the smallest of 8/16/32 >= M
+        tm = 8 if m <= 8 else 16 if m <= 16 else 32
+        s = catalogue.get("sm90_decode_swapab")
+        if s.tile.m != tm:
+            s = s.replace(tile=(tm, s.tile.n, s.tile.k))
+        # one CTA per 64 weight rows; split-K (reduced in the kernel) where that leaves SMs
+        # idle: measured on H200 (perf/results/2026-12-01-h200-decode.md), M = 1: N x K =
+        # 1024 x 4096 17.0 -> 10.2 us (split 4), 4096 x 4096 16.3 -> 13.5 (2)
+        split = decode_split(-(-n // s.tile.n), -(-k // s.tile.k), s.arch.sm_count)[1]
+        return s.replace(split_k=split) if split > 1 else s
+    # measured on H200, N = K = 8192 (perf/results/2026-11-30-h200.md): at M = 256
+    # 128x128x64 takes 96 us vs 138 us for 128x256x64 (twice the tiles); from M = 1024 the
+    # 128x256x64 default is fastest
+    return catalogue.get("sm90_decode" if m <= 64 else "sm90_128x128x64" if m <= 512
+                         else "sm90_default")
+
+
+def _sm120_dense(m: int, n: int, k: int) -> Schedule:
+    """SM12x, plain weight (W4A4, the block-scaled MMA): split-K decode tiles for small M
+    and long K, else the default tile."""
+    from cute_fp4 import catalogue
+
+    return catalogue.get("sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default")
+
+
+def _sm120_packed(m: int, n: int, k: int, a_format: str, target: str) -> Schedule:
+    """SM12x, packed weight: the stream kernel, its only W4A16 kernel, at every M
+    (activation tiles of 8 rows up to M = 8, else of 16, as many as M needs)."""
+    if a_format == "nvfp4":
+        raise InputError("on sm_120a/sm_121a a PackedNVFP4Weight takes 16-bit activations "
+                         "(the stream kernel); W4A4 runs on the plain weight: use "
+                         "weight.unpack()")
+    return stream_decode_schedule(target, min(m, 16), n, k)
 
 
 DECODE_SPLITS = (1, 2, 3, 4, 6, 8, 16)
@@ -427,58 +439,67 @@ def resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
 
 # grouped (MoE) calls
 
-# the catalogue schedule "auto" runs, per kernel family of the present GPU ...
-AUTO_SCHEDULES = {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
-# ... unless the experts average at most this many rows (decode): then this one. Measured
-# on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows per expert the 16-row
-# four-warpgroup tile runs 1.6-1.8x the 128-row one, at 256 rows 0.3x; sm_90a's decode tile
-# takes 16-bit activations only (W4A4 needs 64-row activation tiles there).
-AUTO_DECODE = {"sm90": ("sm90_grouped_decode", 16), "sm120": ("sm120_grouped_decode", 32)}
-# ... and this one when they average at least this many (large prefill: 256-row tiles;
-# 0.93-0.97x torch grouped_mm at 256 rows per expert against 0.86-0.90x for 192 rows)
-AUTO_LARGE = {"sm90": ("sm90_grouped_large", 192)}
-# 16-bit activations on a packed stack, the experts averaging at most this many rows: the
-# grouped weight-streaming kernel (one CTA per routed expert's 64 weight rows, 8 activation
-# rows). On SM12x it is the only W4A16 grouped kernel, so every size takes it there. On
-# sm_90a only while its CTAs (routed experts, at most min(E, total_M), x N / 64) fit about
-# two waves of three per SM and K is at most STREAM_MAX_K: it has no split of K and is not
-# persistent, so past that the persistent rs_packed decode tile balances better. H200,
-# 2026-12-03 (perf/results/2026-12-03-h200-grouped-decode.md), stream / rs_packed decode
-# time: 0.71x and 0.79x at 192 and 256 CTAs (Qwen3-30B-A3B 1 token), 0.85x at 768 (4
-# tokens gate_up), 1.20x at 1024 (4 tokens down), 1.17x and 1.26x at 2064 and 2752 (16
-# tokens); 1.17x at 512 CTAs with K = 7168 (DeepSeek-V3 1 token gate_up: a second, partial
-# wave of long CTAs), 0.92-0.96x with K = 7168 and 1920+ CTAs (4-128 tokens). So: few
-# CTAs with K up to STREAM_MAX_K, or many (at least four waves) with a longer K.
-AUTO_STREAM = {"sm90": ("sm90_stream_grouped_decode", 4),
-               "sm120": ("sm120_stream_grouped_decode", float("inf"))}
-STREAM_MAX_UNITS = {"sm90": 800}  # sm_90a: CTAs of the estimate above (two waves, 132 SMs)
-STREAM_MAX_K = {"sm90": 4096}
-STREAM_LONG_K_UNITS = {"sm90": 1600}  # ... and past STREAM_MAX_K, at least this many
+class GroupedAuto(NamedTuple):
+    """What a grouped call's "auto" runs on one GPU family (a field of :class:`Auto`):
+    ``default``, unless the experts average at most ``decode[1]`` rows (``decode[0]``) or at
+    least ``large[1]`` (``large[0]``); 16-bit activations on a packed stack averaging at most
+    ``stream[1]`` rows take the grouped weight-streaming kernel ``stream[0]`` while its CTAs
+    (routed experts, at most min(E, total_M), x N / 64) number at most ``stream_max_units``
+    with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it."""
+
+    default: str
+    decode: tuple[str, int]
+    large: tuple[str, int] | None = None
+    stream: tuple[str, float] | None = None
+    stream_max_units: float = float("inf")
+    stream_max_k: float = float("inf")
+    stream_long_k_units: float = 0
+
+
+# sm_90a. Decode: measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows
+# per expert the 16-row four-warpgroup tile runs 1.6-1.8x the 128-row one, at 256 rows 0.3x;
+# it takes 16-bit activations only (W4A4 needs 64-row activation tiles there). Large:
+# 256-row tiles, 0.93-0.97x torch grouped_mm at 256 rows per expert against 0.86-0.90x for
+# 192 rows. Stream: no split of K and not persistent, so past two waves of three CTAs per
+# SM (or a long K) the persistent rs_packed decode tile balances better. H200, 2026-12-03
+# (perf/results/2026-12-03-h200-grouped-decode.md), stream / rs_packed decode time: 0.71x and
+# 0.79x at 192 and 256 CTAs (Qwen3-30B-A3B 1 token), 0.85x at 768 (4 tokens gate_up), 1.20x
+# at 1024 (4 tokens down), 1.17x and 1.26x at 2064 and 2752 (16 tokens); 1.17x at 512 CTAs
+# with K = 7168 (DeepSeek-V3 1 token gate_up: a second, partial wave of long CTAs),
+# 0.92-0.96x with K = 7168 and 1920+ CTAs (4-128 tokens).
+_SM90_GROUPED = GroupedAuto("sm90_grouped", ("sm90_grouped_decode", 16),
+                            ("sm90_grouped_large", 192), ("sm90_stream_grouped_decode", 4),
+                            stream_max_units=800, stream_max_k=4096,
+                            stream_long_k_units=1600)
+# SM12x: the grouped stream kernel is its only W4A16 grouped kernel, so every size takes it
+_SM120_GROUPED = GroupedAuto("sm120_grouped", ("sm120_grouped_decode", 32),
+                             stream=("sm120_stream_grouped_decode", float("inf")))
 
 
 def grouped_auto_name(family: str, dims=None) -> str:
     """The catalogue schedule "auto" means for ``dims`` on a GPU of ``family``: the
-    grouped stream kernel of :data:`AUTO_STREAM` for 16-bit activations on a packed stack
-    when the experts average few rows (sm_90a: by CTAs and K, :func:`_stream_fits`); the decode one
-    of :data:`AUTO_DECODE` when they average few rows, the large one of
-    :data:`AUTO_LARGE` when they average many, else :data:`AUTO_SCHEDULES`'s; of those,
+    grouped stream kernel for 16-bit activations on a packed stack when the experts average
+    few rows (by CTAs and K: :func:`_stream_fits`); the decode one when they average few
+    rows, the large one when they average many, else the default (the family's
+    :class:`GroupedAuto`); of those,
     the first that ``plan()`` accepts for the activation format (sm_90a's decode and
     192-row tiles take 16-bit activations only: W4A4 needs 128-row activation tiles)."""
+    g = auto_row(family).grouped
     if dims is None:
-        return AUTO_SCHEDULES[family]
+        return g.default
     from cute_fp4 import catalogue
     from cute_fp4.plan import plan
 
     per_expert = dims.total_m / max(dims.experts, 1)
-    if _stream_fits(family, dims):
-        return AUTO_STREAM[family][0]
-    decode, few = AUTO_DECODE[family]
-    large, many = AUTO_LARGE.get(family, (None, float("inf")))
+    if _stream_fits(g, dims):
+        return g.stream[0]
+    decode, few = g.decode
+    large, many = g.large or (None, float("inf"))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
-    for name in (*first, AUTO_SCHEDULES[family], large, decode):
+    for name in (*first, g.default, large, decode):
         if name is not None and plan(catalogue.get(name), Problem(a_format=dims.a_format)).ok:
             return name
-    return AUTO_SCHEDULES[family]
+    return g.default
 
 
 def resolve_grouped(schedule, out_dtype="bf16", dims=None) -> Schedule:
@@ -499,8 +520,8 @@ def resolve_grouped(schedule, out_dtype="bf16", dims=None) -> Schedule:
     if not schedule.scheduler.grouped:
         raise InputError(f"schedule {schedule.name or schedule.label()} is not a grouped "
                          "schedule (Scheduler.grouped is False): grouped_gemm runs "
-                         f"{' / '.join(AUTO_SCHEDULES.values())} or a schedule made with "
-                         "replace(grouped=True)")
+                         f"{' / '.join(r.grouped.default for r in AUTO.values())} or a "
+                         "schedule made with replace(grouped=True)")
     return with_out_dtype(schedule, out_dtype)
 
 
@@ -527,26 +548,55 @@ def check_grouped_schedule(s: Schedule, dims) -> None:
                          "(cute_fp4.quant.quantize_activation)")
 
 
-def _stream_fits(family: str, dims) -> bool:
-    """Whether "auto" runs the grouped stream kernel (:data:`AUTO_STREAM`): 16-bit
-    activations on a packed stack, few rows per expert, and on sm_90a few CTAs with K at
-    most :data:`STREAM_MAX_K`, or many with a longer K."""
-    if family not in AUTO_STREAM or not dims.packed or dims.a_format == "nvfp4":
+def _stream_fits(g: GroupedAuto, dims) -> bool:
+    """Whether "auto" runs the grouped stream kernel of ``g``: 16-bit activations on a packed
+    stack, few rows per expert, and few CTAs with K at most ``g.stream_max_k``, or many with
+    a longer K."""
+    if g.stream is None or not dims.packed or dims.a_format == "nvfp4":
         return False
-    if dims.total_m > AUTO_STREAM[family][1] * max(dims.experts, 1):
+    if dims.total_m > g.stream[1] * max(dims.experts, 1):
         return False
     units = min(dims.experts, dims.total_m) * -(-dims.n // 64)
-    if dims.k > STREAM_MAX_K.get(family, float("inf")):
-        return units >= STREAM_LONG_K_UNITS[family]
-    return units <= STREAM_MAX_UNITS.get(family, float("inf"))
+    if dims.k > g.stream_max_k:
+        return units >= g.stream_long_k_units
+    return units <= g.stream_max_units
 
 
 def grouped_regime(schedule, dims) -> tuple | None:
-    """What "auto" depends on besides the device: (decode-sized?, A format); None else."""
+    """What "auto" depends on besides the device: (decode-sized?, large?, streamed?) per GPU
+    family, and the A format; None for a named schedule."""
     if schedule != "auto" or dims is None:
         return None
     experts = max(dims.experts, 1)
-    few = tuple(dims.total_m <= limit * experts for _, limit in AUTO_DECODE.values())
-    many = tuple(dims.total_m >= limit * experts for _, limit in AUTO_LARGE.values())
-    stream = tuple(_stream_fits(f, dims) for f in AUTO_STREAM)
+    rows = [r.grouped for r in AUTO.values()]
+    few = tuple(dims.total_m <= g.decode[1] * experts for g in rows)
+    many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
+    stream = tuple(_stream_fits(g, dims) for g in rows)
     return few, many, stream, dims.a_format
+
+
+# ----------------------------------------------------------------------------- the table
+
+class Auto(NamedTuple):
+    """What "auto" runs on one GPU family: one row of :data:`AUTO`."""
+
+    dense: Callable[[int, int, int], Schedule]  # (M, N, K) on a plain weight
+    packed: Callable[[int, int, int, str, str], Schedule]  # (M, N, K, A format, target)
+    plain_formats: tuple[str, ...]  # the A formats its plain-weight kernels take
+    grouped: GroupedAuto  # grouped (MoE) calls
+
+
+# GPU family -> what "auto" runs there. A new GPU family is a row (and its kernel families'
+# rows in cute_fp4.families); a new kernel family on a known GPU changes its functions.
+AUTO: dict[str, Auto] = {
+    "sm90": Auto(_sm90_dense, _packed_heuristic, ("nvfp4", "bf16", "fp16"), _SM90_GROUPED),
+    "sm120": Auto(_sm120_dense, _sm120_packed, ("nvfp4",), _SM120_GROUPED),
+}
+
+
+def auto_row(family: str) -> Auto:
+    """The :data:`AUTO` row of a GPU family; InputError for one without kernels."""
+    row = AUTO.get(str(family))
+    if row is None:
+        raise InputError(f"no kernels for GPU family {family}; families: {', '.join(AUTO)}")
+    return row

@@ -507,18 +507,19 @@ def test_schedule_resolution():
     assert tuning.resolve_grouped(s) is s  # bf16 epilogue already
     fp32 = tuning.resolve_grouped(s, torch.float32)
     assert fp32.epilogue.out_dtype is OutDtype.FP32 and fp32.scheduler.grouped
-    for name in tuning.AUTO_SCHEDULES.values():
+    for name in (r.grouped.default for r in tuning.AUTO.values()):
         if name in catalogue.names():
             got = tuning.resolve_grouped(name, "fp16")
             assert got.scheduler.grouped and got.epilogue.out_dtype is OutDtype.FP16
 
 
 def test_auto_names_the_catalogue_entries():
-    assert tuning.AUTO_SCHEDULES == {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
-    missing = [n for n in tuning.AUTO_SCHEDULES.values() if n not in catalogue.names()]
+    defaults = {fam: r.grouped.default for fam, r in tuning.AUTO.items()}
+    assert defaults == {"sm90": "sm90_grouped", "sm120": "sm120_grouped"}
+    missing = [n for n in defaults.values() if n not in catalogue.names()]
     if missing:
         pytest.skip(f"catalogue has no {missing} yet (the lead's schedules)")
-    for fam, name in tuning.AUTO_SCHEDULES.items():
+    for fam, name in defaults.items():
         s = catalogue.get(name)
         assert s.scheduler.grouped and s.arch.family == fam
     assert catalogue.get("sm90_grouped").mainloop.value == "rs_packed"
@@ -738,7 +739,7 @@ def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
     dims = cops.GroupedDims(rows, 1536, 2048, 128, fmt, packed_stack)
     assert tuning.grouped_auto_name(family, dims) == want
     assert want in catalogue.names()
-    assert tuning.grouped_auto_name(family) == tuning.AUTO_SCHEDULES[family]
+    assert tuning.grouped_auto_name(family) == tuning.AUTO[family].grouped.default
 
 
 @pytest.mark.parametrize("rows, experts, n, k, want", [

@@ -193,12 +193,13 @@ def check_grouped(s: Schedule, p: Problem) -> list[str]:
 def silu_group(s: Schedule) -> int:
     """Rows per gate (and per up) group of a ``silu_mul`` weight: the N distance at which the
     kernel's MMA gives a thread both values of a pair (``epilogue.silu_mul_pairs`` checks it
-    while tracing). A thread's C values come in 8-wide groups along N for WGMMA and for the
-    D^T tiles (rows ``lane / 4 + {0, 8}``); the SM120 tiled MMA's N permutation (32-column
-    steps of (8, 2, 2):(1, 16, 8)) gives every SM120 tile and warp layout pairs 32 apart."""
-    if s.arch.family == "sm120" and s.mainloop is not Mainloop.STREAM:
-        return 32
-    return 8
+    while tracing), its kernel family's (``cute_fp4.families``). A thread's C values come in
+    8-wide groups along N for WGMMA and for the D^T tiles (rows ``lane / 4 + {0, 8}``); the
+    SM120 tiled MMA's N permutation (32-column steps of (8, 2, 2):(1, 16, 8)) gives every
+    SM120 tile and warp layout pairs 32 apart."""
+    from cute_fp4.families import family_of
+
+    return family_of(s).silu_group
 
 
 NV_OUT_COLS = 32  # nvfp4_out: output columns a multiple of this (16-byte rows of codes)

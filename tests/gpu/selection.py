@@ -146,5 +146,5 @@ def grouped_formats(s: Schedule) -> list[str]:
 def grouped_auto() -> tuple[Schedule, str]:
     """The grouped schedule "auto" names on this family and its first A format."""
 
-    s = catalogue.get(tuning.AUTO_SCHEDULES[family()])
+    s = catalogue.get(tuning.AUTO[family()].grouped.default)
     return s, grouped_formats(s)[0]
