@@ -299,7 +299,8 @@ class Launcher:
     __slots__ = ("bound",)
 
     def __init__(self):
-        self.bound: dict[tuple, object] = {}
+        # (M, dtype) -> BoundLaunch; (M, dtype, "w4a4") -> (BoundActivation, BoundLaunch)
+        self.bound: dict[tuple, BoundLaunch | tuple[quant.BoundActivation, BoundLaunch]] = {}
 
     def w4a16(self, x: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
               packed: bool) -> None:

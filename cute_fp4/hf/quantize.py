@@ -91,10 +91,11 @@ def _candidates(model, exclude) -> tuple[dict, list]:
 
 # ----------------------------------------------------------------------------- calibration
 
-def _calibrate(model, todo: dict, batches: Iterable) -> dict[str, object]:
+def _calibrate(model, todo: dict, batches: Iterable
+               ) -> dict[str, float | tuple[torch.Tensor, torch.Tensor]]:
     """name -> input amax (a linear: a float; experts: (amax [E] of gate_up's input, amax
     [E] of down's input)) over ``batches`` run through the BF16 model."""
-    amax: dict[str, object] = {}
+    amax: dict[str, float | tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
 
     def linear_hook(name):

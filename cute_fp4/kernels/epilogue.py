@@ -266,11 +266,11 @@ class SmemEpilogue(NamedTuple):
     """Per-thread views of a register -> smem -> TMA epilogue (built by :func:`smem_epilogue`)."""
 
     plan: list  # subtile_sources(): accumulator values of each epilogue tile
-    r2s: object  # tiled register -> shared copy
-    tRS_sC: object  # (V, M, N, buffer) shared-memory destination of this thread
-    tRS_acc: object  # accumulator retiled to the copy: (V, MMA rows, MMA cols)
-    tRS_rD: object  # FP32 staging of one epilogue tile
-    tRS_out: object  # converted epilogue tile
+    r2s: cute.TiledCopy  # tiled register -> shared copy
+    tRS_sC: cute.Tensor  # (V, M, N, buffer) shared-memory destination of this thread
+    tRS_acc: cute.Tensor  # accumulator retiled to the copy: (V, MMA rows, MMA cols)
+    tRS_rD: cute.Tensor  # FP32 staging of one epilogue tile
+    tRS_out: cute.Tensor  # converted epilogue tile
 
 
 def smem_epilogue(r2s, tiled_mma, thread, sC, acc, c_dtype, tile_mn, epi_tile) -> SmemEpilogue:

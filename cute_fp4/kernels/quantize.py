@@ -371,13 +371,13 @@ class _Grid:
     the item and chunk counts, the chunk stride (CTAs quantizing) and the divisor of
     :meth:`QuantizeKernel._coords`."""
 
-    m: object
-    kb: object
-    kbp: object
-    n_items: object
-    n_chunks: object
-    stride: object
-    fdd: object
+    m: cutlass.Int32
+    kb: cutlass.Int32
+    kbp: cutlass.Int32
+    n_items: cutlass.Int32
+    n_chunks: cutlass.Int32
+    stride: cutlass.Int32
+    fdd: cute.FastDivmodDivisorV2
 
 
 class QuantizeKernel:

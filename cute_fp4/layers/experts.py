@@ -162,10 +162,10 @@ class Stages(NamedTuple):
 
     routing: Routing
     x_sorted: torch.Tensor  # [T*k, H] the gathered activations
-    a13: object  # x_sorted, or its NVFP4 quantization (w4a4)
+    a13: torch.Tensor | NVFP4Tensor  # x_sorted, or its NVFP4 quantization (w4a4)
     gate_up: torch.Tensor  # [T*k, 2I], in w13's row order (interleaved when fused)
     act: torch.Tensor  # [T*k, I]
-    a2: object  # act, or its NVFP4 quantization (w4a4)
+    a2: torch.Tensor | NVFP4Tensor  # act, or its NVFP4 quantization (w4a4)
     down: torch.Tensor  # [T*k, H]
     out: torch.Tensor  # [T, H]
 
