@@ -25,13 +25,14 @@ import dataclasses
 
 import torch
 
-from cute_fp4 import bindings, reference
-from cute_fp4.errors import InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
+from cute_fp4 import bindings, reference, run
+from cute_fp4.compile import CompiledGemm
+from cute_fp4.errors import InputError
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
 from cute_fp4.operands import ALIGN, alpha_tensor, check_operands, make_operands, out_dtype_of
-from cute_fp4.oplib import LazyOp, define, while_tracing
-from cute_fp4.packed import PackedNVFP4Weight
-from cute_fp4.run import poisoned_check, run_compiled
+from cute_fp4.oplib import LazyOp, define, traced, while_tracing
+from cute_fp4.packed import PackedNVFP4Weight, repack
+from cute_fp4.run import poisoned_check, run_compiled  # noqa: F401 (scripts use them here)
 from cute_fp4.tuning import (  # noqa: F401 (the heuristic's names, as tests and perf/ use them)
     DECODE_MIN_K_TILES,
     STREAM_MAX_M,
@@ -84,8 +85,7 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
                              "(the cute_fp4::mm op takes the plain layout); use the plain "
                              "NVFP4Tensor there")
         return _op_call(a, b, schedule, out_dtype, alpha)
-    if not _OP.registered:
-        _OP.register()
+    OPS.ready()
     return bindings.gemm(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
                          nvfp4_out)
 
@@ -118,14 +118,10 @@ def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: 
     is one ``cute_fp4::mm`` node (registered while tracing). The weight's tensors are taken as
     a valid NVFP4 encoding: shapes, dtypes, devices and alignment are checked, the values
     are not (no GPU sync), which is what lets CUDA graphs capture it."""
-    if torch.compiler.is_compiling():
-        if not isinstance(schedule, str):
-            raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
-                                 "'auto'")
+    if traced(schedule):
         _register_while_tracing()
         return torch.ops.cute_fp4.mm(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule)
-    if not _OP.registered:
-        _OP.register()
+    OPS.ready()
     return bindings.mm(a, a_scale, b, b_scale, alpha, _rows(b), k, out_dtype, schedule, False)
 
 
@@ -134,15 +130,11 @@ def mm_packed(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
               out_dtype: torch.dtype = torch.bfloat16, schedule: str = "auto") -> torch.Tensor:
     """:func:`mm` with ``b`` a fragment-order packed weight (``cute_fp4.packed``: uint8
     ``[packed_rows(n), K/2]``) of ``n`` rows: the ``cute_fp4::mm_packed`` op."""
-    if torch.compiler.is_compiling():
-        if not isinstance(schedule, str):
-            raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
-                                 "'auto'")
+    if traced(schedule):
         _register_while_tracing()
         return torch.ops.cute_fp4.mm_packed(a, a_scale, b, b_scale, alpha, n, k, out_dtype,
                                             schedule)
-    if not _OP.registered:
-        _OP.register()
+    OPS.ready()
     return bindings.mm(a, a_scale, b, b_scale, alpha, n, k, out_dtype, schedule, True)
 
 
@@ -168,8 +160,8 @@ def _register_while_tracing() -> None:
     while_tracing(lambda ctx: register_op(), register_op)
 
 
-_OP = LazyOp("mm", lambda: _define_op())  # registered on first use
-_op_exists = _OP.exists
+OPS = LazyOp("mm", lambda: _define_ops())  # every cute_fp4 op, registered on first use
+_op_exists = OPS.exists
 
 
 def register_op():
@@ -185,8 +177,12 @@ def register_op():
 
     ``torch.ops.cute_fp4.quantize(x, global_scale) -> (data, scale)`` and
     ``torch.ops.cute_fp4.quantize_dynamic(x) -> (data, scale, global_scale)``: the fused
-    activation quantization (``cute_fp4.quant``) of a bf16/fp16 ``x`` [M, K]."""
-    return _OP.register()
+    activation quantization (``cute_fp4.quant``) of a bf16/fp16 ``x`` [M, K].
+
+    ``torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
+    schedule, n=0, packed=False)``: ``cute_fp4.grouped.grouped_mm``; returns ``[total_M, n
+    or b.shape[1]]`` of ``out_dtype``."""
+    return OPS.register()
 
 
 def _mm_op(a, a_scale, b, b_scale, alpha, k, out_dtype, schedule):
@@ -219,7 +215,9 @@ def _quantize_dynamic_op(x):
     return t.data, t.scale, t.global_scale
 
 
-def _define_op() -> None:
+def _define_ops() -> None:
+    from cute_fp4.run import grouped_op_call
+
     define("mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor alpha, SymInt k, "
            "ScalarType out_dtype, str schedule) -> Tensor", _mm_op,
            lambda a, a_scale, b, b_scale, alpha, k, out_dtype, schedule:
@@ -232,6 +230,11 @@ def _define_op() -> None:
            _quantize_static_op, lambda x, global_scale: _fake_nvfp4(x))
     define("quantize_dynamic(Tensor x) -> (Tensor, Tensor, Tensor)", _quantize_dynamic_op,
            lambda x: (*_fake_nvfp4(x), x.new_empty((), dtype=torch.float32)))
+    define("grouped_mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offsets, "
+           "Tensor alpha, SymInt k, ScalarType out_dtype, str schedule, SymInt n=0, "
+           "bool packed=False) -> Tensor", grouped_op_call,
+           lambda a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n=0,
+           packed=False: a.new_empty((a.shape[0], n or b.shape[1]), dtype=out_dtype))
 
 
 def _fake_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,8 +290,6 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
             s = catalogue.get(s)
         kern = compile(s, Signature(a_format))
     if kern.schedule.scheduler.grouped:  # MoE routings instead of shapes
-        from cute_fp4.grouped import validate_grouped
-
         results, poison_ok = validate_grouped(kern, a_format, seed)
         return ValidationReport(kern.schedule.name or kern.schedule.label(), a_format,
                                 results, poison_ok)
@@ -303,3 +304,45 @@ def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int
         results.append(poisoned_check(kern, a, b))
     return ValidationReport(kern.schedule.name or kern.schedule.label(), a_format, results,
                             poison_ok)
+
+
+# (routing name, tokens per expert) of validate_grouped: ragged, empty first/last experts,
+# one token each, every token to one expert, a single token, tails past the tile
+VALIDATION_ROUTINGS = (("ragged", (3, 0, 17, 1, 40, 0, 9, 130)), ("empty_ends", (0, 5, 9, 0)),
+                       ("one_each", (1,) * 16), ("all_to_one", (0, 0, 300, 0)),
+                       ("single", (0, 0, 0, 1)), ("tails", (129, 64, 257)))
+
+
+def validate_grouped(kern: CompiledGemm, a_format: str, seed: int = 0
+                     ) -> tuple[list[reference.GroupedCheckResult], bool]:
+    """Run a compiled grouped kernel over :data:`VALIDATION_ROUTINGS` (N with a tail, K a
+    few K tiles) against the exact reference, outputs NaN-poisoned so an unwritten row
+    fails. Returns (one check per routing, whether the poison itself fails the rule):
+    what ``cute_fp4.api.validate`` reports for a grouped schedule."""
+    from cute_fp4.operands import make_operands
+
+    rs_packed = kern.schedule.mainloop.reads_packed
+    n, k = 136, (384 if rs_packed else 352)
+    results, poison_ok = [], True
+    for i, (_, counts) in enumerate(VALIDATION_ROUTINGS):
+        total = sum(counts)
+        a, _ = make_operands(total, 16, k, a_format, seed + i)
+        g = torch.Generator(device="cuda").manual_seed(seed + 100 + i)
+        w = quantize(torch.randn(len(counts), n, k, generator=g, device="cuda"))
+        b = repack(w) if rs_packed else w
+        offs = torch.tensor([0, *_cumsum(counts)], dtype=torch.int32, device="cuda")
+        out = torch.full((total, n), float("nan"), dtype=kern.out_dtype, device="cuda")
+        if i == 0:
+            poison_ok = not reference.check_grouped(out, a, w, offs).passed
+        run.run_grouped(kern, a, b, offs, out=out)
+        torch.cuda.synchronize()
+        results.append(reference.check_grouped(out, a, w, offs))
+    return results, poison_ok
+
+
+def _cumsum(counts) -> list[int]:
+    out, run = [], 0
+    for c in counts:
+        run += c
+        out.append(run)
+    return out

@@ -514,23 +514,34 @@ def _warn_once(message: str) -> None:
 
 def _build_with(schedule: Schedule, sig: Signature, kernel, tag: str,
                 ffi: bool) -> CompiledGemm:
+    fn, secs, how, build = cached_build(
+        lambda opts: _dsl_compile(kernel, schedule, opts), ffi,
+        type(kernel).__name__ + tag, schedule.key(), repr(sig), schedule.target)
+    return CompiledGemm(schedule, sig, fn, kernel, secs, how, build)
+
+
+def cached_build(compile_fn: Callable[[str | None], object], ffi: bool, name: str,
+                 *key: str):
+    """``compile_fn(options)`` through the disk cache (``cute_fp4.cache``): loaded when an
+    entry of (``name``, ``key``, the package's source fingerprint) exists, else built and
+    stored; with the TVM-FFI entry when ``ffi``. Returns (the DSL function, seconds, how:
+    "loaded", "built" or "built-uncached", the build itself for a later rebuild). The
+    GEMMs (:func:`compile`) and the activation kernels (``cute_fp4.quant``) build so."""
     from cute_fp4 import cache
 
-    key = cache.entry_key(type(kernel).__name__ + tag + ("+tvmffi" if ffi else ""),
-                          schedule.key(), repr(sig), schedule.target,
-                          cache.source_fingerprint())
-    prefix = f"cute_fp4_{key}"
+    entry = cache.entry_key(name + ("+tvmffi" if ffi else ""), *key,
+                            cache.source_fingerprint())
 
     def build():
-        return _dsl_compile(kernel, schedule, "--enable-tvm-ffi" if ffi else None)
+        return compile_fn("--enable-tvm-ffi" if ffi else None)
 
     t0 = time.perf_counter()
     if cache.enabled():
-        export, load = _exporter(prefix, ffi)
-        fn, how = cache.DiskCache().get_or_build(key, build, export, load)
+        export, load = _exporter(f"cute_fp4_{entry}", ffi)
+        fn, how = cache.DiskCache().get_or_build(entry, build, export, load)
     else:
         fn, how = build(), "built-uncached"
-    return CompiledGemm(schedule, sig, fn, kernel, time.perf_counter() - t0, how, build)
+    return fn, time.perf_counter() - t0, how, build
 
 
 def _exporter(prefix: str, ffi: bool):

@@ -39,16 +39,14 @@ from __future__ import annotations
 
 import torch
 
-from cute_fp4 import reference, run
-from cute_fp4.compile import CompiledGemm
-from cute_fp4.errors import InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4 import run
+from cute_fp4.api import OPS, register_op
+from cute_fp4.errors import InputError
+from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import b_stack, grouped_alpha, torch_out
-from cute_fp4.oplib import LazyOp, define, while_tracing
-from cute_fp4.packed import repack
+from cute_fp4.oplib import traced, while_tracing
 
-__all__ = ["VALIDATION_ROUTINGS", "grouped_gemm", "grouped_mm", "register_op",
-           "validate_grouped"]
+__all__ = ["grouped_gemm", "grouped_mm", "register_op"]
 
 
 # ----------------------------------------------------------------------------- the call
@@ -85,8 +83,7 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
             raise InputError("validate_offsets=True reads the offsets back (a GPU sync), "
                              "which torch.compile cannot trace: validate them outside")
         return _op_call(a, b, offsets, schedule, out, out_dtype, alpha)
-    if not _OP.registered:
-        _OP.register()
+    OPS.ready()
     return run.grouped_call(a, b, offsets, schedule, out, out_dtype, alpha, check,
                             validate_offsets, bias, silu_mul, nvfp4_out)
 
@@ -122,85 +119,15 @@ def grouped_mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor,
     Eager, it runs the kernel without the op's dispatch; under torch.compile it is one
     ``cute_fp4::grouped_mm`` node (registered while tracing). Values are not checked (no
     GPU sync), which is what lets CUDA graphs capture it."""
-    if torch.compiler.is_compiling():
-        if not isinstance(schedule, str):
-            raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
-                                 "'auto'")
+    if traced(schedule):
         _register_while_tracing()
         return torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k,
                                              out_dtype, schedule, n, packed)
-    if not _OP.registered:
-        _OP.register()
+    OPS.ready()
     return run.grouped_op_call(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
                                schedule, n, packed)
 
 
 def _register_while_tracing() -> None:
-    """Register the op while Dynamo traces a call (``cute_fp4.oplib.while_tracing``)."""
+    """Register the ops while Dynamo traces a call (``cute_fp4.oplib.while_tracing``)."""
     while_tracing(lambda ctx: register_op(), register_op)
-
-
-_OP = LazyOp("grouped_mm", lambda: _define_op())  # registered on first use
-_op_exists = _OP.exists
-
-
-def register_op():
-    """Register ``cute_fp4::grouped_mm`` with its fake implementation, once per process
-    (idempotent, thread-safe); returns the ``torch.ops.cute_fp4`` namespace.
-
-    ``torch.ops.cute_fp4.grouped_mm(a, a_scale, b, b_scale, offsets, alpha, k, out_dtype,
-    schedule, n=0, packed=False)``: arguments as :func:`grouped_mm`; returns ``[total_M, n
-    or b.shape[1]]`` of ``out_dtype``."""
-    return _OP.register()
-
-
-def _define_op() -> None:
-    define("grouped_mm(Tensor a, Tensor? a_scale, Tensor b, Tensor b_scale, Tensor offsets, "
-           "Tensor alpha, SymInt k, ScalarType out_dtype, str schedule, SymInt n=0, "
-           "bool packed=False) -> Tensor", run.grouped_op_call,
-           lambda a, a_scale, b, b_scale, offsets, alpha, k, out_dtype, schedule, n=0,
-           packed=False: a.new_empty((a.shape[0], n or b.shape[1]), dtype=out_dtype))
-
-
-# ----------------------------------------------------------------------------- validation
-
-# (routing name, tokens per expert) of validate_grouped: ragged, empty first/last experts,
-# one token each, every token to one expert, a single token, tails past the tile
-VALIDATION_ROUTINGS = (("ragged", (3, 0, 17, 1, 40, 0, 9, 130)), ("empty_ends", (0, 5, 9, 0)),
-                       ("one_each", (1,) * 16), ("all_to_one", (0, 0, 300, 0)),
-                       ("single", (0, 0, 0, 1)), ("tails", (129, 64, 257)))
-
-
-def validate_grouped(kern: CompiledGemm, a_format: str, seed: int = 0
-                     ) -> tuple[list[reference.GroupedCheckResult], bool]:
-    """Run a compiled grouped kernel over :data:`VALIDATION_ROUTINGS` (N with a tail, K a
-    few K tiles) against the exact reference, outputs NaN-poisoned so an unwritten row
-    fails. Returns (one check per routing, whether the poison itself fails the rule):
-    what ``cute_fp4.api.validate`` reports for a grouped schedule."""
-    from cute_fp4.operands import make_operands
-
-    rs_packed = kern.schedule.mainloop.reads_packed
-    n, k = 136, (384 if rs_packed else 352)
-    results, poison_ok = [], True
-    for i, (_, counts) in enumerate(VALIDATION_ROUTINGS):
-        total = sum(counts)
-        a, _ = make_operands(total, 16, k, a_format, seed + i)
-        g = torch.Generator(device="cuda").manual_seed(seed + 100 + i)
-        w = quantize(torch.randn(len(counts), n, k, generator=g, device="cuda"))
-        b = repack(w) if rs_packed else w
-        offs = torch.tensor([0, *_cumsum(counts)], dtype=torch.int32, device="cuda")
-        out = torch.full((total, n), float("nan"), dtype=kern.out_dtype, device="cuda")
-        if i == 0:
-            poison_ok = not reference.check_grouped(out, a, w, offs).passed
-        run.run_grouped(kern, a, b, offs, out=out)
-        torch.cuda.synchronize()
-        results.append(reference.check_grouped(out, a, w, offs))
-    return results, poison_ok
-
-
-def _cumsum(counts) -> list[int]:
-    out, run = [], 0
-    for c in counts:
-        run += c
-        out.append(run)
-    return out

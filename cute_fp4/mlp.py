@@ -224,13 +224,11 @@ class NVFP4GatedMLP(torch.nn.Module):
     def down(self) -> NVFP4Linear:
         return self.down_proj
 
-    @property
-    def mode(self) -> str:
-        return self.gate_up_proj.mode
-
-    @property
-    def layout(self) -> str:
-        return self.gate_up_proj.layout
+    def __getattr__(self, name: str):
+        """``mode`` and ``layout``: the gate_up layer's."""
+        if name in ("mode", "layout"):
+            return getattr(self.gate_up_proj, name)
+        return super().__getattr__(name)
 
     def natural_gate_up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weight uint8 [2I, H/2], weight_scale float8 [2I, H/16] row-major)`` of gate

@@ -38,6 +38,7 @@ LAYOUTS = ("auto", "plain", "packed")
 _FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "alpha",
                    "out_scale")
 CHECKPOINT_KEYS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+_LAYER_ATTRS = frozenset({"in_features", "out_features", "mode", "layout"})
 
 
 def keep_format_dtypes(module: torch.nn.Module, parent_apply, fn, recurse: bool,
@@ -157,17 +158,12 @@ class NVFP4Linear(torch.nn.Module):
 
     # ------------------------------------------------------------------ views, state
 
-    @property
-    def in_features(self) -> int:
-        return self.layer.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.layer.out_features
-
-    @property
-    def mode(self) -> str:
-        return self.layer.mode
+    def __getattr__(self, name: str):
+        """The layer's sizes and choices (``in_features``, ``out_features``, ``mode``,
+        ``layout``): read from ``self.layer``, never copied."""
+        if name in _LAYER_ATTRS and "layer" in self.__dict__:
+            return getattr(self.__dict__["layer"], name)
+        return super().__getattr__(name)
 
     @property
     def schedule(self):
@@ -179,10 +175,6 @@ class NVFP4Linear(torch.nn.Module):
 
         check_schedule(schedule)
         self.layer.schedule = schedule  # the bindings hold the old one: not matched again
-
-    @property
-    def layout(self) -> str:
-        return self.layer.layout
 
     @property
     def weight(self) -> NVFP4Tensor:

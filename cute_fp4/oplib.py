@@ -29,6 +29,11 @@ class LazyOp:
             return False
         return True
 
+    def ready(self) -> None:
+        """Registered before an eager call (the first one registers: no lock after it)."""
+        if not self.registered:
+            self.register()
+
     def register(self):
         """Define the op(s) once (idempotent); returns the ``torch.ops.cute_fp4`` namespace."""
         with self._lock:
@@ -58,6 +63,19 @@ def define(schema: str, impl: Callable, fake: Callable) -> None:
     torch.library.register_fake(f"cute_fp4::{name}", fake, lib=lib)
 
 
+def traced(schedule) -> bool:
+    """Whether torch.compile is tracing the call (which then becomes an op node, whose
+    schema takes the schedule as a string: a catalogue name or "auto")."""
+    if not torch.compiler.is_compiling():
+        return False
+    if not isinstance(schedule, str):
+        from cute_fp4.errors import InputTypeError
+
+        raise InputTypeError("under torch.compile, pass schedule as a catalogue name or "
+                             "'auto'")
+    return True
+
+
 def while_tracing(fn: Callable, fallback: Callable) -> None:
     """Run ``fn(ctx)`` at trace time from inside a function Dynamo is tracing (defining a
     custom op cannot be traced), through ``torch._dynamo.comptime``: it adds nothing to the
@@ -72,4 +90,4 @@ def while_tracing(fn: Callable, fallback: Callable) -> None:
     comptime(fn, fallback)
 
 
-__all__ = ["LazyOp", "define", "while_tracing"]
+__all__ = ["LazyOp", "define", "traced", "while_tracing"]

@@ -19,13 +19,11 @@ The op's schema and arguments are documented on ``cute_fp4.api.register_op``.
 from __future__ import annotations
 
 from cute_fp4.api import register_op
-from cute_fp4.grouped import register_op as register_grouped_op
 
 __all__ = ["register"]
 
 
 def register():
-    """Register the ``cute_fp4::mm`` / ``quantize`` ops and ``cute_fp4::grouped_mm``
-    (idempotent); returns the ``torch.ops.cute_fp4`` namespace."""
-    register_grouped_op()
+    """Register the ``cute_fp4::mm`` / ``mm_packed`` / ``quantize`` / ``quantize_dynamic`` /
+    ``grouped_mm`` ops (idempotent); returns the ``torch.ops.cute_fp4`` namespace."""
     return register_op()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -277,23 +276,11 @@ def _cached_compile(kernel, name: str):
 
 
 def _cached_compile_with(kernel, name: str, ffi: bool):
-    from cute_fp4 import cache
-    from cute_fp4.compile import _exporter
+    from cute_fp4.compile import cached_build
 
-    key = cache.entry_key(name + ("+tvmffi" if ffi else ""), kernel.spec.label(),
-                          cache.source_fingerprint())
-    prefix = f"cute_fp4_{key}"
-
-    def build():
-        return _dsl_compile(kernel, "--enable-tvm-ffi" if ffi else None)
-
-    t0 = time.perf_counter()
-    if cache.enabled():
-        export, load = _exporter(prefix, ffi)
-        fn, how = cache.DiskCache().get_or_build(key, build, export, load)
-    else:
-        fn, how = build(), "built-uncached"
-    return fn, time.perf_counter() - t0, how
+    fn, secs, how, _ = cached_build(lambda opts: _dsl_compile(kernel, opts), ffi, name,
+                                    kernel.spec.label())
+    return fn, secs, how
 
 
 SMALL_ELEMENTS = 1 << 17  # inputs up to this many elements (decode) take 1 block per thread

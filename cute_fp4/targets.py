@@ -76,33 +76,20 @@ class Target:
                              f"{covered}, and no other capability is planned")
 
 
+def _sm12x(name: str, minor: int, gpus: tuple[str, ...], sm_count: int, peak_tflops: float,
+           mem_bw_gbs: float) -> Target:
+    """An SM12x target: 99 KiB of shared memory per block, the warp-level block-scaled MMA
+    (``OMMA.SF`` in SASS); the products differ in SMs, FP4 peak and memory bandwidth."""
+    return Target(name=name, cc=(12, minor), family=Family.SM120, gpus=gpus,
+                  sm_count=sm_count, smem_per_block=101_376, mma=MmaKind.WARP_BLOCK_SCALED,
+                  sass_mma_prefix="OMMA.SF", peak_tflops=peak_tflops, mem_bw_gbs=mem_bw_gbs)
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target(
-            name="sm_120a",
-            cc=(12, 0),
-            family=Family.SM120,
-            gpus=("RTX PRO 6000 Blackwell", "RTX 5090"),
-            sm_count=188,
-            smem_per_block=101_376,
-            mma=MmaKind.WARP_BLOCK_SCALED,
-            sass_mma_prefix="OMMA.SF",
-            peak_tflops=2000.0,
-            mem_bw_gbs=1790.0,
-        ),
-        Target(
-            name="sm_121a",
-            cc=(12, 1),
-            family=Family.SM120,
-            gpus=("GB10",),
-            sm_count=48,
-            smem_per_block=101_376,
-            mma=MmaKind.WARP_BLOCK_SCALED,
-            sass_mma_prefix="OMMA.SF",
-            peak_tflops=450.0,
-            mem_bw_gbs=273.0,
-        ),
+        _sm12x("sm_120a", 0, ("RTX PRO 6000 Blackwell", "RTX 5090"), 188, 2000.0, 1790.0),
+        _sm12x("sm_121a", 1, ("GB10",), 48, 450.0, 273.0),
         Target(
             name="sm_90a",
             cc=(9, 0),

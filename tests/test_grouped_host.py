@@ -701,7 +701,7 @@ def test_op_body_checks_its_tensors():
 _FRESH = r"""
 import sys
 import cute_fp4, cute_fp4.grouped
-from cute_fp4.grouped import _op_exists
+from cute_fp4.api import _op_exists
 print("registered", _op_exists())
 print("dsl", any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules))
 print("export", cute_fp4.grouped_gemm is cute_fp4.grouped.grouped_gemm)
