@@ -87,7 +87,7 @@ class BoundLaunch:
 
 
 def bind(kernel, a, b, out, alpha, dims, key, expires: float,
-         a_scale_per_call: bool = False) -> BoundLaunch | None:
+         a_scale_per_call: bool = False, early: bool = False) -> BoundLaunch | None:
     """A :class:`BoundLaunch` of ``kernel`` for B = ``b`` and ``dims`` (= (M, N, K,
     a_format), the activation's, as ``run.run_checked`` takes them), after that launched
     the same call on ``a`` into ``out``; None where there is nothing to fix (no TVM-FFI
@@ -106,7 +106,7 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float,
     if alpha_t is not alpha and alpha_t is not b.global_scale:
         return None  # a converted copy: the binding would not see the scale change
     ws = split_workspace(kernel, dims[0], dims[1], dev) if split else None
-    raw = kernel.raw_args(run.operands(a, b, out, alpha_t, dims[3], ws))
+    raw = kernel.raw_args(run.operands(a, b, out, alpha_t, dims[3], ws, early=early))
     return BoundLaunch(kernel, key, raw, dev.index, expires)
 
 
@@ -285,9 +285,9 @@ def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torc
     return run.kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed)
 
 
-def _run(kern, a, w, alpha, dims, out=None) -> torch.Tensor:
+def _run(kern, a, w, alpha, dims, out=None, early: bool = False) -> torch.Tensor:
     """A layer's checked launch (``run.run_checked``)."""
-    return run.run_checked(kern, a, w, out, alpha, dims)
+    return run.run_checked(kern, a, w, out, alpha, dims, early=early)
 
 
 class Launcher:
@@ -303,20 +303,22 @@ class Launcher:
         self.bound: dict[tuple, BoundLaunch | tuple[quant.BoundActivation, BoundLaunch]] = {}
 
     def w4a16(self, x: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
-              packed: bool) -> None:
+              packed: bool, early: bool = False) -> None:
         """``out = x @ w^T`` (W4A16, alpha the weight's global scale) for a checked ``x``
-        (contiguous, 16-byte aligned, [..., K] of M rows on the weight's device ``dev``)."""
+        (contiguous, 16-byte aligned, [..., K] of M rows on the weight's device ``dev``).
+        ``early``: the stream kernel may read the weight before the kernel before it ends
+        (``Operands.early``: the layer holds that no kernel writing it is in flight)."""
         bound = self.bound.get((m, x.dtype))
         if (bound is not None and bound.key[0] is w and bound.key[1] is schedule
-                and bound.launch(x, w, out)):
+                and bound.key[2] == early and bound.launch(x, w, out)):
             return
         k, n = w.shape[1], w.shape[0]
         fmt, alpha = A_FORMATS[x.dtype], w.global_scale
         kern = _kernel_for(schedule, m, n, k, fmt, x.dtype, dev, packed=packed)
         dims = (m, n, k, fmt)
-        _run(kern, x, w, alpha, dims, out)
-        self._keep((m, x.dtype), bind(kern, x, w, out, alpha, dims, (w, schedule),
-                                      resolution_deadline(schedule)))
+        _run(kern, x, w, alpha, dims, out, early)
+        self._keep((m, x.dtype), bind(kern, x, w, out, alpha, dims, (w, schedule, early),
+                                      resolution_deadline(schedule), early=early))
 
     def w4a4(self, x2: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
              packed: bool, input_scale, alpha) -> None:

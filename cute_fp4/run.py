@@ -268,10 +268,12 @@ def run_compiled(kernel, a, b, out=None, alpha=None, bias=None, nvfp4_out=None
     return run_checked(kernel, a, b, out, alpha, dims, bias, nvfp4_out)
 
 
-def run_checked(kernel, a, b, out, alpha, dims, bias=None, nvfp4_out=None) -> torch.Tensor:
+def run_checked(kernel, a, b, out, alpha, dims, bias=None, nvfp4_out=None,
+                early: bool = False) -> torch.Tensor:
     """:func:`run_compiled` after :func:`check_operands` returned ``dims`` (and, with fused
     epilogue ops, :func:`check_fused_operands`). The plan check is remembered per kernel and
-    shape (``CompiledGemm.check_plan``)."""
+    shape (``CompiledGemm.check_plan``). ``early``: ``Operands.early`` (the caller
+    guarantees no kernel still in flight on the stream writes ``b``)."""
     m, n, k, a_format = dims
     s = kernel.schedule
     if s.scheduler.grouped:
@@ -290,18 +292,20 @@ def run_checked(kernel, a, b, out, alpha, dims, bias=None, nvfp4_out=None) -> to
     dev = b.data.device
     result = _output(kernel, out, nvfp4_out, m, n, dev)
     ws = split_workspace(kernel, m, n, dev) if s.split_k > 1 else None
-    kernel.launch(operands(a, b, result, alpha_tensor(a, b, alpha), a_format, ws, bias))
+    kernel.launch(operands(a, b, result, alpha_tensor(a, b, alpha), a_format, ws, bias,
+                           early=early))
     return result
 
 
 def operands(a, b, out, alpha_t: torch.Tensor, a_format: str, workspace=None, bias=None,
-             offsets=None) -> Operands:
+             offsets=None, early: bool = False) -> Operands:
     """The launch's operands (``operands.Operands``): A's data and block scales (None
     for 16-bit activations), B's, the output, alpha (float32 on the device), the split-K
     workspace or the grouped offsets, the fused bias (None: absent). What
     :func:`run_checked` launches and ``bindings.bind`` fixes."""
     a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
-    return Operands(a_data, a_scale, b.data, b.scale, out, alpha_t, workspace, offsets, bias)
+    return Operands(a_data, a_scale, b.data, b.scale, out, alpha_t, workspace, offsets, bias,
+                    early)
 
 
 def _output(kernel, out, nvfp4_out, rows: int, n: int, dev):

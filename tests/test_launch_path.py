@@ -453,6 +453,21 @@ def _layer(schedule):
                        layout="plain")
 
 
+def test_a_layer_prefetching_its_weight_launches_with_the_early_flag(stub_layer_path):
+    """set_prefetch_weights: the full launch and its binding carry Operands.early (the raw
+    argument after max_ctas), which every launch of the layer keeps; off again, it is 0."""
+    rec, _, _ = stub_layer_path
+    layer = _layer("sm90_decode_swapab")
+    x = torch.randn(2, K).to(torch.bfloat16)
+    layer(x)
+    layer.layer.set_prefetch_weights()
+    layer(x)  # the bound launch was made without the flag: a new binding with it
+    layer(x)
+    layer.layer.set_prefetch_weights(False)
+    layer(x)
+    assert [args[15] for args in rec.calls] == [0, 1, 1, 0]
+
+
 @pytest.mark.parametrize("schedule", ["sm90_decode_swapab", "sm90_decode_64x128_splitk2"])
 @pytest.mark.parametrize("shape", [(3, K), (2, 1, K)])
 def test_forward_binds_its_launch_and_passes_the_same_arguments(stub_layer_path, schedule,

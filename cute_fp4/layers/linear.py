@@ -90,7 +90,7 @@ class Linear:
 
     __slots__ = ("out_features", "in_features", "mode", "schedule", "layout", "name",
                  "silu_group", "stored", "bias", "input_scale", "alpha", "out_scale",
-                 "launches", "_parts")
+                 "launches", "prefetch_weights", "_parts")
 
     def __init__(self, weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
                  schedule="auto", input_scale=None, layout: str = "auto", name: str = "",
@@ -115,6 +115,9 @@ class Linear:
             input_scale, f"{where(name)}input_scale", dev)
         self.alpha = self.out_scale = None
         self.launches = Launcher()  # the bindings of its calls, per M and dtype
+        # the stream kernel reads this weight before the kernel before it ends (off: see
+        # set_prefetch_weights)
+        self.prefetch_weights = False
         self._refresh_alpha()
 
     # ------------------------------------------------------------------ construction
@@ -216,6 +219,7 @@ class Linear:
         self.input_scale, self.alpha, self.out_scale = input_scale, alpha, out_scale
         self.bias = bias
         self.launches = Launcher()
+        self._settle()
 
     def load_modelopt(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2,
                       input_scale=None) -> None:
@@ -230,10 +234,27 @@ class Linear:
             self.stored.data.copy_(self.layout_bytes(w.data))
             self.stored.scale.copy_(w.scale)
             self.stored.global_scale.copy_(gs)
+        self._settle()
         if input_scale is not None:
             self.set_input_scale(input_scale)
         else:
             self._refresh_alpha()
+
+    def set_prefetch_weights(self, on: bool = True) -> None:
+        """Let the W4A16 stream kernel read this weight (and its scales) before the kernel
+        before it on the stream has finished (``Operands.early``: its loads overlap that
+        kernel's tail). Safe because the weight is prepared: no kernel in flight writes it;
+        the layer's own writes (:meth:`load_modelopt`, :meth:`adopt`) wait for their copies
+        to end before it launches again. Off by default: measure it for the model
+        (perf/model_decode.py, decode_bench's early providers)."""
+        self.prefetch_weights = bool(on)
+        self._settle()
+
+    def _settle(self) -> None:
+        """With prefetching on, the stream's work so far (a write of the weight) finished
+        before the next launch reads the weight early."""
+        if self.prefetch_weights and self.stored.data.is_cuda:
+            torch.cuda.current_stream(self.stored.data.device).synchronize()
 
     def set_input_scale(self, input_scale) -> None:
         """Set the calibrated activation global scale (decode form, ``amax / 2688``) in
@@ -345,7 +366,8 @@ class Linear:
             self.launches.w4a4(x2, w, self.schedule, m, dev, out, packed, self.input_scale,
                                self.alpha)
         else:
-            self.launches.w4a16(x, w, self.schedule, m, dev, out, packed)
+            self.launches.w4a16(x, w, self.schedule, m, dev, out, packed,
+                                self.prefetch_weights)
         if self.bias is not None:
             out.add_(self.bias)
         return out
