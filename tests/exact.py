@@ -9,7 +9,7 @@ from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.packed import PackedNVFP4Weight
 
 
-def exact_run(kern, a, w, alpha, dims, out=None) -> torch.Tensor:
+def exact_run(kern, a, w, alpha, dims, out=None, early=False) -> torch.Tensor:
     """``layers.linear._run`` on the CPU: the exact reference (float64, one rounding) of the GEMM
     ``dims`` = (M, N, K, format), written into ``out`` when given."""
     w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w

@@ -157,7 +157,7 @@ def exact_kernels(monkeypatch) -> list:
     def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False):
         return types.SimpleNamespace(out_dtype=out_dtype)
 
-    def run(kern, a, w, alpha, dims, out=None):
+    def run(kern, a, w, alpha, dims, out=None, early=False):
         calls.append(("gemm", dims))
         return exact_run(kern, a, w, alpha, dims, out)
 

@@ -133,7 +133,7 @@ def fake_kernels(monkeypatch):
         calls.append(("kernel", schedule, m, n, k, a_format, out_dtype))
         return types.SimpleNamespace(out_dtype=out_dtype)
 
-    def run(kern, a, w, alpha, dims, out=None):
+    def run(kern, a, w, alpha, dims, out=None, early=False):
         """As the kernel: reads A's memory as [M, K], writes C's as [M, N] (``out``, of any
         contiguous shape, when given)."""
         calls.append(("run", dims, alpha))
