@@ -30,8 +30,13 @@ _EXPORTS = {
     "CompiledGemm": "compile", "compile_report": "compile",
     "gemm": "api", "validate": "api", "grouped_gemm": "grouped",
     "NVFP4Linear": "nn", "convert": "conversion", "NVFP4GatedMLP": "mlp",
+    "NVFP4MoE": "moe", "reference_execution": "targets", "reference_mode": "targets",
 }
-_SUBMODULES = ("reference", "catalogue", "errors", "ops", "nn", "hf", "emulation")
+# the modules the documentation reaches through the package (``cf.packed.repack(w)``),
+# imported on first use
+_SUBMODULES = ("api", "bench", "catalogue", "conversion", "emulation", "errors", "fused",
+               "grouped", "hf", "layers", "mlp", "moe", "nn", "nvfp4", "operands", "ops",
+               "packed", "quant", "reference", "schedule", "targets", "tune", "tuning")
 
 __all__ = sorted([*_EXPORTS, "plan", "compile"]) + list(_SUBMODULES)
 
