@@ -56,10 +56,11 @@ class ModelOptNVFP4Config(QuantizationConfigMixin):
 
     def __init__(self, quant_algo=None, group_size=16, exclude_modules=None,
                  kv_cache_quant_algo=None, quant_method="modelopt", cute_fp4=None,
-                 source="config.json", **kwargs):
+                 source="config.json", ignore=None, config_groups=None, **kwargs):
         self.format = parse_quant_config(
             {"quant_algo": quant_algo, "group_size": group_size,
-             "exclude_modules": exclude_modules, "kv_cache_quant_algo": kv_cache_quant_algo},
+             "exclude_modules": exclude_modules, "ignore": ignore,
+             "kv_cache_quant_algo": kv_cache_quant_algo, "config_groups": config_groups},
             source)
         self.quant_method = quant_method
         self.quant_algo, self.group_size = quant_algo, group_size
