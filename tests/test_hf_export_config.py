@@ -46,6 +46,8 @@ def test_every_unquantized_module_is_listed(kind, tmp_path):
     report = hf.quantize_model(model)
     hf.save_pretrained(model, tmp_path)
     config, legacy = _read(tmp_path)
+    with open(os.path.join(tmp_path, ck.CONFIG_FILE)) as f:
+        assert json.load(f)["architectures"] == [type(model).__name__]
     want = sorted(["lm_head", *EXPECTED[kind]])
     assert sorted(config["exclude_modules"]) == want
     assert sorted(config["ignore"]) == want  # ModelOpt's config.json key, vLLM reads it

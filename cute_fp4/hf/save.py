@@ -208,6 +208,9 @@ def _write_config(model, path: str, fmt: QuantFormat) -> None:
     config = model.config
     saved = getattr(config, "quantization_config", None)
     config.quantization_config = fmt.to_dict()
+    # as transformers' own save does: engines pick the model class from it (vLLM runs a
+    # config without it as an embedding model)
+    config.architectures = [type(model).__name__]
     try:
         config.save_pretrained(path)
     finally:
