@@ -27,6 +27,7 @@ from transformers.core_model_loading import WeightRenaming
 
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.hf import experts as ex
+from cute_fp4.hf import tp
 from cute_fp4.hf.checkpoint import (
     INDEX_FILE,
     LEGACY_QUANT_FILE,
@@ -111,6 +112,10 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     ``path`` is replaced (module docstring); ``path`` an existing file: InputError."""
     if not hasattr(model, "config") or not hasattr(model, "state_dict"):
         raise InputTypeError(f"model must be a transformers model, got {type(model).__name__}")
+    if tp.tp_mesh(model) is not None:
+        raise InputError("save_pretrained: this tensor-parallel model holds only its rank's "
+                         "shards; save from a single-process load (cute_fp4.hf.from_pretrained "
+                         "without tp_plan)")
     if not any(isinstance(m, NVFP4Linear) or ex.holds_nvfp4(m) for m in model.modules()):
         raise InputTypeError("model has no NVFP4 layers: quantize it first "
                              "(cute_fp4.hf.quantize_model) or save it with transformers")
