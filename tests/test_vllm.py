@@ -68,7 +68,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, list]]:
     return out
 
 
-def _serve(path: Path, tp: int, quantization: str | None = None) -> dict:
+def _serve(path: Path, tp: int, quantization: str | None = None, compile: bool = False
+           ) -> dict:
     """tests/vllm_run.py on ``path``: {"tokens", "quantization"} or {"error"}."""
     # the engine core in this process (half the start-up at TP 1), 1 GiB of KV cache, a
     # core per rank (else "Not enough allowed NUMA nodes" at TP 2)
@@ -79,6 +80,8 @@ def _serve(path: Path, tp: int, quantization: str | None = None) -> dict:
            json.dumps(PROMPTS), "--max-tokens", str(NEW_TOKENS)]
     if quantization:
         cmd += ["--quantization", quantization]
+    if compile:
+        cmd.append("--compile")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -92,15 +95,16 @@ def _serve(path: Path, tp: int, quantization: str | None = None) -> dict:
 # ----------------------------------------------------------------------------- engines
 
 # each model at both sizes, each size both ways (the plugin claiming the checkpoint, and
-# asked for by name): four engine starts
-@pytest.mark.parametrize("name, tp, quantization", [
-    ("llama", 1, None), ("llama", 2, "cute_fp4"),
-    ("qwen3_moe", 1, "cute_fp4"), ("qwen3_moe", 2, None),
-], ids=["llama-tp1", "llama-tp2-quantization=cute_fp4", "qwen3_moe-tp1-quantization=cute_fp4",
-        "qwen3_moe-tp2"])
-def test_greedy_tokens_equal_transformers(checkpoints, name, tp, quantization):
+# asked for by name): four engine starts, one of them with vLLM's torch.compile (the
+# layers traced into vLLM's graph), the others eager
+@pytest.mark.parametrize("name, tp, quantization, compile", [
+    ("llama", 1, None, False), ("llama", 2, "cute_fp4", False),
+    ("qwen3_moe", 1, "cute_fp4", True), ("qwen3_moe", 2, None, False),
+], ids=["llama-tp1", "llama-tp2-quantization=cute_fp4",
+        "qwen3_moe-tp1-quantization=cute_fp4-compiled", "qwen3_moe-tp2"])
+def test_greedy_tokens_equal_transformers(checkpoints, name, tp, quantization, compile):
     path, want = checkpoints[name]
-    got = _serve(path, tp, quantization)
+    got = _serve(path, tp, quantization, compile)
     assert "error" not in got, got.get("log", "")[-8000:]
     assert got["quantization"] == "cute_fp4"  # the plugin took the checkpoint
     assert got["tokens"] == want

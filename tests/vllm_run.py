@@ -5,6 +5,7 @@ vLLM chose. An engine that fails prints ``ERROR <type>: <message>`` (the first l
 error that stopped it, from any process) and exits 1.
 
     python tests/vllm_run.py CKPT --prompts '[[1, 2, 3]]' [--tp 2] [--quantization cute_fp4]
+        [--compile]   (vLLM's torch.compile of the model, else eager)
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--quantization", default=None)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     from vllm import LLM, SamplingParams
 
     try:
         llm = LLM(model=args.model, tensor_parallel_size=args.tp,
-                  quantization=args.quantization, dtype="bfloat16", enforce_eager=True,
+                  quantization=args.quantization, dtype="bfloat16",
+                  enforce_eager=not args.compile,
                   skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, seed=0)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                                 detokenize=False)
