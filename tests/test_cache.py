@@ -292,3 +292,32 @@ def test_cross_build_compiles_once_with_the_build_cache(monkeypatch, tmp_path):
     assert build("sm_90a", tmp_path / "e", "s")[0] == "compiled"  # another target
     assert build("sm_120a", tmp_path / "f", "t")[0] == "compiled"  # another schedule
     assert len(seen) == 5
+
+
+def test_both_caches_are_keyed_by_the_dsl_release(monkeypatch, tmp_path):
+    """The supported DSL releases (4.8.0, 4.8.1) never share an entry: the disk cache's
+    source fingerprint and the build cache's folder (kernel fingerprint, through the
+    toolchain) both change with the installed nvidia-cutlass-dsl."""
+    from importlib import metadata
+
+    class Dist:
+        def __init__(self, name, version):
+            self.metadata, self.version = {"Name": name}, version
+
+    real_version, real_toolchain = metadata.version, cache.toolchain.__wrapped__
+    got = {}
+    for dsl in ("4.8.0", "4.8.1"):
+        dists = [Dist("nvidia-cutlass-dsl", dsl), Dist("nvidia-cutlass-dsl-libs-base", dsl),
+                 Dist("torch", "2.13.0")]
+        monkeypatch.setattr(metadata, "version", lambda name, v=dsl: (
+            v if name.startswith("nvidia-cutlass-dsl") else real_version(name)))
+        monkeypatch.setattr(metadata, "distributions", lambda d=dists: iter(d))
+        chain = real_toolchain()  # the cached functions keep the real values
+        assert f"nvidia-cutlass-dsl={dsl}" in chain and "torch" not in chain
+        monkeypatch.setattr(cache, "toolchain", lambda c=chain: c)
+        fp = cache.kernel_fingerprint.__wrapped__("cute_fp4.kernels.sm120")
+        got[dsl] = (cache.source_fingerprint.__wrapped__(), fp,
+                    cache.BuildCache(tmp_path, fingerprint=fp).root)
+    (src0, fp0, root0), (src1, fp1, root1) = got["4.8.0"], got["4.8.1"]
+    assert src0 != src1 and fp0 != fp1 and root0 != root1
+    assert root0.parent == root1.parent == tmp_path  # side by side in one build cache

@@ -70,6 +70,16 @@ def _edit_config(path, fn, name="config.json") -> None:
         json.dump(config, f)
 
 
+def _edit_exclusions(path, fn) -> None:
+    """``fn`` applied to config.json's lists of excluded modules (a save writes ModelOpt's
+    key ``ignore`` and the older ``exclude_modules``, the same list)."""
+    def edit(config):
+        for key in ("exclude_modules", "ignore"):
+            fn(config["quantization_config"][key])
+
+    _edit_config(path, edit)
+
+
 def _raises(path, file, key, expected) -> ck.CheckpointError:
     with pytest.raises(ck.CheckpointError) as info:
         hf.from_pretrained(path, device="cpu")
@@ -114,6 +124,7 @@ def test_not_quantized_or_wrong_group(ckpt, no_load):
     _edit_config(ckpt, lambda c: c["quantization_config"].update(group_size=32))
     _raises(ckpt, "config.json", "quantization_config.group_size", "16")
     _edit_config(ckpt, lambda c: c.pop("quantization_config"))
+    os.remove(os.path.join(ckpt, ck.LEGACY_QUANT_FILE))  # a save writes both files
     _raises(ckpt, "config.json", "quantization_config", "ModelOpt NVFP4")
     with pytest.raises(InputError, match="not a checkpoint directory"):
         hf.from_pretrained(os.path.join(ckpt, "nowhere"), device="cpu")
@@ -145,11 +156,10 @@ def test_wrong_dtype_and_shape(ckpt, no_load):
 
 def test_exclusions_must_match_the_tensors(ckpt, no_load):
     """A module exclude_modules names must be BF16; one it does not name must be NVFP4."""
-    _edit_config(ckpt, lambda c: c["quantization_config"]["exclude_modules"].append(
-        "model.layers.0.self_attn.q_proj"))
+    _edit_exclusions(ckpt, lambda names: names.append("model.layers.0.self_attn.q_proj"))
     e = _raises(ckpt, "model.safetensors", "model.layers.0.self_attn.q_proj.weight", "BF16")
     assert "uint8" in e.found
-    _edit_config(ckpt, lambda c: c["quantization_config"].update(exclude_modules=[]))
+    _edit_exclusions(ckpt, list.clear)
     e = _raises(ckpt, "model.safetensors", "lm_head.weight", "uint8 [256, 64]")
     assert e.found == "bfloat16 [256, 128]"
 
@@ -210,7 +220,7 @@ def test_layers_the_kernels_cannot_run(tmp_path, no_load):
     _edit_tensors(tmp_path, lambda t: t.update({
         f"{gate}.weight": w, f"{gate}.weight_scale": torch.ones(1, 8).to(torch.float8_e4m3fn),
         f"{gate}.weight_scale_2": torch.tensor(1.0)}))
-    _edit_config(tmp_path, lambda c: c["quantization_config"]["exclude_modules"].remove(gate))
+    _edit_exclusions(tmp_path, lambda names: names.remove(gate))
     with pytest.raises(FormatError, match=f"{gate}: \\[1, 128\\] cannot run"):
         hf.from_pretrained(tmp_path, device="cpu")
 

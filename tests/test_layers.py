@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first; fnmatch patterns
     ("api", ("cute_fp4.api", "cute_fp4.ops", "cute_fp4.tune", "cute_fp4.bench",
              "cute_fp4.grouped", "cute_fp4.emulation", "cute_fp4.layers", "cute_fp4.layers.*")),
     ("modules", ("cute_fp4.nn", "cute_fp4.mlp", "cute_fp4.moe", "cute_fp4.conversion")),
-    ("integrations", ("cute_fp4.hf", "cute_fp4.hf.*")),
+    ("integrations", ("cute_fp4.hf", "cute_fp4.hf.*", "cute_fp4.vllm", "cute_fp4.vllm.*",
+                      "cute_fp4.serving")),
     ("front", ("cute_fp4", "cute_fp4.__main__", "cute_fp4.cli", "cute_fp4.demo")),
 ]
 

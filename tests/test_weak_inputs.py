@@ -109,14 +109,19 @@ def test_loader_placeholder_checks_what_was_loaded():
     pytest.importorskip("transformers")
     from cute_fp4.hf.quantizer import QuantizedLinear
 
+    def fill(holder, tensors):  # where the loader puts them: weight and scale parameters
+        for key, t in tensors.items():
+            if key in holder._parameters:
+                holder._parameters[key] = nn.Parameter(t, requires_grad=False)
+            else:
+                holder._buffers[key] = t
+
     holder = QuantizedLinear(nn.Linear(128, 64), input_scale=False)
-    for key, t in _modelopt(64, 64).items():
-        holder._buffers[key] = t
+    fill(holder, _modelopt(64, 64))
     with pytest.raises(FormatError, match=r"layer model.q \(out_features=64, in_features="
                        r"128\): weight must be uint8 \[N, K/2\] = \[64, 64\]"):
         holder.finalize("w4a16", "plain", "model.q")
-    for key, t in _modelopt(64, 128).items():
-        holder._buffers[key] = t
+    fill(holder, _modelopt(64, 128))
     layer = holder.finalize("w4a16", "plain", "model.q")
     assert (layer.out_features, layer.in_features) == (64, 128)
 

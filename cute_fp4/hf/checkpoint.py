@@ -80,20 +80,43 @@ class CheckpointError(FormatError):
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
     """The quantization config of a ModelOpt NVFP4 checkpoint (``source``: the file it was
-    read from)."""
+    read from; ``input_scales``: whether its quantized layers have activation scales, None
+    when the config does not say)."""
 
     exclude_modules: tuple[str, ...] = ()
     group_size: int = GROUP_SIZE
     quant_algo: str = QUANT_ALGO
     kv_cache_quant_algo: str | None = None
     source: str = CONFIG_FILE
+    input_scales: bool | None = None
 
     def to_dict(self) -> dict:
-        """The ``quantization_config`` of config.json."""
-        return {"quant_method": QUANT_METHOD, "quant_algo": self.quant_algo,
-                "group_size": self.group_size, "kv_cache_quant_algo": self.kv_cache_quant_algo,
-                "exclude_modules": list(self.exclude_modules),
-                "producer": {"name": "cute_fp4", "version": _version()}}
+        """The ``quantization_config`` of config.json, with the keys every reader looks
+        for: ``exclude_modules`` (this package's and the older key) and ``ignore`` (the
+        key ModelOpt writes in config.json and vLLM reads there), and, when
+        ``input_scales`` is known, ModelOpt's ``config_groups``, whose
+        ``input_activations`` is null for weights-only checkpoints (vLLM then runs them
+        W4A16 instead of reading input scales that are not there)."""
+        d = {"quant_method": QUANT_METHOD, "quant_algo": self.quant_algo,
+             "group_size": self.group_size, "kv_cache_quant_algo": self.kv_cache_quant_algo,
+             "exclude_modules": list(self.exclude_modules),
+             "ignore": list(self.exclude_modules),
+             "producer": {"name": "cute_fp4", "version": _version()}}
+        if self.input_scales is not None:
+            fp4 = {"dynamic": False, "num_bits": 4, "type": "float",
+                   "group_size": self.group_size}
+            d["config_groups"] = {"group_0": {
+                "weights": fp4, "input_activations": dict(fp4) if self.input_scales else None,
+                "targets": ["Linear"]}}
+        return d
+
+    def legacy_dict(self) -> dict:
+        """The older hf_quant_config.json, as ModelOpt writes it beside config.json."""
+        return {"producer": {"name": "cute_fp4", "version": _version()},
+                "quantization": {"quant_algo": self.quant_algo,
+                                 "kv_cache_quant_algo": self.kv_cache_quant_algo,
+                                 "group_size": self.group_size,
+                                 "exclude_modules": list(self.exclude_modules)}}
 
 
 def _version() -> str:
@@ -126,11 +149,23 @@ def parse_quant_config(d: Mapping, source: str = CONFIG_FILE,
     if group != GROUP_SIZE:
         raise CheckpointError(source, f"{field}.group_size", str(GROUP_SIZE), repr(group),
                               "NVFP4 scales blocks of 16 elements")
-    exclude = d.get("exclude_modules") or []
-    if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
-        raise CheckpointError(source, f"{field}.exclude_modules", "a list of module names",
-                              repr(exclude))
-    return QuantFormat(tuple(exclude), group, algo, d.get("kv_cache_quant_algo"), source)
+    exclude: list[str] = []
+    for key in ("exclude_modules", "ignore"):  # the older key, ModelOpt's config.json key
+        names = d.get(key) or []
+        if isinstance(names, str) or not all(isinstance(p, str) for p in names):
+            raise CheckpointError(source, f"{field}.{key}", "a list of module names",
+                                  repr(names))
+        exclude += [n for n in names if n not in exclude]
+    return QuantFormat(tuple(exclude), group, algo, d.get("kv_cache_quant_algo"), source,
+                       _input_scales(d.get("config_groups")))
+
+
+def _input_scales(groups) -> bool | None:
+    """Whether ModelOpt's ``config_groups`` quantize activations (None: not said)."""
+    if not isinstance(groups, Mapping) or not groups:
+        return None
+    return any(isinstance(g, Mapping) and g.get("input_activations") is not None
+               for g in groups.values())
 
 
 def read_quant_format(path: str | os.PathLike) -> QuantFormat:

@@ -29,6 +29,7 @@ import torch
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
 from cute_fp4.errors import FormatError
+from cute_fp4.hf import tp
 from cute_fp4.layers import Experts
 from cute_fp4.moe import NVFP4MoE, expert
 
@@ -164,25 +165,38 @@ def install_placeholders(module: torch.nn.Module, input_scales: bool) -> None:
     for proj in PROJECTIONS:
         delattr(module, proj)
     for name, (shape, dtype) in specs.items():
-        module.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+        if dtype == torch.float32:  # per-expert scalars: buffers, replicated
+            module.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+        else:  # parameters, which a tensor-parallel plan shards (cute_fp4.hf.tp)
+            module.register_parameter(name, tp.parameter(shape, dtype))
+    module._hf_quantized_needs_local_tp = True
 
 
 def placeholder_names(module: torch.nn.Module) -> list[str]:
-    return [n for n in module._buffers if n.startswith(PROJECTIONS)]
+    return [n for n in (*module._parameters, *module._buffers) if n.startswith(PROJECTIONS)
+            and getattr(module, n) is not None]
 
 
-def finalize(module: torch.nn.Module, mode: str, layout: str = "auto") -> None:
-    """The loaded placeholder buffers of ``module`` -> its ``NVFP4MoE`` (``attach``)."""
-    b = {n: module._buffers.pop(n) for n in placeholder_names(module)}
+def finalize(module: torch.nn.Module, mode: str, layout: str = "auto", name: str = "") -> None:
+    """The loaded placeholders of ``module`` -> its ``NVFP4MoE`` (``attach``). Sharded by
+    tensor parallelism: prepared from this rank's shards, and the module all-reduces its
+    output over the shards' group (``experts_forward``)."""
+    b = {}
+    for n in placeholder_names(module):
+        t = module._parameters.pop(n, None)
+        t = module._buffers.pop(n) if t is None else t
+        if tp.is_sharded(t):
+            module._cute_fp4_tp_group = tp.tp_group(t)
+        b[n] = tp.local(t)
     attach(module, (b["gate_up_proj"], b["gate_up_proj_weight_scale"]),
            (b["down_proj"], b["down_proj_weight_scale"], b["down_proj_weight_scale_2"]),
            b["gate_up_proj_weight_scale_2"], b.get("gate_up_proj_input_scale"),
-           b.get("down_proj_input_scale"), mode, layout)
+           b.get("down_proj_input_scale"), mode, layout, name=name)
 
 
 def attach(module: torch.nn.Module, w13: tuple, w2: tuple, w13_scale_2: torch.Tensor,
            w13_input: torch.Tensor | None, w2_input: torch.Tensor | None, mode: str,
-           layout: str = "auto", moe: NVFP4MoE | None = None) -> None:
+           layout: str = "auto", moe: NVFP4MoE | None = None, name: str = "") -> None:
     """Give ``module`` its ``NVFP4MoE`` (``moe``, or one prepared from the checkpoint
     tensors ``w13 = (weight, weight_scale)``, ``w2 = (weight, weight_scale,
     weight_scale_2)`` by ``cute_fp4.layers.Experts.from_modelopt``: gate and up global
@@ -193,7 +207,8 @@ def attach(module: torch.nn.Module, w13: tuple, w2: tuple, w13_scale_2: torch.Te
         if mode == "w4a4" and w13_input is not None and w2_input is not None:
             scales = (w13_input, w2_input)  # one activation scale per GEMM: the largest
         moe = NVFP4MoE(None, None, experts=Experts.from_modelopt(
-            (*w13, w13_scale_2), w2, input_scales=scales, mode=mode, layout=layout))
+            (*w13, w13_scale_2), w2, input_scales=scales, mode=mode, layout=layout,
+            name=name))
     for proj in PROJECTIONS:
         if proj in module._parameters:
             delattr(module, proj)
@@ -244,7 +259,11 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return moe(hidden_states, top_k_index, top_k_weights)
+    out = moe(hidden_states, top_k_index, top_k_weights)
+    group = getattr(self, "_cute_fp4_tp_group", None)
+    if group is not None:  # tensor parallel: this rank's intermediate slice summed over ranks
+        torch.distributed.all_reduce(out, group=group)
+    return out
 
 
 def check_shapes(module: torch.nn.Module, name: str) -> None:

@@ -22,7 +22,7 @@ __all__ = ["from_pretrained"]
 
 def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cuda",
                     mode: str = "auto", layout: str = "auto", fuse_mlp: bool = True,
-                    gate_up_group: int | None = None, **transformers_kwargs):
+                    gate_up_group: int | None = None, tp_plan=None, **transformers_kwargs):
     """Load the ModelOpt NVFP4 checkpoint in directory ``path`` (config.json with a
     ``quantization_config``, or hf_quant_config.json; safetensors shards) as a transformers
     causal LM on ``device``.
@@ -36,7 +36,10 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     ``gate_up_group`` (8 or 32: the target GPU's gate/up group). ``model.cute_fp4_mlps``:
     (fused names, (name, reason) of those left as three layers). Other keyword arguments go to
     ``AutoModelForCausalLM.from_pretrained`` (``dtype`` defaults to bfloat16, the dtype of
-    the layers left unquantized).
+    the layers left unquantized). ``tp_plan``: tensor parallelism, one process per device
+    under torchrun ("auto": the model's own plan, or a dict): each rank loads and prepares
+    its shard of every NVFP4 layer the plan shards (``cute_fp4.hf.tp``; MLPs stay unfused),
+    on ``torch.distributed``'s device for the rank (``device="cpu"`` with gloo).
 
     Quantized tensors are never converted to BF16: device memory peaks at the NVFP4 bytes
     plus the BF16 of the excluded modules plus one layer's transient. A checkpoint that
@@ -65,7 +68,12 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
                                                "fuse_mlp": fuse_mlp,
                                                "gate_up_group": gate_up_group}}
     transformers_kwargs.setdefault("dtype", torch.bfloat16)
-    transformers_kwargs.setdefault("device_map", {"": dev})
+    if tp_plan is not None:
+        from transformers.distributed import DistributedConfig
+
+        transformers_kwargs["distributed_config"] = DistributedConfig(tp_plan=tp_plan)
+    if "distributed_config" not in transformers_kwargs:  # else the rank's device
+        transformers_kwargs.setdefault("device_map", {"": dev})
     transformers_kwargs.setdefault("experts_implementation", "cute_fp4")
     return AutoModelForCausalLM.from_pretrained(path, config=config, **transformers_kwargs)
 

@@ -29,6 +29,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from cute_fp4.errors import FormatError, InputError
 from cute_fp4.hf import experts as ex
+from cute_fp4.hf import tp
 from cute_fp4.hf.checkpoint import (
     CheckpointError,
     QuantFormat,
@@ -39,6 +40,7 @@ from cute_fp4.hf.checkpoint import (
     parse_quant_config,
     read_tensor_index,
 )
+from cute_fp4.layers import Linear
 from cute_fp4.layers.common import MODES, check_modelopt, resolve_mode
 from cute_fp4.layers.linear import K_MULTIPLE, N_MULTIPLE
 from cute_fp4.nn import NVFP4Linear
@@ -56,10 +58,11 @@ class ModelOptNVFP4Config(QuantizationConfigMixin):
 
     def __init__(self, quant_algo=None, group_size=16, exclude_modules=None,
                  kv_cache_quant_algo=None, quant_method="modelopt", cute_fp4=None,
-                 source="config.json", **kwargs):
+                 source="config.json", ignore=None, config_groups=None, **kwargs):
         self.format = parse_quant_config(
             {"quant_algo": quant_algo, "group_size": group_size,
-             "exclude_modules": exclude_modules, "kv_cache_quant_algo": kv_cache_quant_algo},
+             "exclude_modules": exclude_modules, "ignore": ignore,
+             "kv_cache_quant_algo": kv_cache_quant_algo, "config_groups": config_groups},
             source)
         self.quant_method = quant_method
         self.quant_algo, self.group_size = quant_algo, group_size
@@ -75,24 +78,38 @@ class ModelOptNVFP4Config(QuantizationConfigMixin):
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A quantized ``nn.Linear``'s checkpoint tensors while loading (buffers named as in
-    the checkpoint); :meth:`finalize` makes the ``NVFP4Linear``."""
+    """A quantized ``nn.Linear``'s checkpoint tensors while loading, named as in the
+    checkpoint (``weight`` and ``weight_scale`` parameters, which a tensor-parallel plan
+    shards; the scalars buffers); :meth:`finalize` makes the ``NVFP4Linear``. Under
+    tensor parallelism the module stays (transformers wrapped its forward):
+    :meth:`prepare` makes its layer from the local shard, and its forward runs it."""
+
+    _hf_quantized_needs_local_tp = True  # tensor parallel: run on the local shards
 
     def __init__(self, linear: torch.nn.Linear, input_scale: bool):
         super().__init__()
         n, k = linear.out_features, linear.in_features
         self.in_features, self.out_features = k, n
-        for name, shape, dtype in (("weight", (n, k // 2), torch.uint8),
-                                   ("weight_scale", (n, k // 16), torch.float8_e4m3fn),
-                                   ("weight_scale_2", (), torch.float32),
-                                   ("input_scale", () if input_scale else None, torch.float32)):
-            t = None if shape is None else torch.empty(shape, dtype=dtype, device="meta")
+        self.weight = tp.parameter((n, k // 2), torch.uint8)
+        self.weight_scale = tp.parameter((n, k // 16), torch.float8_e4m3fn)
+        for name, shape in (("weight_scale_2", ()), ("input_scale", () if input_scale else None)):
+            t = None if shape is None else torch.empty(shape, dtype=torch.float32, device="meta")
             self.register_buffer(name, t)
         self.bias = linear.bias
+        self.layer: Linear | None = None
 
     def forward(self, x):
-        raise FormatError("a QuantizedLinear is a loading placeholder; it is replaced by an "
-                          "NVFP4Linear once its tensors are loaded")
+        if self.layer is None:
+            raise FormatError("a QuantizedLinear is a loading placeholder; it is replaced by an "
+                              "NVFP4Linear once its tensors are loaded")
+        y = self.layer(x)
+        # column-parallel: this rank's bias shard; row-parallel: hidden here, transformers
+        # adds it once after the all-reduce
+        return y if self.bias is None else y + tp.local(self.bias)
+
+    def loaded_tensors(self) -> list[str]:
+        return ["weight", "weight_scale"] + [n for n, b in self._buffers.items()
+                                             if b is not None]
 
     def finalize(self, mode: str, layout: str = "auto", name: str = "") -> NVFP4Linear:
         check_modelopt(name, self.out_features, self.in_features, self.weight,
@@ -100,8 +117,19 @@ class QuantizedLinear(torch.nn.Module):
         ws2 = self.weight_scale_2.reshape(())
         inp = None if self.input_scale is None else self.input_scale.reshape(())
         bias = None if self.bias is None else self.bias.detach()
-        return NVFP4Linear.from_modelopt(self.weight, self.weight_scale, ws2, inp, bias,
-                                         mode, "auto", layout)
+        return NVFP4Linear.from_modelopt(tp.local(self.weight), tp.local(self.weight_scale),
+                                         ws2, inp, bias, mode, "auto", layout)
+
+    def prepare(self, mode: str, layout: str, name: str) -> None:
+        """Tensor parallel: the layer from this rank's shard (``cute_fp4.layers.Linear``),
+        in place; the loaded shards are the layer's from now on."""
+        w, scale = tp.local(self.weight), tp.local(self.weight_scale)
+        check_modelopt(name, w.shape[0], 2 * w.shape[1], w, scale, self.weight_scale_2,
+                       self.input_scale)
+        inp = None if self.input_scale is None else self.input_scale.reshape(())
+        self.layer = Linear.from_modelopt(w, scale, self.weight_scale_2.reshape(()), inp,
+                                          mode=mode, layout=layout, name=name)
+        del self._parameters["weight"], self._parameters["weight_scale"]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -326,22 +354,38 @@ class ModelOptNVFP4Quantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         layout = self.quantization_config.layout
+        mesh = tp.tp_mesh(model)
         for name in self.plan.dense:
             holder = model.get_submodule(name)
-            _check_loaded(name, holder, [n for n, b in holder._buffers.items()
-                                         if b is not None])
+            _check_loaded(name, holder, holder.loaded_tensors())
+            if mesh is not None:  # in place: transformers wrapped the module's forward
+                tp.check_linear_style(name, tp.tp_style(model, name))
+                holder.prepare(self.mode, layout, _rank_name(name, mesh))
+                continue
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, holder.finalize(self.mode, layout, name))
         for name in self.plan.experts:
             module = model.get_submodule(name)
             _check_loaded(name, module, ex.placeholder_names(module))
-            ex.finalize(module, self.mode, layout)
+            if mesh is not None:
+                tp.check_experts_styles(name, tp.tp_style(model, name), {
+                    p: tp.tp_style(model, f"{name}.{p}") for p in ex.PROJECTIONS})
+            ex.finalize(module, self.mode, layout,
+                        name=name if mesh is None else _rank_name(name, mesh))
         if self.plan.experts:
             model.set_experts_implementation(ex.IMPLEMENTATION)
         model.cute_fp4_mode = self.mode
-        model.cute_fp4_mlps = fuse_mlps(model, self.quantization_config.fuse_mlp,
-                                        self.quantization_config.gate_up_group)
+        fuse = self.quantization_config.fuse_mlp and mesh is None  # modules stay in place
+        model.cute_fp4_mlps = fuse_mlps(model, fuse, self.quantization_config.gate_up_group)
         return model
+
+    def update_tp_plan(self, config):
+        """The experts' block scales are sharded as their weights (transformers shards the
+        parameters its plan names)."""
+        plan = getattr(config, "base_model_tp_plan", None)
+        if plan:
+            config.base_model_tp_plan = tp.expert_scale_plan(plan)
+        return config
 
     def is_serializable(self, safe_serialization=None):
         """transformers' ``model.save_pretrained`` asks this first: the answer is
@@ -380,11 +424,16 @@ def fuse_mlps(model, fuse: bool, group: int | None) -> tuple[tuple, tuple]:
     return fused, unfused
 
 
-def _check_loaded(name: str, module, buffers) -> None:
+def _rank_name(name: str, mesh) -> str:
+    """A layer's name in errors under tensor parallelism: with this rank and the size."""
+    return f"{name} (tensor-parallel rank {mesh.get_local_rank()} of {mesh.size()})"
+
+
+def _check_loaded(name: str, module, tensors) -> None:
     """A placeholder tensor that transformers did not fill (a missing or failed tensor it
     only logs) is an error: nothing half-loaded."""
-    for b in buffers:
-        t = module._buffers[b]
+    for b in tensors:
+        t = getattr(module, b)
         if t.is_meta or not getattr(t, "_is_hf_initialized", False):
             raise CheckpointError("the checkpoint", f"{name}.{b}", "a loaded tensor",
                                   "not loaded (see transformers' loading report)")

@@ -3,7 +3,8 @@ by ``quantize_model``) written as a ModelOpt NVFP4 checkpoint, bit for bit what 
 hold: ``NVFP4Linear``'s own state dict (ModelOpt's names), the experts split expert by
 expert under the names of the model's transformers conversion mapping (reversed: the
 names a BF16 checkpoint of the model has), everything else as transformers saves it (tied
-weights once), config.json with the ``quantization_config``.
+weights once), config.json with the ``quantization_config`` and, as ModelOpt writes it
+beside, hf_quant_config.json; both list every module left unquantized.
 
 A save replaces, never mixes: every file is written into a staging folder inside the
 directory and renamed into place at the end, so a save that fails or is interrupted while
@@ -26,7 +27,14 @@ from transformers.core_model_loading import WeightRenaming
 
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.hf import experts as ex
-from cute_fp4.hf.checkpoint import INDEX_FILE, SINGLE_FILE, QuantFormat, write_safetensors
+from cute_fp4.hf import tp
+from cute_fp4.hf.checkpoint import (
+    INDEX_FILE,
+    LEGACY_QUANT_FILE,
+    SINGLE_FILE,
+    QuantFormat,
+    write_safetensors,
+)
 from cute_fp4.nn import NVFP4Linear
 
 __all__ = ["save_pretrained"]
@@ -68,14 +76,28 @@ def _expert_tensors(model, conversions) -> dict[str, torch.Tensor]:
 
 
 def _exclusions(model, rename) -> list[str]:
-    """Checkpoint names of the linears and experts left in BF16."""
+    """Checkpoint names of every module left unquantized that holds a weight matrix: the
+    linears and experts kept in BF16 (lm_head, whatever was excluded or skipped) and the
+    other modules with a 2-D weight of their own, the MoE routers (``mlp.gate``) and
+    shared-expert gates. ModelOpt lists them all, and engines that decide per module from
+    this list (vLLM) would otherwise give a router NVFP4 parameters. Embeddings are not
+    listed (no engine quantizes them from this config), nor are the NVFP4 layers."""
     names = []
     for name, m in model.named_modules():
-        if not name:
+        if (not name or isinstance(m, (NVFP4Linear, torch.nn.Embedding))
+                or ex.holds_nvfp4(m)):
             continue
-        if type(m) is torch.nn.Linear or ex.is_experts(m):  # NVFP4 experts have no BF16 tensors
+        w = m._parameters.get("weight")
+        matrix = w is not None and w.dim() >= 2 and w.is_floating_point()
+        if type(m) is torch.nn.Linear or ex.is_experts(m) or matrix:
             names.append(rename(name))
     return names
+
+
+def _quant_format(model, rename, tensors) -> QuantFormat:
+    """The config of the checkpoint ``tensors`` (checkpoint names) of ``model``."""
+    return QuantFormat(tuple(_exclusions(model, rename)),
+                       input_scales=any(k.endswith(".input_scale") for k in tensors))
 
 
 def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
@@ -83,12 +105,17 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     """Write ``model`` as a ModelOpt NVFP4 checkpoint in directory ``path`` (created):
     safetensors shards of at most ``max_shard_size`` bytes (plus their index), config.json
     with ``quantization_config`` {quant_method: "modelopt", quant_algo: "NVFP4",
-    group_size: 16, exclude_modules: [...]}, generation_config.json. Returns the shard
-    names. ``cute_fp4.hf.from_pretrained(path)`` loads it back bit for bit. A checkpoint
-    already in ``path`` is replaced (module docstring); ``path`` an existing file:
-    InputError."""
+    group_size: 16, exclude_modules/ignore: [every module left unquantized: lm_head, the
+    routers, ...], config_groups: {...}}, hf_quant_config.json (the same, ModelOpt's older
+    file), generation_config.json. Returns the shard names.
+    ``cute_fp4.hf.from_pretrained(path)`` loads it back bit for bit. A checkpoint already in
+    ``path`` is replaced (module docstring); ``path`` an existing file: InputError."""
     if not hasattr(model, "config") or not hasattr(model, "state_dict"):
         raise InputTypeError(f"model must be a transformers model, got {type(model).__name__}")
+    if tp.tp_mesh(model) is not None:
+        raise InputError("save_pretrained: this tensor-parallel model holds only its rank's "
+                         "shards; save from a single-process load (cute_fp4.hf.from_pretrained "
+                         "without tp_plan)")
     if not any(isinstance(m, NVFP4Linear) or ex.holds_nvfp4(m) for m in model.modules()):
         raise InputTypeError("model has no NVFP4 layers: quantize it first "
                              "(cute_fp4.hf.quantize_model) or save it with transformers")
@@ -105,7 +132,7 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     stage = tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-", dir=path)
     try:
         files = write_safetensors(tensors, stage, max_shard_size)
-        _write_config(model, stage, QuantFormat(tuple(_exclusions(model, rename))))
+        _write_config(model, stage, _quant_format(model, rename, tensors))
         _replace(stage, path)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -186,6 +213,9 @@ def _write_config(model, path: str, fmt: QuantFormat) -> None:
     config = model.config
     saved = getattr(config, "quantization_config", None)
     config.quantization_config = fmt.to_dict()
+    # as transformers' own save does: engines pick the model class from it (vLLM runs a
+    # config without it as an embedding model)
+    config.architectures = [type(model).__name__]
     try:
         config.save_pretrained(path)
     finally:
@@ -193,6 +223,8 @@ def _write_config(model, path: str, fmt: QuantFormat) -> None:
             del config.quantization_config
         else:
             config.quantization_config = saved
+    with open(os.path.join(path, LEGACY_QUANT_FILE), "w") as f:
+        json.dump(fmt.legacy_dict(), f, indent=2)
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(model, "can_generate", lambda: False)():
         gen.save_pretrained(path)
