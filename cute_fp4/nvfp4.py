@@ -19,63 +19,52 @@ operation, so the CPU, CUDA and the fused kernel (``cute_fp4.kernels.quantize``)
 same bytes for every input (``docs/correctness.md``). (torch divides by a Python scalar on
 the CPU but multiplies by its reciprocal on CUDA; the rule multiplies explicitly.)
 
-The block format is a parameter (:class:`BlockFormat`) so that MXFP4 (E8M0 scales, blocks
-of 32) can be added without changing the container or the layouts.
+The format is data (:data:`cute_fp4.formats.NVFP4`, a :class:`~cute_fp4.formats.BlockFormat`):
+the block size, the scale type and its layout rules are read from it, never written here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 
 import torch
 
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
+from cute_fp4.formats import (
+    E2M1,
+    NVFP4,
+    SF_ATOM_COLS,
+    SF_ATOM_ROWS,
+    UE4M3,
+    BlockFormat,
+    round_up,
+)
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; 8..15 are negatives
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-E4M3_MIN_SUBNORMAL = 2.0**-9
+E2M1_VALUES = E2M1.magnitudes  # codes 0..7; 8..15 are negatives
+E2M1_MAX = E2M1.max
+E4M3_MAX = UE4M3.max
+E4M3_MIN_SUBNORMAL = UE4M3.min_positive
 # float32(1/6) exactly, as a Python float: ``bamax * RCP6`` rounds once to float32 on every
 # device (the fused kernel's ``mul.rn.f32 t, bamax, 0f3E2AAAAB``)
 RCP6 = 0.1666666716337204
 # Midpoints between consecutive E2M1 magnitudes. A tie between codes i and i+1 goes to
 # the even code: down when i is even, up when i is odd.
-_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockFormat:
-    """A block-scaled 4-bit format: element codec, block size and scale dtype."""
-
-    name: str
-    block: int  # elements per scale
-    scale_dtype: torch.dtype
-    scale_max: float
-
-
-NVFP4 = BlockFormat("nvfp4", 16, torch.float8_e4m3fn, E4M3_MAX)
+_E2M1_BOUNDS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
 
 
 # ----------------------------------------------------------------------------- codecs
 
 def e2m1_table(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The 16 E2M1 values indexed by code (code 8 is -0.0)."""
-    vals = list(E2M1_VALUES) + [-v for v in E2M1_VALUES]
-    return torch.tensor(vals, dtype=dtype, device=device)
+    return torch.tensor(E2M1.values(), dtype=dtype, device=device)
 
 
 def e4m3_decode(code: int) -> float:
     """The value of an E4M3 (fn) code from its bit fields: bias 7, no infinities,
     0x7F/0xFF are NaN, exponent 0 is subnormal (``m/8 * 2^-6``)."""
     sign = -1.0 if code & 0x80 else 1.0
-    exp, man = (code >> 3) & 0xF, code & 0x7
-    if exp == 0xF and man == 0x7:
-        return float("nan")
-    if exp == 0:
-        return sign * man / 8.0 * 2.0**-6
-    return sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7)
+    return sign * UE4M3.decode(code & 0x7F)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -104,61 +93,26 @@ def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- layout
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def scale_shape(rows: int, k: int, block: int = 16) -> tuple[int, int]:
+def scale_shape(rows: int, k: int, fmt: BlockFormat = NVFP4) -> tuple[int, int]:
     """Padded shape of the blocked scale tensor for ``rows`` x ``k`` elements."""
-    return _round_up(rows, 128), _round_up(-(-k // block), 4)
+    return fmt.scale_shape(rows, k)
 
 
-SF_BLOCK = 16  # elements per scale factor
-SF_ATOM_ROWS = 128  # rows of one 128x4 atom
-SF_ATOM_COLS = 4  # scale columns of one atom (64 elements of K)
-SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
-
-
-def sf_atom_offset(r, c):
-    """Byte offset of (row ``r`` < 128, scale column ``c`` < 4) inside one 128x4 atom."""
-    return (r % 32) * 16 + (r // 32) * 4 + c
-
-
-def sf_offset(r, c, col_blocks):
-    """Byte offset of the scale of (row ``r``, scale column ``c``) in the 128x4 blocked
-    layout with ``col_blocks`` 4-column blocks per 128-row atom row.
-
-    The one definition of the layout (the cuBLAS "Block Scaling Factors Layout"): 512-byte
-    atoms of 128 rows x 4 scale columns (:func:`sf_atom_offset`), row-atom major. Plain
-    integer arithmetic, so it serves Python ints, integer tensors and the kernels' DSL
-    integers alike.
-    """
-    return ((r // SF_ATOM_ROWS) * (col_blocks * SF_ATOM_BYTES)
-            + (c // SF_ATOM_COLS) * SF_ATOM_BYTES
-            + sf_atom_offset(r % SF_ATOM_ROWS, c % SF_ATOM_COLS))
-
-
-def sf_offset_shifts(r, c, padded_cols):
-    """:func:`sf_offset` for non-negative ``r`` and ``c`` in shifts and masks, with
-    ``padded_cols`` the scale columns rounded up to a multiple of 4: what the kernels use
-    (the DSL divides Int32 signed, so ``//`` and ``%`` cost more there)."""
-    return ((r >> 7) * (padded_cols * 128) + ((c >> 2) << 9) + ((r & 31) << 4)
-            + (((r >> 5) & 3) << 2) + (c & 3))
-
-
-def scale_offset(r, c, k: int, block: int = SF_BLOCK):
+def scale_offset(r, c, k: int, fmt: BlockFormat = NVFP4):
     """Byte offset of the scale of (row r, scale column c) for ``k`` elements per row in
-    the 128x4 blocked layout (:func:`sf_offset`). Works on ints and integer tensors."""
-    return sf_offset(r, c, _round_up(-(-k // block), SF_ATOM_COLS) // SF_ATOM_COLS)
+    the 128x4 blocked layout (:func:`~cute_fp4.formats.sf_offset`). Works on ints and
+    integer tensors."""
+    return fmt.scale_offset(r, c, k)
 
 
 def swizzle_scales(sf_linear: torch.Tensor) -> torch.Tensor:
     """[R, C] row-major scales -> the blocked layout, shape [round_up(R,128), round_up(C,4)],
     zero padded. Works for any 1-byte dtype (float8_e4m3fn, uint8)."""
     if sf_linear.dim() != 2:
-        raise FormatError(f"scales must be 2-D [rows, K/16], got shape {tuple(sf_linear.shape)}")
+        raise FormatError(f"scales must be 2-D [rows, K/16] (NVFP4; [rows, K / block] of "
+                          f"a block format), got shape {tuple(sf_linear.shape)}")
     rows, cols = sf_linear.shape
-    rp, cp = _round_up(rows, 128), _round_up(cols, 4)
+    rp, cp = round_up(rows, SF_ATOM_ROWS), round_up(cols, SF_ATOM_COLS)
     raw = _as_bytes(sf_linear)
     padded = torch.zeros((rp, cp), dtype=torch.uint8, device=raw.device)
     padded[:rows, :cols] = raw
@@ -166,11 +120,12 @@ def swizzle_scales(sf_linear: torch.Tensor) -> torch.Tensor:
     return blocked.contiguous().view(sf_linear.dtype)
 
 
-def unswizzle_scales(blocked: torch.Tensor, rows: int, k: int, block: int = 16) -> torch.Tensor:
+def unswizzle_scales(blocked: torch.Tensor, rows: int, k: int,
+                     fmt: BlockFormat = NVFP4) -> torch.Tensor:
     """Inverse of :func:`swizzle_scales`: the blocked scales of ``rows`` x ``k`` elements
-    -> [rows, ceil(k/block)] row-major."""
-    cols = -(-k // block)
-    rp, cp = _round_up(rows, 128), _round_up(cols, 4)
+    -> [rows, ceil(k / block)] row-major."""
+    cols = fmt.scale_cols(k)
+    rp, cp = fmt.scale_shape(rows, k)
     if blocked.numel() != rp * cp:
         raise FormatError(f"blocked scales for {rows} rows and K = {k} need {rp} x {cp} = "
                           f"{rp * cp} bytes, got {blocked.numel()} (shape "
@@ -273,9 +228,10 @@ class NVFP4Tensor:
                               f"{dims}")
         if k % self.fmt.block:
             raise FormatError(f"K = {k} is not a multiple of the block size {self.fmt.block}")
-        if scale.dtype not in (self.fmt.scale_dtype, torch.uint8):
-            raise FormatError(f"scale must be {self.fmt.scale_dtype}, got {scale.dtype}")
-        rp, cp = scale_shape(rows, k, self.fmt.block)
+        sdt = self.fmt.scale.torch_dtype
+        if scale.dtype not in (sdt, torch.uint8):
+            raise FormatError(f"scale must be {sdt}, got {scale.dtype}")
+        rp, cp = self.fmt.scale_shape(rows, k)
         if scale.numel() != math.prod(lead) * rp * cp:
             raise FormatError(_scale_size_message(lead, rows, k, rp, cp, scale))
         if not scale.is_contiguous():
@@ -284,7 +240,7 @@ class NVFP4Tensor:
             raise FormatError(f"data is on {data.device} but scale is on {scale.device}")
         gs = _global_scales(global_scale, lead)
         self.data = data
-        self.scale = scale.view(self.fmt.scale_dtype).reshape(*lead, rp, cp)
+        self.scale = scale.view(sdt).reshape(*lead, rp, cp)
         self.global_scale = gs.to(data.device)
         self.shape = dims
 
@@ -355,8 +311,8 @@ class NVFP4Tensor:
         expert stack)."""
         rows, k = self.shape[-2:]
         if self.experts is None:
-            return unswizzle_scales(self.scale, rows, k, self.fmt.block)
-        return torch.stack([unswizzle_scales(s, rows, k, self.fmt.block) for s in self.scale])
+            return unswizzle_scales(self.scale, rows, k, self.fmt)
+        return torch.stack([unswizzle_scales(s, rows, k, self.fmt) for s in self.scale])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``e2m1 * block_scale * global_scale``, computed in float64 (one rounding, to
@@ -388,8 +344,9 @@ class NVFP4Tensor:
             raise FormatError(f"weight and weight_scale must be 2-D, got shapes "
                               f"{tuple(weight.shape)} and {tuple(weight_scale.shape)}")
         n, k = weight.shape[0], weight.shape[1] * 2
-        if tuple(weight_scale.shape) != (n, k // 16):
-            raise FormatError(f"weight_scale must be [N, K/16] = [{n}, {k // 16}] for weight "
+        cols, block = cls.fmt.scale_cols(k), cls.fmt.block
+        if tuple(weight_scale.shape) != (n, cols):
+            raise FormatError(f"weight_scale must be [N, K/{block}] = [{n}, {cols}] for weight "
                               f"[{n}, {k // 2}], got {tuple(weight_scale.shape)}")
         raw = _as_bytes(weight_scale)
         bad = int(((raw & 0x7F) == 0x7F).sum())
@@ -455,8 +412,9 @@ def quantize(x: torch.Tensor, global_scale=None) -> NVFP4Tensor:
 
 def _check_quantizable(x: torch.Tensor) -> None:
     k = x.shape[-1]
-    if k % 16:
-        raise InputError(f"K = {k} is not a multiple of 16 (the NVFP4 block size)")
+    if k % NVFP4.block:
+        raise InputError(f"K = {k} is not a multiple of {NVFP4.block} (the {NVFP4} block "
+                         "size)")
     if x.numel() == 0:
         raise InputError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
 
@@ -519,11 +477,11 @@ def _encode(xf: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """float32 [R, K] and a 0-d float32 global scale -> (packed codes [R, K/2], blocked
     scales). The one quantization rule (module docstring)."""
     rows, k = xf.shape
-    blocks = xf.view(rows, k // 16, 16)
+    blocks = xf.view(rows, k // NVFP4.block, NVFP4.block)
     bamax = blocks.abs().amax(dim=-1)
-    sf = (bamax * RCP6 / gs).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = NVFP4.scale.encode((bamax * RCP6 / gs).clamp(max=NVFP4.scale.max))
     tiny = (sf.float() == 0) & (bamax > 0)
-    sf = torch.where(tiny, torch.full_like(sf, E4M3_MIN_SUBNORMAL), sf)
+    sf = torch.where(tiny, torch.full_like(sf, NVFP4.scale.min_positive), sf)
     denom = (sf.float() * gs).unsqueeze(-1)
     q = torch.where(denom > 0, blocks / torch.where(denom > 0, denom, 1.0), 0.0)
     codes = e2m1_encode(q).view(rows, k)
@@ -549,9 +507,9 @@ def _quantize_experts(x: torch.Tensor, global_scale) -> NVFP4Tensor:
         e = int(wrong.nonzero()[0, 0])
         raise InputError(f"global_scale must be finite and > 0, got {float(gs[e]):g} for "
                          f"expert {e}")
-    rp, cp = scale_shape(rows, k)
+    rp, cp = NVFP4.scale_shape(rows, k)
     data = torch.empty((n_exp, rows, k // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((n_exp, rp, cp), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((n_exp, rp, cp), dtype=NVFP4.scale.torch_dtype, device=x.device)
     for e in range(n_exp):
         data[e], scale[e] = _encode(x[e].float().contiguous(), gs[e])
     return NVFP4Tensor._unchecked(data, scale, gs, (n_exp, rows, k))

@@ -9,17 +9,20 @@ the sum with an error far below the kernels' FP32 accumulation.
 Error rule (:func:`error_bound`), per element, for a kernel that accumulates in FP32 and
 then rounds to the output dtype::
 
-    |out - ref| <= 2**-p * |ref| + (ceil(K/16) + 16) * 2**-23 * alpha * sum_k |A[m,k] B[n,k]|
+    |out - ref| <= 2**-p * |ref| + (ceil(K/c) + 16) * 2**-23 * alpha * sum_k |A[m,k] B[n,k]|
                    + tiny
 
 ``p`` is the output's precision (bf16: 8, fp16: 11, fp32: 24). The second term bounds FP32
-accumulation in which the tensor core sums each 16-wide K chunk (one scale block; WGMMA
-BF16 has K = 16, the SM120 MMA K = 64) to FP32 accuracy and then adds it to the
-accumulator: one rounding of at most ``2 u = 2**-23`` (truncation allowed) per addition, the
-``+ 16`` covering split-K partial sums and the alpha multiply. ``tiny`` is the output's
-smallest subnormal step. The rule is a worst-case bound, not a statistical one, so it holds
-for any summation order; a single dropped 16-element block still fails it at moderate K,
-which is why kernel tests use short and odd K as well as long K.
+accumulation in which the tensor core sums each ``c``-wide K chunk to FP32 accuracy and
+then adds it to the accumulator: one rounding of at most ``2 u = 2**-23`` (truncation
+allowed) per addition, the ``+ 16`` covering split-K partial sums and the alpha multiply.
+``c`` is the weight format's block size (one scale block: ``b.fmt.block``), at most
+:data:`MMA_K_MIN` = 16, the K of the narrowest MMA any kernel issues (WGMMA BF16 and
+``mma.sync.m16n8k16`` have K = 16, the SM120 block-scaled MMA K = 64): NVFP4's 16.
+``tiny`` is the output's smallest subnormal step. The rule is a worst-case bound, not a
+statistical one, so it holds for any summation order; a single dropped 16-element block
+still fails it at moderate K, which is why kernel tests use short and odd K as well as
+long K.
 
 Grouped (MoE) GEMMs: :func:`grouped_gemm` and :func:`check_grouped` apply the same
 arithmetic and the same rule expert by expert, on the rows ``offsets[e]:offsets[e+1]``.
@@ -35,7 +38,10 @@ import operator
 import torch
 
 from cute_fp4.errors import InputError, InputTypeError, ValidationError
+from cute_fp4.formats import BlockFormat
 from cute_fp4.nvfp4 import NVFP4Tensor
+
+MMA_K_MIN = 16  # K of the narrowest MMA a kernel adds to its FP32 accumulator at a time
 
 _PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 _TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
@@ -100,6 +106,11 @@ def _prepare(a, b, alpha):
     return av.to(dev), bv, alpha64.to(dev)
 
 
+def _chunk(fmt: BlockFormat) -> int:
+    """K elements a kernel sums before one accumulator addition, at most (module docstring)."""
+    return min(fmt.block, MMA_K_MIN)
+
+
 def gemm(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exact reference ``alpha * A @ B^T``, computed in float64 on ``b``'s device.
 
@@ -117,16 +128,17 @@ def error_bound(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.fl
     av, bv, alpha64 = _prepare(a, b, alpha)
     if ref is None:
         ref = (av @ bv.T) * alpha64
-    return _bound(av, bv, alpha64, out_dtype, ref)
+    return _bound(av, bv, alpha64, out_dtype, ref, b.fmt)
 
 
 def _bound(av: torch.Tensor, bv: torch.Tensor, alpha64: torch.Tensor, out_dtype: torch.dtype,
-           ref: torch.Tensor) -> torch.Tensor:
-    """The error rule on float64 values: ``av`` [M, K], ``bv`` [N, K], a scalar alpha."""
+           ref: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The error rule on float64 values: ``av`` [M, K], ``bv`` [N, K] (of block format
+    ``fmt``), a scalar alpha."""
     k = av.shape[1]
     absdot = (av.abs() @ bv.abs().T) * alpha64.abs()
     p = _PRECISION[out_dtype]
-    acc = absdot * ((-(-k // 16) + 16) * 2.0**-23)
+    acc = absdot * ((-(-k // _chunk(fmt)) + 16) * 2.0**-23)
     return ref.double().abs() * 2.0**-p + acc * (1 + 2.0**-p) + _TINY[out_dtype]
 
 
@@ -168,7 +180,7 @@ def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
     got = out.detach().double().to(ref.device)
     if got.shape != ref.shape:
         raise InputError(f"output shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
-    bound = _bound(av, bv, alpha64, out.dtype, ref)
+    bound = _bound(av, bv, alpha64, out.dtype, ref, b.fmt)
     err, nonfinite = _errors(got, ref, bound, out.dtype)
     ratio = float((err / bound).max()) if err.numel() else 0.0
     return CheckResult((av.shape[0], bv.shape[0], av.shape[1]),
@@ -331,7 +343,7 @@ def _grouped_ref(a, b, offsets, alpha, out_dtype: torch.dtype | None):
         bv = b.expert(e).block_values(torch.float64)
         ref[lo:hi] = (av[lo:hi] @ bv.T) * alpha64[e]
         if bound is not None:
-            bound[lo:hi] = _bound(av[lo:hi], bv, alpha64[e], out_dtype, ref[lo:hi])
+            bound[lo:hi] = _bound(av[lo:hi], bv, alpha64[e], out_dtype, ref[lo:hi], b.fmt)
     return ref, bound, offs, (m, n, k)
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import enum
 
 from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.formats import BlockFormat, Operand
 from cute_fp4.targets import Target, get_target
 
 
@@ -431,12 +432,14 @@ def _plain(x: object) -> object:
     return x
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Problem:
     """A GEMM problem: ``D[M, N] = alpha * A[M, K] @ B[N, K]^T`` (TN).
 
-    ``a_format`` is ``"nvfp4"`` (W4A4) or ``"bf16"``/``"fp16"`` (W4A16: A is 16-bit).
-    B is always NVFP4. A dimension of 0 means "any" (symbolic) for planning.
+    ``a_format`` (:class:`~cute_fp4.formats.Operand`; its value strings are accepted and
+    compare equal) is a block format (W4A4) or ``"bf16"``/``"fp16"`` (W4A16: A is 16-bit);
+    ``b_format``, the weight's, is a block format (default NVFP4). W4A4 takes both in one
+    format. A dimension of 0 means "any" (symbolic) for planning.
     ``groups`` > 0: a grouped (MoE) problem of that many experts, ``m`` their total rows
     (tokens sorted by expert), B ``[groups, N, K]``; 0: a dense GEMM.
     """
@@ -444,21 +447,40 @@ class Problem:
     m: int = 0
     n: int = 0
     k: int = 0
-    a_format: str = "nvfp4"
+    a_format: Operand = Operand.NVFP4
     groups: int = 0
+    b_format: Operand = Operand.NVFP4
 
     def __post_init__(self) -> None:
         for f in ("m", "n", "k", "groups"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise InputError(f"Problem.{f} must be an int >= 0, got {v!r}")
-        if self.a_format not in ("nvfp4", "bf16", "fp16"):
-            raise InputError(f"Problem.a_format must be nvfp4, bf16 or fp16, "
-                             f"got {self.a_format!r}")
+        _set(self, "a_format", Operand.of(self.a_format, "Problem.a_format"))
+        _set(self, "b_format", Operand.of(self.b_format, "Problem.b_format"))
+        if self.b_format.sixteen_bit:
+            raise InputError(f"Problem.b_format must be a block format (the weight is "
+                             f"block-scaled 4-bit), got {self.b_format!r}")
+        if not self.a_format.sixteen_bit and self.a_format != self.b_format:
+            raise InputError(f"Problem: A is {self.a_format} and B is {self.b_format}; W4A4 "
+                             "takes both operands in one block format")
+
+    def __repr__(self) -> str:
+        # the weight format only where it is not the default: problems' reprs key the
+        # build caches, whose entries of NVFP4 problems stay valid
+        extra = "" if self.b_format is Operand.NVFP4 else f", b_format={self.b_format!r}"
+        return (f"Problem(m={self.m}, n={self.n}, k={self.k}, a_format={self.a_format!r}, "
+                f"groups={self.groups}{extra})")
 
     @property
     def w4a16(self) -> bool:
-        return self.a_format != "nvfp4"
+        return self.a_format.sixteen_bit
+
+    @property
+    def fmt(self) -> BlockFormat:
+        """The weight's block format (and W4A4's activation's): its block size, scale type
+        and layout rules (:class:`~cute_fp4.formats.BlockFormat`)."""
+        return self.b_format.block_format
 
     @classmethod
     def of(cls, x: object) -> Problem | None:

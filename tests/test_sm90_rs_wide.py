@@ -28,8 +28,9 @@ from ptx_model import run_ptx
 import cute_fp4 as cf
 from cute_fp4 import catalogue, packed
 from cute_fp4.errors import FormatError, InputError
+from cute_fp4.formats import NVFP4, sf_atom_offset
 from cute_fp4.kernels.sm90_rs_wide import fragment_ptx, sf_word_offset
-from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize, sf_atom_offset
+from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize
 from cute_fp4.schedule import Mainloop, Problem, Schedule, Tile, Warps
 
 RS = [s for s in catalogue.all_schedules("sm90", grouped=False)
@@ -219,32 +220,43 @@ def test_groups_alternate_buffers_across_tiles():
 @pytest.mark.parametrize("bf16", [True, False])
 def test_tables_and_scale_words_meet_at_the_lut_exponent(bf16):
     """The decode tables hold each E2M1 magnitude times 2^e and a raw scale word holds each
-    UE4M3 scale times 2^-e (e = LUT_EXPONENT), both halves: their product, the decode's one
-    multiply, is the exact value v * s."""
-    from cute_fp4.kernels.sm90_rs_wide import _LUT, LUT_EXPONENT, raw_scale_word
+    UE4M3 scale times 2^-e (e = the scale type's lut_exponent), both halves: their product,
+    the decode's one multiply, is the exact value v * s."""
+    from cute_fp4.kernels.sm90_rs_wide import lut_words, raw_scale_word, scale_decode
 
     half = torch.bfloat16 if bf16 else torch.float16
-    e = LUT_EXPONENT[bf16]
+    e = scale_decode(NVFP4, bf16).lut_exponent
 
     def halves(words):  # little-endian 16-bit halves of 32-bit words, as the 16-bit type
         return torch.tensor([(w >> s) & 0xFFFF for w in words for s in (0, 16)],
                             dtype=torch.int32).to(torch.int16).view(half).double()
 
-    (lo0, lo1), (hi0, hi1) = _LUT[bf16]
+    (lo0, lo1), (hi0, hi1) = lut_words(bf16, e)
     lo = (lo0 | lo1 << 32).to_bytes(8, "little")
     hi = (hi0 | hi1 << 32).to_bytes(8, "little")
     table = halves([lo[i] | hi[i] << 8 | lo[i + 1] << 16 | hi[i + 1] << 24
                     for i in range(0, 8, 2)])
     assert (table * 2.0**-e).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     scales = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
-    words = halves([raw_scale_word(b, bf16) for b in scales]) * 2.0**e
+    words = halves([raw_scale_word(b, bf16, NVFP4) for b in scales]) * 2.0**e
     assert words.tolist() == [_ue4m3(b) for b in scales for _ in range(2)]
 
 
-def _tables(bf16: bool) -> list[int]:
-    from cute_fp4.kernels.sm90_rs_wide import _LUT
+def test_lut_words_are_the_tables_of_2026_12_01():
+    """The computed tables are the constants the decode was written with (so the compiled
+    decode, and its SASS, stayed the same when the tables became data)."""
+    from cute_fp4.kernels.sm90_rs_wide import lut_words, scale_decode
 
-    (lo0, _), (hi0, _) = _LUT[bf16]
+    assert lut_words(True, scale_decode(NVFP4, True).lut_exponent) == (
+        (0xC0800000, 0xC0804000), (0x7B7B7B00, 0x7C7C7C7C))
+    assert lut_words(False, scale_decode(NVFP4, False).lut_exponent) == (
+        (0x00000000, 0x00000000), (0x5E5C5800, 0x66646260))
+
+
+def _tables(bf16: bool) -> list[int]:
+    from cute_fp4.kernels.sm90_rs_wide import lut_words, scale_decode
+
+    (lo0, _), (hi0, _) = lut_words(bf16, scale_decode(NVFP4, bf16).lut_exponent)
     return [hi0, lo0] if bf16 else [hi0]
 
 
@@ -253,8 +265,8 @@ def _decode(q: int, row_words: tuple[int, int], kq: int, bf16: bool, ptx=None) -
     rows g and g + 8, the K block's byte ``kq`` in them."""
     from cute_fp4.kernels.sm90_rs_wide import scale_halves
 
-    s = [scale_halves(w, bool(kq % 2), bf16) for w in row_words]
-    return run_ptx(ptx or fragment_ptx(bf16, kq), [q, *s, *_tables(bf16)], 4)
+    s = [scale_halves(w, bool(kq % 2), bf16, NVFP4) for w in row_words]
+    return run_ptx(ptx or fragment_ptx(bf16, kq, NVFP4), [q, *s, *_tables(bf16)], 4)
 
 
 def _ue4m3(b: int) -> float:
@@ -297,12 +309,13 @@ def test_scale_halves_are_the_raw_scales_of_each_byte(bf16):
     rng = random.Random(5)
     for word in [rng.getrandbits(32) for _ in range(300)] + [0, 0xFFFFFFFF, 0x7F7F7F7F]:
         for kq in range(4):
-            got = (scale_halves(word, bool(kq % 2), bf16) >> 16 * (kq // 2)) & 0xFFFF
-            assert got == raw_scale_word((word >> 8 * kq) & 0xFF, bf16) & 0xFFFF, (hex(word), kq)
+            got = (scale_halves(word, bool(kq % 2), bf16, NVFP4) >> 16 * (kq // 2)) & 0xFFFF
+            want = raw_scale_word((word >> 8 * kq) & 0xFF, bf16, NVFP4) & 0xFFFF
+            assert got == want, (hex(word), kq)
 
 
 def test_decode_check_catches_a_swapped_scale():
-    swapped = fragment_ptx(True, 0).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
+    swapped = fragment_ptx(True, 0, NVFP4).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
         .replace("{$rX}", "{$r1}")
     words = (0x38, 0x40)
     assert _decode(0x22222222, words, 0, True) != _decode(0x22222222, words, 0, True, swapped)

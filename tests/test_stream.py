@@ -11,6 +11,7 @@ import torch
 
 from cute_fp4 import packed
 from cute_fp4.api import heuristic, stream_decode_schedule
+from cute_fp4.formats import sf_offset
 from cute_fp4.kernels.stream import (
     expert_words,
     grouped_bound,
@@ -19,7 +20,6 @@ from cute_fp4.kernels.stream import (
     unit_word_index,
 )
 from cute_fp4.layers.common import resolve_layout
-from cute_fp4.nvfp4 import sf_offset
 from cute_fp4.plan import plan
 from cute_fp4.planning.stream import stream_schedule
 from cute_fp4.schedule import Problem

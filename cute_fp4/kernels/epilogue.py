@@ -41,8 +41,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from cute_fp4.formats import NVFP4, sf_offset_shifts
 from cute_fp4.kernels.e2m1 import m2_sum
-from cute_fp4.nvfp4 import sf_offset_shifts
 
 
 def subtile_sources(r2s, tiled_mma, tile_mn, epi_tile) -> list:
@@ -152,7 +152,7 @@ def silu_mul_pairs(thr_mma, tile_shape, n_mode: int, group: int) -> list[tuple[i
     return pairs
 
 
-NV_BLOCK = 16  # output columns per NVFP4 block scale
+NV_BLOCK = NVFP4.block  # output columns per NVFP4 block scale
 
 
 class NvBlock(NamedTuple):

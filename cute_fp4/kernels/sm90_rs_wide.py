@@ -46,6 +46,7 @@ Correct but not overlapped across the stage boundary (W4A16 is the target of thi
 from __future__ import annotations
 
 import functools
+import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 import cutlass
@@ -53,10 +54,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_fp4.formats import E2M1, SF_ATOM_BYTES, SF_ATOM_ROWS, BlockFormat, sf_atom_offset
 from cute_fp4.kernels.epilogue import d_tile, fused_tile, store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.scheduler import WorkTile, for_each_unit
-from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 
 if TYPE_CHECKING:  # sm90 imports this module
@@ -75,33 +76,69 @@ def group_k_blocks(tile_k: int, m_blocks: int) -> int:
 
 
 
-# E2M1 magnitudes 0, 0.5, ..., 6 times 2^120 (BF16) or 2^8 (FP16), as (low bytes, high
-# bytes) tables of 8 entries in two 32-bit words each: the decode looks codes up with PRMT
-_LUT = {True: ((0xC0800000, 0xC0804000), (0x7B7B7B00, 0x7C7C7C7C)),
-        False: ((0x00000000, 0x00000000), (0x5E5C5800, 0x66646260))}
-LUT_EXPONENT = {True: 120, False: 8}  # the tables' power of two; the scale word's is minus
-_SCALE_SHIFT = {True: 4, False: 7}  # E4M3's exponent onto BF16's / FP16's low exponent bits
+class ScaleDecode(NamedTuple):
+    """How the decode turns a scale byte into its 16-bit multiplier ``s * 2^-e``: the
+    tables hold the E2M1 magnitudes times ``2^e`` (``lut_exponent``); the byte, masked to
+    ``mask``, lands on the 16-bit type's exponent field at bit ``shift`` (UE4M3: its 7 bits
+    at bit 4 read as the BF16 number ``s * 2^-120``, at bit 7 as the FP16 ``s * 2^-8``,
+    subnormal for small scales, exact)."""
+
+    lut_exponent: int
+    mask: int
+    shift: int
 
 
-def raw_scale_word(sf, bf16: bool):
-    """UE4M3 scale byte (sign ignored) -> its 7 bits in both 16-bit halves where they read
-    as the BF16 number ``s * 2^-120`` (at bit 4: E4M3's exponent on BF16's low exponent
-    bits) or the FP16 number ``s * 2^-8`` (at bit 7), subnormal for small scales, exact:
-    the multiplier of :func:`fragment_ptx`."""
-    return (sf & 0x7F) * (0x00100010 if bf16 else 0x00800080)
+# (scale type, BF16?) -> its decode; a format whose scale type has no entry has no decode
+SCALE_DECODE = {("ue4m3", True): ScaleDecode(120, 0x7F, 4),
+                ("ue4m3", False): ScaleDecode(8, 0x7F, 7)}
 
 
-def scale_halves(word, odd: bool, bf16: bool):
-    """A word of four UE4M3 scale bytes (one row, 64 K elements) -> the :func:`raw_scale_word`
-    halves of bytes 0 and 2 (``odd`` False) or 1 and 3: one shift and one mask, the two
-    words of a row shared by its four K blocks (plain integer arithmetic: the kernel and
-    the CPU tests run it)."""
-    shift = _SCALE_SHIFT[bf16]
-    mask = 0x007F007F << shift
+def scale_decode(fmt: BlockFormat, bf16: bool) -> ScaleDecode:
+    """The :class:`ScaleDecode` of ``fmt``'s scale type into BF16 (``bf16``) or FP16."""
+    dec = SCALE_DECODE.get((fmt.scale.name, bf16))
+    if dec is None:
+        raise AssertionError(f"no {'BF16' if bf16 else 'FP16'} decode of {fmt.scale.name} "
+                             f"scales ({fmt.name}): plan() must refuse it")
+    return dec
+
+
+def lut_words(bf16: bool, exponent: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The decode's tables: the E2M1 magnitudes times ``2^exponent`` as 16-bit numbers
+    (BF16 or FP16), as (low bytes, high bytes) tables of 8 entries in two 32-bit words
+    each: the decode looks codes up with PRMT."""
+    def bits16(v: float) -> int:  # exact: every table value is a BF16 and an FP16 number
+        if bf16:
+            return struct.unpack("<I", struct.pack("<f", v))[0] >> 16
+        return struct.unpack("<H", struct.pack("<e", v))[0]
+
+    bits = [bits16(v * 2.0**exponent) for v in E2M1.magnitudes]
+
+    def words(byte_of):
+        return tuple(sum(byte_of(bits[4 * w + i]) << (8 * i) for i in range(4))
+                     for w in range(2))
+
+    return words(lambda b: b & 0xFF), words(lambda b: b >> 8)
+
+
+def raw_scale_word(sf, bf16: bool, fmt: BlockFormat):
+    """A scale byte of ``fmt`` -> its multiplier ``s * 2^-e`` (:class:`ScaleDecode`) in
+    both 16-bit halves: the multiplier of :func:`fragment_ptx`."""
+    dec = scale_decode(fmt, bf16)
+    return (sf & dec.mask) * (0x00010001 << dec.shift)
+
+
+def scale_halves(word, odd: bool, bf16: bool, fmt: BlockFormat):
+    """A word of four scale bytes of ``fmt`` (one row, 64 K elements for NVFP4) -> the
+    :func:`raw_scale_word` halves of bytes 0 and 2 (``odd`` False) or 1 and 3: one shift
+    and one mask, the two words of a row shared by its four K blocks (plain integer
+    arithmetic: the kernel and the CPU tests run it)."""
+    dec = scale_decode(fmt, bf16)
+    shift = dec.shift
+    mask = (dec.mask * 0x00010001) << shift
     return ((word >> (8 - shift)) if odd else (word << shift)) & mask
 
 
-def fragment_ptx(bf16: bool, kq: int) -> str:
+def fragment_ptx(bf16: bool, kq: int, fmt: BlockFormat) -> str:
     """PTX of one K block: its packed word ``{$r0}`` (four bytes, one per A-fragment
     register), the :func:`scale_halves` words of rows ``g`` ({$r1}) and ``g + 8`` ({$r2})
     that hold its scale (half ``kq // 2``, ``kq`` the K block's byte in the scale words),
@@ -122,7 +159,7 @@ def fragment_ptx(bf16: bool, kq: int) -> str:
     number). Per 8 elements 13 integer instructions (BF16; 11 FP16) and 4 multiplies, plus
     2 for the scale words (the decode before this took 23 + 5 + 4).
     """
-    (_, lo1), (_, hi1) = _LUT[bf16]
+    (_, lo1), (_, hi1) = lut_words(bf16, scale_decode(fmt, bf16).lut_exponent)
     mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
     body = ["{", ".reg .b32 r, rh, h0, h1, l0, l1, s4, sl, sh, v, tb, ub;",
             ".reg .b16 pl, ph;",
@@ -151,7 +188,6 @@ def fragment_ptx(bf16: bool, kq: int) -> str:
     return "\n".join(body)
 
 
-_PTX = {(bf16, kq): fragment_ptx(bf16, kq) for bf16 in (True, False) for kq in range(4)}
 
 # A constant in a per-thread register: the thread index has bit 31 clear, so
 # ``(tid & 2^31) | v`` is ``v``, but ptxas cannot prove it uniform, so it neither keeps the
@@ -164,17 +200,22 @@ def pinned_word(value: int):
                                 read_only_args=[cutlass.Uint32(tid)])  # (tid & 2^31) | v
 
 
-def decode_tables(bf16: bool) -> tuple:
+def decode_tables(bf16: bool, fmt: BlockFormat) -> tuple:
     """The first words of the decode's high-byte (and, BF16, low-byte) tables, pinned in
     registers once per thread; the second words ride PRMT's immediate operand."""
-    (lo0, _), (hi0, _) = _LUT[bf16]
+    (lo0, _), (hi0, _) = lut_words(bf16, scale_decode(fmt, bf16).lut_exponent)
     return (pinned_word(hi0), pinned_word(lo0)) if bf16 else (pinned_word(hi0),)
 
 
-def decode_fragment(q, s_lo, s_hi, kq: int, tables: tuple, bf16: bool):
+@functools.cache
+def _ptx(bf16: bool, kq: int, fmt: BlockFormat) -> str:
+    return fragment_ptx(bf16, kq, fmt)
+
+
+def decode_fragment(q, s_lo, s_hi, kq: int, tables: tuple, bf16: bool, fmt: BlockFormat):
     """Four A-fragment registers of one K block from its packed word, the
     :func:`scale_halves` words of rows ``g`` and ``g + 8`` and :func:`decode_tables`."""
-    return cute.arch.inline_ptx(_PTX[(bf16, kq)], write_only_types=[cutlass.Uint32] * 4,
+    return cute.arch.inline_ptx(_ptx(bf16, kq, fmt), write_only_types=[cutlass.Uint32] * 4,
                                 read_only_args=[q, s_lo, s_hi, *tables])
 
 
@@ -261,7 +302,7 @@ class PackedRegisterMainloop:
         w4a4_sync = pipeline.NamedBarrier(barrier_id=int(Barrier.ALL_MMA),
                                           num_threads=self.num_mma_threads)
         scale = self._scale(p)
-        tables = decode_tables(bf16)
+        tables = decode_tables(bf16, self.fmt)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         c = PackedConsumer(mainloop, s, ctid, t, wg, thr_mma, tCrB, gD_t, accs, frags, sf_word,
                            w4a4_sync, scale, tables)
@@ -372,7 +413,7 @@ class PackedRegisterMainloop:
                 for ku in cutlass.range_constexpr(k_units):
                     word = sf32[sf_word[2 * b + h] + ku * (SF_ATOM_BYTES // 4)]
                     for odd in cutlass.range_constexpr(2):
-                        rS[b, h, ku, odd] = scale_halves(word, bool(odd), bf16)
+                        rS[b, h, ku, odd] = scale_halves(word, bool(odd), bf16, self.fmt)
         return rQ, rS
 
     @cute.jit
@@ -384,7 +425,7 @@ class PackedRegisterMainloop:
             kb = g * self.rs_group + j
             ku, kq = kb // 4, kb % 4
             o = decode_fragment(rQ[b][ku][kq, 0], rS[b, 0, ku, kq % 2], rS[b, 1, ku, kq % 2],
-                                kq, tables, bf16)
+                                kq, tables, bf16, self.fmt)
             for i in cutlass.range_constexpr(4):
                 f32[j * 4 + i] = o[i]
 

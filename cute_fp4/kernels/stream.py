@@ -193,6 +193,7 @@ class StreamGemm(GemmLaunch):
     def __init__(self, schedule: Schedule, problem: Problem):
         pl = plan(schedule, problem).raise_if_invalid()
         self.schedule, self.problem = schedule, problem
+        self.fmt = problem.fmt  # the weight's block format (its scales' decode)
         self.tile_m = schedule.tile.m
         self.n_blocks = self.tile_m // 8  # m16n8k16 N blocks per activation tile
         self.batch = pl.stages  # K units per batch of a warp's ring
@@ -345,7 +346,7 @@ class StreamGemm(GemmLaunch):
             a = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
             a.fill(0.0)
             accs.append(a)
-        tables = decode_tables(self.mma_dtype is cutlass.BFloat16)
+        tables = decode_tables(self.mma_dtype is cutlass.BFloat16, self.fmt)
         k_units = p.units.k_tiles
         # this warp's units of the CTA's range: k_begin + warp + 4 t, t < mine
         mine = (blk.k_count - warp + WARPS - 1) // WARPS
@@ -473,9 +474,9 @@ class StreamGemm(GemmLaunch):
                 for nb in cutlass.range_constexpr(self.n_blocks):
                     b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
                                                                    kb)
-            s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
-            s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
-            o = decode_fragment(word, s_lo, s_hi, kb, tables, bf16)
+            s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16, self.fmt)
+            s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16, self.fmt)
+            o = decode_fragment(word, s_lo, s_hi, kb, tables, bf16, self.fmt)
             for r in cutlass.range_constexpr(4):
                 a32[r] = o[r]
             cute.gemm(mma1, accs[j], frA, fb, accs[j])

@@ -12,11 +12,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from cute_fp4.errors import InputError
+from cute_fp4.formats import SF_ATOM_ROWS, BlockFormat
 from cute_fp4.schedule import Mainloop, Problem, Schedule
 
 ALIGN = 1024  # every region starts on this boundary (TMA's 128-byte swizzles need it)
-SF_VEC = 16  # elements per NVFP4 scale factor
-SF_ATOM_ROWS = 128  # scale factors are stored in 128-row x 4-column atoms
 MAX_EPI_STAGES = 4
 MAX_SPLIT_K = 16
 MAX_CTA_THREADS = 1024
@@ -76,9 +75,10 @@ def operand_stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
     return {"A": a, "B": t.n * t.k // 2}
 
 
-def sf_stage_bytes(rows: int, tile_k: int) -> int:
-    """Bytes of one stage of scale factors for ``rows`` rows: whole 128-row atoms."""
-    return align(rows, SF_ATOM_ROWS) * (tile_k // SF_VEC)
+def sf_stage_bytes(rows: int, tile_k: int, fmt: BlockFormat) -> int:
+    """Bytes of one stage of scale factors for ``rows`` rows: whole 128-row atoms of
+    ``fmt``'s scales (one byte per ``fmt.block`` elements of ``tile_k``)."""
+    return align(rows, SF_ATOM_ROWS) * (tile_k // fmt.block)
 
 
 def mainloop_regions(per: dict[str, int], stages: int, n_barriers: int) -> list[Region]:
@@ -266,7 +266,7 @@ class FamilyRules(NamedTuple):
     auto_stages: Callable[[Schedule, Problem], int] | None = None
 
 
-__all__ = ["ALIGN", "MAX_GROUPS", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
+__all__ = ["ALIGN", "MAX_GROUPS", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
            "RegisterSplit", "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
            "epilogue_tile", "epi_stages", "c_elem_bytes", "silu_group", "NV_OUT_COLS",
            "check_nvfp4_out"]
