@@ -18,7 +18,7 @@ float32 product torch computes) of two global scales, so a W4A4 product through 
 kernel needs no separate multiply launch.
 
 Work split: one thread per 16-element block: one 8-byte load of codes, one scale byte
-read from the blocked layout (:func:`cute_fp4.nvfp4.sf_offset`), two 16-byte stores.
+read from the blocked layout (:func:`cute_fp4.formats.sf_offset`), two 16-byte stores.
 Consecutive threads own consecutive blocks of a row, so a warp reads 256 contiguous bytes
 and writes 1,024.
 
