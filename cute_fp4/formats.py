@@ -135,12 +135,15 @@ class ScaleType:
         return getattr(torch, self.torch_name)
 
     def decode(self, code: int) -> float:
-        """The value of one scale byte (``code`` 0..255), exact."""
+        """The value of one scale byte (``code`` 0..255), exact: UE4M3's bit fields (sign
+        ignored, 0x7F NaN), UE8M0's ``2^(code - 127)`` (255 NaN)."""
         code = int(code)
         if not 0 <= code <= 255:
             raise InputError(f"{self.name} codes are bytes 0..255, got {code}")
         if self.name == "ue4m3":
             return _ue4m3_decode(code & 0x7F)  # the sign bit is ignored
+        if self.name == "ue8m0":
+            return float("nan") if code == 255 else math.ldexp(1.0, code - self.bias)
         raise AssertionError(f"no decode for scale type {self.name}")
 
     def decode_tensor(self, codes, dtype=None):
@@ -152,19 +155,31 @@ class ScaleType:
         raw = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
         if self.name == "ue4m3":
             return (raw & 0x7F).view(torch.float8_e4m3fn).to(dtype)
+        if self.name == "ue8m0":
+            one = torch.ones(raw.shape, dtype=torch.float64, device=raw.device)
+            val = torch.ldexp(one, raw.to(torch.int32) - self.bias)
+            return torch.where(raw == 255, torch.nan, val).to(dtype)
         raise AssertionError(f"no decode for scale type {self.name}")
 
     def encode(self, values):
         """float32 values -> codes in the storage dtype, by the type's rounding: UE4M3 round
-        to nearest even (values beyond ``max`` must be clamped by the caller)."""
+        to nearest even (values beyond ``max`` must be clamped by the caller); UE8M0 down to
+        a power of two, ``floor(log2 v)`` (the OCP MX rule's shared exponent), clamped to
+        the finite codes 0..254 (``2^-127`` .. ``2^127``; 0 and values below ``2^-127``
+        give code 0)."""
         import torch
 
         if self.name == "ue4m3":
             return values.to(torch.float8_e4m3fn)
+        if self.name == "ue8m0":
+            _, e = torch.frexp(values.float())  # v = m 2^e, m in [0.5, 1): floor(log2) e - 1
+            code = torch.where(values > 0, e - 1 + self.bias, 0).clamp(0, 254)
+            return code.to(torch.uint8).view(self.torch_dtype)
         raise AssertionError(f"no encode for scale type {self.name}")
 
 
 UE4M3 = ScaleType("ue4m3", "float8_e4m3fn", "Float8E4M3FN", 448.0, 2.0**-9, 7)
+UE8M0 = ScaleType("ue8m0", "float8_e8m0fnu", "Float8E8M0FNU", 2.0**127, 2.0**-127, 127)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -245,8 +260,12 @@ class BlockFormat:
 
 NVFP4 = BlockFormat("nvfp4", E2M1, UE4M3, block=16, global_scale=True, mma_kind="mxf4nvf4",
                     scale_vec="4X")
+# OCP Microscaling MXFP4: E2M1 elements, one UE8M0 scale (2^(e - 127)) per 32 along K, no
+# per-tensor scale (gpt-oss's experts; transformers' ``mxfp4`` quantization method)
+MXFP4 = BlockFormat("mxfp4", E2M1, UE8M0, block=32, global_scale=False, mma_kind="mxf4",
+                    scale_vec="2X")
 
-FORMATS: dict[str, BlockFormat] = {f.name: f for f in (NVFP4,)}
+FORMATS: dict[str, BlockFormat] = {f.name: f for f in (NVFP4, MXFP4)}
 
 
 def _unknown(what: str, value: object, known: list[str]) -> InputError:
@@ -278,6 +297,7 @@ class Operand(enum.StrEnum):
     """
 
     NVFP4 = "nvfp4"
+    MXFP4 = "mxfp4"
     BF16 = "bf16"
     FP16 = "fp16"
 
@@ -310,6 +330,6 @@ class Operand(enum.StrEnum):
         raise _unknown(field, x, [m.value for m in cls])
 
 
-__all__ = ["E2M1", "FORMATS", "MMA_K", "NVFP4", "SF_ATOM_BYTES", "SF_ATOM_COLS",
-           "SF_ATOM_ROWS", "UE4M3", "BlockFormat", "ElementType", "Operand", "ScaleType",
+__all__ = ["E2M1", "FORMATS", "MMA_K", "MXFP4", "NVFP4", "SF_ATOM_BYTES", "SF_ATOM_COLS",
+           "SF_ATOM_ROWS", "UE4M3", "UE8M0", "BlockFormat", "ElementType", "Operand", "ScaleType",
            "get_format", "round_up", "sf_atom_offset", "sf_offset", "sf_offset_shifts"]

@@ -37,9 +37,9 @@ import operator
 
 import torch
 
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import InputError, InputTypeError, ValidationError
 from cute_fp4.formats import BlockFormat
-from cute_fp4.nvfp4 import NVFP4Tensor
 
 MMA_K_MIN = 16  # K of the narrowest MMA a kernel adds to its FP32 accumulator at a time
 
@@ -48,22 +48,25 @@ _TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0*
 
 
 def _operand(x, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values without the global scale as float64, global scale as float64)."""
-    if isinstance(x, NVFP4Tensor | torch.Tensor) and x.device.type == "meta":
+    """(values without the global scale as float64, global scale as float64: 1 for a
+    16-bit operand or a format without one)."""
+    if isinstance(x, BlockTensor | torch.Tensor) and x.device.type == "meta":
         raise InputError(f"{name} is on the meta device: the reference reads its values")
-    if isinstance(x, NVFP4Tensor):
+    one = torch.tensor(1.0, dtype=torch.float64)
+    if isinstance(x, BlockTensor):
         if x.experts is not None:
             raise InputError(f"{name} must be one 2-D [rows, K] tensor, got an expert stack "
                              f"{list(x.shape)} (grouped_gemm takes stacks)")
-        return x.block_values(torch.float64), x.global_scale.double()
+        gs = one if x.global_scale is None else x.global_scale.double()
+        return x.block_values(torch.float64), gs
     if isinstance(x, torch.Tensor):
         if x.dtype not in (torch.bfloat16, torch.float16):
-            raise InputError(f"{name} must be an NVFP4Tensor or a bfloat16/float16 tensor "
-                             f"(W4A16), got {x.dtype}")
+            raise InputError(f"{name} must be an NVFP4Tensor or MXFP4Tensor or a "
+                             f"bfloat16/float16 tensor (W4A16), got {x.dtype}")
         if x.dim() != 2:
             raise InputError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
-        return x.double(), torch.tensor(1.0, dtype=torch.float64)
-    raise InputTypeError(f"{name} must be an NVFP4Tensor or a torch.Tensor, "
+        return x.double(), one
+    raise InputTypeError(f"{name} must be an NVFP4Tensor or MXFP4Tensor or a torch.Tensor, "
                          f"got {type(x).__name__}")
 
 
@@ -90,9 +93,18 @@ def _alpha(alpha, experts: int) -> torch.Tensor:
     return torch.as_tensor(alpha, dtype=torch.float32).double()
 
 
+def _same_format(a, b) -> None:
+    """W4A4 takes A and B in one block format (SM120's MMA takes one scale type)."""
+    if isinstance(a, BlockTensor) and a.fmt != b.fmt:
+        raise InputError(f"a is {a.fmt} and b is {b.fmt}: W4A4 takes both operands in one "
+                         "block format")
+
+
 def _prepare(a, b, alpha):
-    if not isinstance(b, NVFP4Tensor):
-        raise InputTypeError(f"b must be an NVFP4Tensor [N, K], got {type(b).__name__}")
+    if not isinstance(b, BlockTensor):
+        raise InputTypeError(f"b must be an NVFP4Tensor or MXFP4Tensor [N, K], got "
+                             f"{type(b).__name__}")
+    _same_format(a, b)
     av, ag = _operand(a, "a")
     bv, bg = _operand(b, "b")
     if av.shape[1] != bv.shape[1]:
@@ -111,18 +123,19 @@ def _chunk(fmt: BlockFormat) -> int:
     return min(fmt.block, MMA_K_MIN)
 
 
-def gemm(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def gemm(a, b: BlockTensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exact reference ``alpha * A @ B^T``, computed in float64 on ``b``'s device.
 
-    ``a``: NVFP4Tensor [M, K] (W4A4) or a bf16/fp16 tensor [M, K] (W4A16); ``b``:
-    NVFP4Tensor [N, K]. ``alpha`` defaults to the product of the global scales (W4A16: the
+    ``a``: a block tensor [M, K] (W4A4: NVFP4Tensor, or MXFP4Tensor with an MXFP4 ``b``)
+    or a bf16/fp16 tensor [M, K] (W4A16); ``b``: NVFP4Tensor or MXFP4Tensor [N, K].
+    ``alpha`` defaults to the product of the global scales (1 for MXFP4; W4A16: the
     global scale of ``b``); when given, it replaces that product, as in the kernels.
     """
     av, bv, alpha64 = _prepare(a, b, alpha)
     return ((av @ bv.T) * alpha64).to(out_dtype)
 
 
-def error_bound(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32,
+def error_bound(a, b: BlockTensor, alpha=None, out_dtype: torch.dtype = torch.float32,
                 ref: torch.Tensor | None = None) -> torch.Tensor:
     """Per-element tolerance of the error rule (float64, on ``b``'s device)."""
     av, bv, alpha64 = _prepare(a, b, alpha)
@@ -167,7 +180,7 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
     return big + 2.0 ** (emax - _PRECISION[dtype])
 
 
-def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
+def check(out: torch.Tensor, a, b: BlockTensor, alpha=None) -> CheckResult:
     """Compare ``out`` with the reference under the error rule (poison-aware).
 
     NaN never passes. An infinity passes only where the exact result, within the bound,
@@ -211,7 +224,7 @@ def _errors(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor,
     return err, int((~finite & ~overflow_ok).sum())
 
 
-def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
+def assert_close(out: torch.Tensor, a, b: BlockTensor, alpha=None) -> CheckResult:
     """:func:`check`, raising :class:`ValidationError` when it fails."""
     res = check(out, a, b, alpha)
     if not res.passed:
@@ -298,14 +311,15 @@ def group_bounds(offsets, experts: int, total_m: int) -> list[int]:
     return offs
 
 
-def _experts_of(b) -> NVFP4Tensor:
-    """``b`` as a plain NVFP4Tensor expert stack (a packed stack is unpacked)."""
-    from cute_fp4.packed import PackedNVFP4Weight
+def _experts_of(b) -> BlockTensor:
+    """``b`` as a plain block-tensor expert stack (a packed stack is unpacked)."""
+    from cute_fp4.packed import PackedWeight
 
-    if isinstance(b, PackedNVFP4Weight):
+    if isinstance(b, PackedWeight):
         b = b.unpack()
-    if not isinstance(b, NVFP4Tensor):
-        raise InputTypeError(f"b must be an NVFP4Tensor [E, N, K], got {type(b).__name__}")
+    if not isinstance(b, BlockTensor):
+        raise InputTypeError(f"b must be an NVFP4Tensor or MXFP4Tensor [E, N, K], got "
+                             f"{type(b).__name__}")
     if b.experts is None:
         raise InputError(f"b must have a leading expert mode [E, N, K], got shape {b.shape}")
     return b
@@ -314,6 +328,7 @@ def _experts_of(b) -> NVFP4Tensor:
 def _grouped_prepare(a, b, offsets, alpha):
     """(A values [M, K], B stack, group offsets, alpha [E]) in float64 on ``b``'s device."""
     b = _experts_of(b)
+    _same_format(a, b)
     n_exp, n, k = b.shape
     av, ag = _operand(a, "a")
     if av.shape[1] != k:
@@ -322,7 +337,9 @@ def _grouped_prepare(a, b, offsets, alpha):
     offs = group_bounds(offsets, n_exp, av.shape[0])
     dev = b.device
     if alpha is None:
-        alpha64 = ag.to(dev) * b.global_scale.double()
+        gs = (torch.ones(n_exp, dtype=torch.float64, device=dev) if b.global_scale is None
+              else b.global_scale.double())
+        alpha64 = ag.to(dev) * gs
     else:
         alpha64 = _alpha(alpha, n_exp).reshape(-1).to(dev).expand(n_exp)
     return av.to(dev), b, offs, alpha64
@@ -353,7 +370,8 @@ def grouped_gemm(a, b, offsets, alpha=None, out_dtype: torch.dtype = torch.float
     ``out[offsets[e]:offsets[e+1]] = alpha[e] * A[offsets[e]:offsets[e+1]] @ B[e]^T``.
 
     ``a``: NVFP4Tensor [total_M, K] (W4A4, one global scale) or bf16/fp16 [total_M, K]
-    (W4A16); ``b``: NVFP4Tensor expert stack [E, N, K] (or its PackedNVFP4Weight);
+    (W4A16); ``b``: NVFP4Tensor or MXFP4Tensor expert stack [E, N, K] (or its packed
+    weight);
     ``offsets``: E + 1 cumulative row offsets (CPU or CUDA tensor, or ints; read here);
     ``alpha``: one value or E values, default ``a.global_scale * b.global_scale[e]``
     (W4A16: ``b.global_scale[e]``)."""
