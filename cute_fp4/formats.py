@@ -194,7 +194,8 @@ class BlockFormat:
     ``block``: consecutive elements along K that share one scale; ``global_scale``: whether
     a per-tensor FP32 scale (decode form) multiplies every element; ``mma_kind`` and
     ``scale_vec``: the SM120 warp-level block-scaled MMA that takes it (``kind::mxf4nvf4``
-    with ``scale_vec::4X``: 4 scales per 64 K)."""
+    with ``scale_vec::4X``: 4 scales per 64 K); ``sass_mma``: the SASS opcode ptxas makes
+    of that MMA (read off sm_120a cubins: ``...UE4M3.4X`` for NVFP4, ``...E8`` for MXFP4)."""
 
     name: str
     element: ElementType
@@ -203,6 +204,7 @@ class BlockFormat:
     global_scale: bool
     mma_kind: str
     scale_vec: str
+    sass_mma: str
 
     def __str__(self) -> str:
         return self.name
@@ -217,12 +219,6 @@ class BlockFormat:
     def scales_per_mma(self) -> int:
         """Scales per row of one 64-wide K block of SM120's MMA (``scale_vec``'s X)."""
         return MMA_K // self.block
-
-    @property
-    def sass_mma(self) -> str:
-        """The SASS opcode of SM120's MMA on this format."""
-        return (f"OMMA.SF.16864.F32.{self.element.name.upper()}.{self.element.name.upper()}"
-                f".{self.scale.name.upper()}.{self.scale_vec}")
 
     def scale_cols(self, k: int) -> int:
         """Scale columns of a row of ``k`` elements (before padding)."""
@@ -259,11 +255,11 @@ class BlockFormat:
 
 
 NVFP4 = BlockFormat("nvfp4", E2M1, UE4M3, block=16, global_scale=True, mma_kind="mxf4nvf4",
-                    scale_vec="4X")
+                    scale_vec="4X", sass_mma="OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X")
 # OCP Microscaling MXFP4: E2M1 elements, one UE8M0 scale (2^(e - 127)) per 32 along K, no
 # per-tensor scale (gpt-oss's experts; transformers' ``mxfp4`` quantization method)
 MXFP4 = BlockFormat("mxfp4", E2M1, UE8M0, block=32, global_scale=False, mma_kind="mxf4",
-                    scale_vec="2X")
+                    scale_vec="2X", sass_mma="OMMA.SF.16864.F32.E2M1.E2M1.E8")
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (NVFP4, MXFP4)}
 

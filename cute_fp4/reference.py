@@ -237,13 +237,16 @@ def fused(raw: torch.Tensor, bias, ops: tuple, group: int, out_dtype: torch.dtyp
     """What a fused epilogue writes, by its definition (the unfused pipeline): ``raw`` (the
     GEMM without ops, FP32) plus ``bias`` (FP32, or None), rounded to ``out_dtype``, then
     ``F.silu(gate) * up`` of the gate/up columns interleaved in groups of ``group``
-    (``"silu_mul"``, ``cute_fp4.fused``), then with ``"nvfp4_out"`` quantized with the
+    (``"silu_mul"``, ``cute_fp4.fused``; ``"swiglu_oai"``: gpt-oss's clamped SwiGLU,
+    ``fused.swiglu_oai_unfused``), then with ``"nvfp4_out"`` quantized with the
     global scale ``out_scale`` (an ``NVFP4Tensor``)."""
-    from cute_fp4.fused import silu_mul_unfused
+    from cute_fp4.fused import silu_mul_unfused, swiglu_oai_unfused
 
     want = (raw if bias is None else raw + bias).to(out_dtype)
     if "silu_mul" in ops:
         want = silu_mul_unfused(want, group)
+    if "swiglu_oai" in ops:
+        want = swiglu_oai_unfused(want, group)
     if "nvfp4_out" in ops:
         from cute_fp4.nvfp4 import quantize
 

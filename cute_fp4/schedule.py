@@ -200,11 +200,24 @@ class Scheduler:
 #   plan.silu_group(schedule), the width at which the kernel's MMA gives one thread both);
 #   D has N / 2 columns, h = silu(g) * u with g and u rounded to the output type first and
 #   silu(g) rounded again: the bits of the unfused ``gemm -> F.silu(g) * u`` in that type;
+# * "swiglu_oai": gpt-oss's clamped SwiGLU on the same interleaved gate/up rows (or
+#   silu_mul, not both): g = min(gate, 7), u = clamp(up, -7, 7), h = (u + 1) * (g *
+#   sigmoid(1.702 g)), every operation rounded to the output type where transformers'
+#   ``GptOssExperts._apply_gate`` rounds on that type (cute_fp4.fused.swiglu_oai_unfused);
 # * "nvfp4_out": the output written as NVFP4 (the next W4A4 layer's activation) with a given
 #   global scale. Rounding point: the output as the unfused pipeline has it, rounded to
-#   the output type (after bias and silu_mul), then nvfp4's quantize rule (``quantize(x,
-#   global_scale)``): the same codes and blocked scales, padding included, bit for bit.
-EPILOGUE_OPS = ("bias", "silu_mul", "nvfp4_out")
+#   the output type (after bias and the gated activation), then nvfp4's quantize rule
+#   (``quantize(x, global_scale)``): the same codes and blocked scales, padding included,
+#   bit for bit.
+EPILOGUE_OPS = ("bias", "silu_mul", "swiglu_oai", "nvfp4_out")
+GATED_OPS = ("silu_mul", "swiglu_oai")  # activations of gate/up pairs: N / 2 output columns
+SWIGLU_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: sigmoid(alpha g) ...
+SWIGLU_LIMIT = 7.0  # ... of the gate clamped above, the up clamped to [-limit, limit]
+
+
+def gated_op(ops: tuple[str, ...]) -> str | None:
+    """The gated activation among ``ops`` (:data:`GATED_OPS`), None without one."""
+    return next((o for o in ops if o in GATED_OPS), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +252,9 @@ def _ops(ops: object) -> tuple[str, ...]:
                          f"known: {', '.join(EPILOGUE_OPS)}")
     if len(set(ops)) != len(ops):
         raise InputError(f"Epilogue.ops names an operation twice: {tuple(ops)}")
+    if sum(o in GATED_OPS for o in ops) > 1:
+        raise InputError(f"Epilogue.ops takes one gated activation of "
+                         f"{', '.join(GATED_OPS)}, got {tuple(ops)}")
     return tuple(o for o in EPILOGUE_OPS if o in ops)
 
 

@@ -22,7 +22,7 @@ def test_mxfp4_fields():
     assert (MXFP4.name, MXFP4.block, MXFP4.global_scale, MXFP4.scale) == (
         "mxfp4", 32, False, UE8M0)
     assert (MXFP4.mma_kind, MXFP4.scale_vec, MXFP4.scales_per_mma) == ("mxf4", "2X", 2)
-    assert MXFP4.sass_mma == "OMMA.SF.16864.F32.E2M1.E2M1.UE8M0.2X"
+    assert MXFP4.sass_mma == "OMMA.SF.16864.F32.E2M1.E2M1.E8"  # as ptxas names it
     assert MXFP4.atom_k == 128 and MXFP4.element is NVFP4.element
     assert (UE8M0.torch_dtype, UE8M0.dsl_name) == (torch.float8_e8m0fnu, "Float8E8M0FNU")
     # scales: K / 32 columns padded to 4, rows to 128; data as NVFP4's
@@ -261,3 +261,34 @@ def test_error_rule_holds_for_exact_and_catches_a_dropped_block():
     assert reference.check_grouped(out, x, w, offs).passed
     assert torch.equal(out[4:], reference.gemm(x[4:], w.expert(2), out_dtype=torch.float32))
     assert reference.check_grouped(out, x, packed.repack(w), offs).passed
+
+
+def test_plan_says_where_mxfp4_runs():
+    """SM120's MMA (W4A4, kind::mxf4) and the packed-weight decodes (rs_packed, stream;
+    BF16 activations); every other place refused with its reason."""
+    from cute_fp4 import catalogue
+    from cute_fp4.plan import plan
+
+    w4a4, w4a16 = Problem(a_format="mxfp4", b_format="mxfp4"), Problem(a_format="bf16",
+                                                                         b_format="mxfp4")
+    for name, p in [("sm120_mxfp4", w4a4), ("sm120_mxfp4_grouped", w4a4),
+                    ("sm90_mxfp4_rs_packed", w4a16), ("sm90_mxfp4_grouped", w4a16),
+                    ("sm90_mxfp4_stream_decode", w4a16), ("sm120_mxfp4_stream_decode", w4a16)]:
+        assert plan(catalogue.get(name), p).ok, name
+
+    def reasons(name, p):
+        return " ".join(plan(catalogue.get(name), p).reasons)
+
+    assert "UE4M3 scales only" in reasons("sm90_default", w4a16)
+    assert "swap-AB" in reasons("sm90_decode_swapab", w4a16)
+    assert "tile K 64 is not a multiple of 128" in reasons("sm120_k64_deep", w4a4)
+    assert "tile K 64 is not a multiple of 128" in reasons("sm90_rs_packed", w4a16)
+    fp16 = Problem(a_format="fp16", b_format="mxfp4")
+    assert "decode to BF16 only" in reasons("sm90_mxfp4_stream_decode", fp16)
+    assert "runs SM120's block-scaled MMA" in reasons("sm90_mxfp4_rs_packed",
+                                                      Problem(a_format="mxfp4",
+                                                              b_format="mxfp4"))
+    # the byte counts follow the format: a stage of MXFP4 scales is half NVFP4's
+    nv = plan(catalogue.get("sm120_default")).stage_bytes
+    mx = plan(catalogue.get("sm120_default"), w4a4).stage_bytes
+    assert (mx["SFA"], mx["SFB"]) == (nv["SFA"] // 2, nv["SFB"] // 2) == (512, 512)

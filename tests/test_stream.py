@@ -156,6 +156,29 @@ def test_scale_pairs_are_the_blocked_layout(row_block):
                     assert scale_word_of(j, h) == 2 * pair + second
 
 
+@pytest.mark.parametrize("k", [64 * 7, 64 * 8])
+def test_mxfp4_scale_words_and_bytes_are_the_blocked_layout(k):
+    """MXFP4: K unit ``ku`` reads the word pair of scale atom ``ku // 2`` (StreamGemm's
+    ``_scale_atom``, a word per two units), shifted by 16 (ku % 2) bits, and K block kb of
+    it byte ``kb // 2`` (scale_select): MXFP4's own offset of (row, K / 32 column)."""
+    from cute_fp4.formats import MXFP4
+    from cute_fp4.kernels.sm90_rs_wide import scale_select
+
+    k_units, k_atoms = k // 64, -(-k // 128)
+    for row_block in (0, 1, 3):
+        for ku in range(k_units):
+            for pair in range(4):
+                for quad in range(0, 8, 3):
+                    w = scale_pair_index(row_block, ku // 2, k_atoms, pair, quad)
+                    for second in (0, 1):
+                        j = pair % 2 + 2 * second
+                        row = 64 * row_block + 16 * j + 8 * (pair // 2) + quad
+                        for kb in range(4):
+                            odd, half = scale_select(MXFP4, kb)
+                            byte = 4 * (w + second) + 2 * (ku % 2) + 2 * half + int(odd)
+                            assert byte == MXFP4.scale_offset(row, (64 * ku + 16 * kb) // 32, k)
+
+
 def test_unit_words_are_the_packed_layout():
     """Lane l's words of row group j in unit (rb, ku) hold the fragment bytes of rows
     16 j + g (+8) of that unit: unpacking the words the kernel reads gives those rows."""

@@ -27,8 +27,8 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
   given global scale (one float32); ``pC`` is then the packed codes, uint8 ``[M, N_out /
   2]`` (otherwise both are ``pAlpha`` again, never read). The host passes an
   ``NVFP4Tensor`` as ``out`` (:func:`raw_args`);
-* ``n`` is the GEMM's N (the weight's rows): with ``"silu_mul"`` the output has N / 2
-  columns;
+* ``n`` is the GEMM's N (the weight's rows): with a gated activation (``"silu_mul"``,
+  ``"swiglu_oai"``) the output has N / 2 columns;
 * ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count);
 * ``early``: 1 lets the stream kernel read the weight and its scales before
   ``griddepcontrol.wait`` (``Operands.early``; kernels/stream.py states when that is safe),
@@ -52,7 +52,7 @@ import cutlass.cute as cute
 from cute_fp4.formats import NVFP4, SF_ATOM_BYTES, SF_ATOM_COLS, BlockFormat
 from cute_fp4.kernels.epilogue import NvOut
 from cute_fp4.operands import Operands
-from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.schedule import OutDtype, Schedule, gated_op
 
 _GMEM = cute.AddressSpace.gmem
 
@@ -230,7 +230,7 @@ def global_tensors(fmt: BlockFormat, w4a16: bool, split_k: int, pA, pSFA, pB, pS
         mA = _rows(pA, m, kk, cute.assume(cutlass.Int64(kk), divby=8))
     else:
         mA = _rows(pA, m, half_k, ld_b)
-    n_d = n // 2 if "silu_mul" in ops else n  # plan(): N % 16 == 0 with silu_mul
+    n_d = n // 2 if gated_op(ops) else n  # plan(): N % 16 == 0 with a gated activation
     ld_c = cute.assume(cutlass.Int64(n_d), divby=8)
     plane = cute.assume(ld_c * m, divby=8)
     mD = cute.make_tensor(pC, cute.make_layout((m, n_d, 1), stride=(ld_c, 1, plane)))
@@ -273,7 +273,7 @@ class GemmLaunch:
     @property
     def out_cols(self) -> int:
         """GEMM columns per output column (2 with ``"silu_mul"``)."""
-        return 2 if "silu_mul" in self.ops else 1
+        return 2 if gated_op(self.ops) else 1
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,

@@ -113,7 +113,8 @@ from cute_fp4.schedule import Problem, Raster, Schedule, SFLoad, WarpRoles
 ALIGN = 1024
 
 # the SM120 block-scaled MMA of each BlockFormat.mma_kind: (the atom, its emulated build's)
-MMA_OPS = {"mxf4nvf4": (warp.MmaMXF4NVF4Op, mma_emulation.LayoutMXF4NVF4Op)}
+MMA_OPS = {"mxf4nvf4": (warp.MmaMXF4NVF4Op, mma_emulation.LayoutMXF4NVF4Op),
+           "mxf4": (warp.MmaMXF4Op, mma_emulation.LayoutMXF4Op)}
 
 
 def mma_op(fmt: BlockFormat, emulate: bool = False):

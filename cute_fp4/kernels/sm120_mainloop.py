@@ -197,7 +197,7 @@ class Sm120Mainloop:
         if self.emulate:
             mma_emulation.mma_k_block(f.tCrA[None, None, slot], f.tCrSFA[None, None, slot],
                                       f.tCrB[None, None, slot], f.tCrSFB[None, None, slot],
-                                      f.acc)
+                                      f.acc, self.fmt)
         else:
             cute.gemm(self.tiled_mma, f.acc,
                       [f.tCrA[None, None, slot], f.tCrSFA[None, None, slot]],
