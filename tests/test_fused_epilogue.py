@@ -153,18 +153,28 @@ def test_every_sm120_thread_holds_its_gate_and_up(name):
     assert _sm120_pairs_hold(catalogue.get(name)) == []
 
 
-@pytest.mark.compile
 # one per family, CI's time being short: sm_90a's D^T split-K store (the stream kernel) and
 # SM120's grouped OMMA store, for sm_121a (GB10; the nvfp4_out compile below is sm_120a's;
 # the other flavours compile in the GPU runs)
-@pytest.mark.parametrize("name, fmt, target", [("sm90_stream_decode", "bf16", "sm_90a"),
-                                               ("sm120_grouped_decode", "nvfp4", "sm_121a")])
-def test_fused_kernels_compile_without_spills(name, fmt, target):
+# swiglu_oai (gpt-oss's experts): MXFP4's grouped kernels, the stream decode and SM120's MMA
+FUSED_COMPILES = [("sm90_stream_decode", "bf16", "sm_90a", "silu_mul"),
+                  ("sm120_grouped_decode", "nvfp4", "sm_121a", "silu_mul"),
+                  ("sm90_mxfp4_stream_grouped_decode", "bf16", "sm_90a", "swiglu_oai"),
+                  ("sm90_mxfp4_grouped", "bf16", "sm_90a", "swiglu_oai"),
+                  ("sm120_mxfp4_grouped", "mxfp4", "sm_120a", "swiglu_oai")]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, fmt, target, gated", FUSED_COMPILES,
+                         ids=[f"{n}-{g}" for n, _, _, g in FUSED_COMPILES])
+def test_fused_kernels_compile_without_spills(name, fmt, target, gated):
     from cute_fp4.compile import compile_report
 
-    s = catalogue.get(name).replace(ops=("bias", "silu_mul"))
+    s = catalogue.get(name).replace(ops=("bias", gated))
     groups = 8 if s.scheduler.grouped else 0
-    row = compile_report(s, target, problem=Problem(a_format=fmt, groups=groups))
+    weights = "mxfp4" if "mxfp4" in name else "nvfp4"
+    row = compile_report(s, target, problem=Problem(a_format=fmt, groups=groups,
+                                                    b_format=weights))
     assert row["target"] == target
     assert row["ok"], row.get("reason")
     assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row

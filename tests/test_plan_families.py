@@ -274,7 +274,7 @@ ACCOUNTING = {
     ("sm120_mxfp4", "mxfp4"): (3, 87_040, (128, 128)),
     ("sm120_mxfp4_grouped", "mxfp4"): (5, 89_088, (128, 128)),
     ("sm120_mxfp4_stream_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
-    ("sm90_mxfp4_grouped", "bf16+mxfp4"): (4, 232_448, (192, 128)),
+    ("sm90_mxfp4_grouped", "bf16+mxfp4"): (5, 208_896, (128, 128)),
     ("sm90_mxfp4_rs_packed", "bf16+mxfp4"): (4, 201_728, (128, 256)),
     ("sm90_mxfp4_stream_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
     ("sm90_mxfp4_stream_grouped_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
