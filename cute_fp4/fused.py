@@ -12,6 +12,12 @@ MMA), so that one thread of the MMA holds a gate value and its up value::
 that order once, at load; :func:`silu_mul_unfused` is the pipeline the fused epilogue
 replaces (the GEMM's output in its own dtype, then ``F.silu(gate) * up`` in that dtype),
 against which the fused output is compared bit for bit.
+
+``"swiglu_oai"`` (gpt-oss's clamped SwiGLU) reads the same interleaved order;
+:func:`swiglu_oai_unfused` is its pipeline, transformers' ``GptOssExperts._apply_gate`` on
+the GEMM's output in its own dtype. gpt-oss checkpoints store ``gate_up_proj`` with gate
+and up rows alternating (gate ``2i``, up ``2i + 1``: groups of 1), and its bias the same
+way: :func:`regroup_gate_up` puts a weight or a bias into the kernels' groups.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from cute_fp4 import packed as pk
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import InputError
-from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales, unswizzle_scales
+from cute_fp4.nvfp4 import swizzle_scales, unswizzle_scales
+from cute_fp4.schedule import SWIGLU_ALPHA, SWIGLU_LIMIT
 from cute_fp4.targets import capability_major
 
 __all__ = ["device_group", "gate_up_order", "interleave_gate_up", "interleave_stored",
-           "natural_gate_up", "deinterleave_gate_up", "silu_mul_unfused"]
+           "natural_gate_up", "deinterleave_gate_up", "regroup_gate_up", "silu_mul_unfused",
+           "swiglu_oai_unfused"]
 
 
 def device_group(device: torch.device, layout: str) -> int:
@@ -50,14 +59,18 @@ def gate_up_order(n: int, group: int, device=None) -> torch.Tensor:
 
 
 def interleave_gate_up(w, group: int):
-    """``w`` (``[2I, K]`` or an expert stack ``[E, 2I, K]``: a torch tensor or an
-    :class:`NVFP4Tensor`, block scales moved with their rows) in the interleaved order."""
-    rows = w.shape[-2]
-    order = gate_up_order(rows, group)
+    """``w`` (``[2I, K]`` or an expert stack ``[E, 2I, K]``: a torch tensor or a block
+    tensor, NVFP4 or MXFP4, block scales moved with their rows) in the interleaved order."""
+    return _reorder_rows(w, gate_up_order(w.shape[-2], group), "interleave_gate_up")
+
+
+def _reorder_rows(w, order: torch.Tensor, name: str):
+    """Row ``p`` of the result is row ``order[p]`` of ``w`` (a torch tensor: along dim -2; a
+    block tensor: its codes and their scales)."""
     if isinstance(w, torch.Tensor):
         return w.index_select(-2, order.to(w.device)).contiguous()
-    if not isinstance(w, NVFP4Tensor):
-        raise InputError(f"interleave_gate_up takes a torch tensor or an NVFP4Tensor, got "
+    if not isinstance(w, BlockTensor):
+        raise InputError(f"{name} takes a torch tensor or an NVFP4Tensor/MXFP4Tensor, got "
                          f"{type(w).__name__}")
     order = order.to(w.data.device)
     data = w.data.index_select(-2, order).contiguous()
@@ -66,7 +79,7 @@ def interleave_gate_up(w, group: int):
         scale = swizzle_scales(linear)
     else:
         scale = torch.stack([swizzle_scales(s) for s in linear])
-    return NVFP4Tensor(data, scale, w.global_scale, w.shape)
+    return type(w)._checked(data, scale, w.global_scale, w.shape)
 
 
 def _interleave_rows(gate: torch.Tensor, up: torch.Tensor, group: int) -> torch.Tensor:
@@ -111,17 +124,31 @@ def interleave_stored(gate_data: torch.Tensor, up_data: torch.Tensor, gate_scale
 def natural_gate_up(w, group: int):
     """The inverse of :func:`interleave_gate_up`: an interleaved weight (rows) back in the
     natural ``[gate; up]`` order."""
-    order = gate_up_order(w.shape[-2], group)
+    return _reorder_rows(w, _inverse(gate_up_order(w.shape[-2], group)), "natural_gate_up")
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
-    if isinstance(w, torch.Tensor):
-        return w.index_select(-2, inverse.to(w.device)).contiguous()
-    inverse = inverse.to(w.data.device)
-    linear = w.scale_linear().index_select(-2, inverse)
-    scale = (swizzle_scales(linear) if w.experts is None
-             else torch.stack([swizzle_scales(s) for s in linear]))
-    return NVFP4Tensor(w.data.index_select(-2, inverse).contiguous(), scale, w.global_scale,
-                       w.shape)
+    return inverse
+
+
+def regroup_gate_up(w, group: int, source_group: int = 1, dim: int = -2):
+    """``w`` with its gate/up rows (``dim`` -2: a weight ``[.., 2I, K]``, torch or block
+    tensor) or entries (``dim`` -1: a bias ``[.., 2I]``) interleaved in groups of
+    ``source_group`` (gpt-oss's alternating gate and up: 1) put into groups of ``group``
+    (the kernels', :func:`device_group`)."""
+    if dim not in (-1, -2):
+        raise InputError(f"regroup_gate_up reorders rows (dim -2) or a bias (dim -1 of a "
+                         f"torch tensor), got dim {dim}")
+    n = w.shape[dim]
+    order = _inverse(gate_up_order(n, source_group))[gate_up_order(n, group)]
+    if dim == -1 and isinstance(w, torch.Tensor):
+        return w.index_select(-1, order.to(w.device)).contiguous()
+    if dim != -2:
+        raise InputError(f"regroup_gate_up reorders rows (dim -2) or a bias (dim -1 of a "
+                         f"torch tensor), got dim {dim}")
+    return _reorder_rows(w, order, "regroup_gate_up")
 
 
 def _gate_up_views(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +169,18 @@ def deinterleave_gate_up(t: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     gate, up = _gate_up_views(t, group)
     half = t.shape[-1] // 2
     return gate.reshape(*t.shape[:-1], half), up.reshape(*t.shape[:-1], half)
+
+
+def swiglu_oai_unfused(gate_up: torch.Tensor, group: int) -> torch.Tensor:
+    """What ``"swiglu_oai"`` fuses: transformers' ``GptOssExperts._apply_gate`` (gate
+    clamped above at 7, up clamped to [-7, 7], ``(up + 1) * gate * sigmoid(1.702 gate)``)
+    in ``gate_up``'s dtype, on the GEMM's output with gate/up interleaved in groups of
+    ``group`` (the fused output has the same bits, on CUDA)."""
+    gate, up = _gate_up_views(gate_up, group)
+    gate = gate.clamp(min=None, max=SWIGLU_LIMIT)
+    up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+    glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA)
+    return ((up + 1) * glu).reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def silu_mul_unfused(gate_up: torch.Tensor, group: int) -> torch.Tensor:

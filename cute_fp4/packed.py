@@ -1,8 +1,9 @@
-"""The NVFP4 weight repacked offline into WGMMA A-fragment order (sm_90a ``rs_packed``).
+"""A block-scaled weight (NVFP4, MXFP4) repacked offline into WGMMA A-fragment order
+(sm_90a ``rs_packed``, and the ``stream`` kernels of both families).
 
 Hopper has no FP4 tensor cores: the ``rs_packed`` mainloop (kernels/sm90_rs_wide.py) makes
 the weight WGMMA's A operand, loads each thread's packed bytes from shared memory into
-registers and decodes them there into the A fragment (E2M1 x UE4M3 -> BF16/FP16, exact).
+registers and decodes them there into the A fragment (E2M1 x scale -> BF16/FP16, exact).
 With the plain ``[N, K/2]`` layout a thread's fragment bytes are scattered over 16 rows;
 repacked once, they are 16 contiguous bytes per 64 K elements (one ``ld.shared.v4``,
 bank-conflict free), so the K order of the activations stays natural (no conversion pass
@@ -44,8 +45,10 @@ from __future__ import annotations
 
 import torch
 
+from cute_fp4.blockscaled import BlockTensor, expert_index
 from cute_fp4.errors import FormatError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, expert_index
+from cute_fp4.mxfp4 import MXFP4Tensor
+from cute_fp4.nvfp4 import NVFP4Tensor
 
 UNIT_ROWS = 64  # weight rows per packed unit (one WGMMA M)
 UNIT_K = 64  # K elements per packed unit
@@ -185,20 +188,24 @@ def source_of(t: int, kb: int, j: int) -> tuple[int, int]:
     return 16 * w + g + 8 * (j % 2), 8 * kb + c + 4 * (j // 2)
 
 
-class PackedNVFP4Weight:
-    """An NVFP4 weight ``[N, K]`` in fragment order, for ``mainloop=rs_packed`` kernels.
+class PackedWeight:
+    """A block-scaled weight ``[N, K]`` in fragment order, for ``mainloop=rs_packed`` and
+    ``stream`` kernels; its format ``fmt`` is its plain tensor's (the packing moves only the
+    E2M1 codes: the scales keep the blocked layout). The formats' own classes are
+    :class:`PackedNVFP4Weight` and :class:`PackedMXFP4Weight`.
 
     Attributes: ``data`` uint8 ``[packed_rows(N), K/2]`` (see the module docstring),
-    ``scale`` (the blocked UE4M3 scales, as in NVFP4Tensor), ``global_scale``, ``shape``
-    ``(N, K)``. Made once from an NVFP4Tensor (:meth:`from_tensor`, or
-    :func:`repack`); :meth:`unpack` gives the plain tensor back, bit for bit.
-    With a leading expert mode (from an NVFP4Tensor expert stack, for ``grouped_gemm``):
-    ``data`` ``[E, packed_rows(N), K/2]``, ``scale`` ``[E, ...]``, ``global_scale`` [E],
-    ``shape`` ``(E, N, K)``; :meth:`expert` is one expert's packed weight (views).
+    ``scale`` (the blocked scales, as in the plain tensor), ``global_scale`` (None for a
+    format without one), ``shape`` ``(N, K)``. Made once from a plain tensor
+    (:meth:`from_tensor`, or :func:`repack`); :meth:`unpack` gives it back, bit for bit.
+    With a leading expert mode (from an expert stack, for ``grouped_gemm``): ``data``
+    ``[E, packed_rows(N), K/2]``, ``scale`` ``[E, ...]``, ``global_scale`` [E], ``shape``
+    ``(E, N, K)``; :meth:`expert` is one expert's packed weight (views).
     """
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                 shape: tuple[int, ...]):
+    tensor_class: type[BlockTensor] = NVFP4Tensor  # the plain tensor's class
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, global_scale, shape):
         if len(shape) not in (2, 3):
             raise FormatError(f"shape must be (N, K) or (E, N, K), got {tuple(shape)}")
         *lead, n, k = shape
@@ -212,48 +219,79 @@ class PackedNVFP4Weight:
         self.data, self.scale, self.global_scale = data, scale, global_scale
         self.shape = tuple(shape)
 
-    @classmethod
-    def from_tensor(cls, w: NVFP4Tensor) -> PackedNVFP4Weight:
-        """Repack a plain NVFP4 weight (its scales and global scale are shared, not copied)."""
-        if not isinstance(w, NVFP4Tensor):
-            raise InputTypeError(f"from_tensor() takes an NVFP4Tensor, got {type(w).__name__}")
-        return cls(pack(w.data.contiguous()), w.scale, w.global_scale, w.shape)
+    @property
+    def fmt(self):
+        """The block format (:class:`~cute_fp4.formats.BlockFormat`)."""
+        return self.tensor_class.fmt
 
-    def unpack(self) -> NVFP4Tensor:
-        """The plain cuBLAS-layout NVFP4Tensor this weight was packed from."""
+    @classmethod
+    def from_tensor(cls, w: BlockTensor) -> PackedWeight:
+        """Repack a plain weight (its scales and global scale are shared, not copied), in
+        the packed class of its format."""
+        if not isinstance(w, BlockTensor):
+            raise InputTypeError(f"from_tensor() takes an NVFP4Tensor or MXFP4Tensor, got "
+                                 f"{type(w).__name__}")
+        packed_class = _PACKED_CLASS[type(w)]
+        if cls is not PackedWeight and cls is not packed_class:
+            raise InputTypeError(f"{cls.__name__}.from_tensor() takes a "
+                                 f"{cls.tensor_class.__name__}, got {type(w).__name__}")
+        return packed_class(pack(w.data.contiguous()), w.scale, w.global_scale, w.shape)
+
+    def unpack(self) -> BlockTensor:
+        """The plain cuBLAS-layout tensor this weight was packed from."""
         n = self.shape[-2]
-        return NVFP4Tensor(unpack(self.data, n), self.scale, self.global_scale, self.shape)
+        return self.tensor_class._checked(unpack(self.data, n), self.scale, self.global_scale,
+                                          self.shape)
 
     @property
     def experts(self) -> int | None:
         """E for a weight with a leading expert mode, None for a 2-D one."""
         return self.shape[0] if len(self.shape) == 3 else None
 
-    def expert(self, e: int) -> PackedNVFP4Weight:
+    def expert(self, e: int) -> PackedWeight:
         """Expert ``e`` of a packed expert stack as a 2-D packed weight (views, no copies)."""
         i = expert_index(self.shape, e, "a weight", "[E, N, K]")
-        return PackedNVFP4Weight(self.data[i], self.scale[i], self.global_scale[i],
-                                 self.shape[1:])
+        gs = None if self.global_scale is None else self.global_scale[i]
+        return type(self)(self.data[i], self.scale[i], gs, self.shape[1:])
 
     @property
     def device(self) -> torch.device:
         return self.data.device
 
-    def to(self, device) -> PackedNVFP4Weight:
-        return PackedNVFP4Weight(self.data.to(device), self.scale.to(device),
-                                 self.global_scale.to(device), self.shape)
+    def to(self, device) -> PackedWeight:
+        gs = None if self.global_scale is None else self.global_scale.to(device)
+        return type(self)(self.data.to(device), self.scale.to(device), gs, self.shape)
 
     def __repr__(self) -> str:
-        return f"PackedNVFP4Weight(shape={self.shape}, device={self.device})"
+        return f"{type(self).__name__}(shape={self.shape}, device={self.device})"
 
 
-def repack(w: NVFP4Tensor) -> PackedNVFP4Weight:
+class PackedNVFP4Weight(PackedWeight):
+    """An NVFP4 weight in fragment order (:class:`PackedWeight`; UE4M3 scales, a global
+    scale)."""
+
+    tensor_class = NVFP4Tensor
+
+
+class PackedMXFP4Weight(PackedWeight):
+    """An MXFP4 weight in fragment order (:class:`PackedWeight`; UE8M0 scales per 32, no
+    global scale: ``global_scale`` is None)."""
+
+    tensor_class = MXFP4Tensor
+
+
+_PACKED_CLASS = {NVFP4Tensor: PackedNVFP4Weight, MXFP4Tensor: PackedMXFP4Weight}
+
+
+def repack(w: BlockTensor) -> PackedWeight:
     """The function ``cute_fp4.nn`` (or any caller) uses once per weight: ``w`` in fragment
-    order for the ``rs_packed`` kernels (an expert stack: every expert, for the grouped
-    ones). Raises FormatError when K is not a multiple of 64."""
-    return PackedNVFP4Weight.from_tensor(w)
+    order for the ``rs_packed`` and ``stream`` kernels (an expert stack: every expert, for
+    the grouped ones), a :class:`PackedNVFP4Weight` or :class:`PackedMXFP4Weight` by its
+    format. Raises FormatError when K is not a multiple of 64."""
+    return PackedWeight.from_tensor(w)
 
 
-__all__ = ["SIGN_BIT", "UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedNVFP4Weight",
+__all__ = ["SIGN_BIT", "UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedMXFP4Weight",
+           "PackedNVFP4Weight", "PackedWeight",
            "chunk_rows", "fragment_code", "move_signs", "pack", "packed_rows", "repack",
            "restore_signs", "source_of", "unpack"]

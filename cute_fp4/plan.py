@@ -33,7 +33,6 @@ from cute_fp4.planning.common import (
     COMMON_CHECKS,
     MAX_EPI_STAGES,
     SF_ATOM_ROWS,
-    SF_VEC,
     FamilyRules,
     Region,
     RegisterSplit,
@@ -229,5 +228,5 @@ def _plan(s: Schedule, p: Problem) -> Plan:
 
 __all__ = ["Plan", "Region", "RegisterSplit", "plan", "smem_regions",
            "stage_bytes", "max_stages", "epilogue_tile", "c_elem_bytes", "register_split",
-           "schedule_rules", "WarpRoles", "ALIGN", "SF_VEC", "SF_ATOM_ROWS",
+           "schedule_rules", "WarpRoles", "ALIGN", "SF_ATOM_ROWS",
            "MAX_EPI_STAGES", "silu_group"]

@@ -9,17 +9,20 @@ the sum with an error far below the kernels' FP32 accumulation.
 Error rule (:func:`error_bound`), per element, for a kernel that accumulates in FP32 and
 then rounds to the output dtype::
 
-    |out - ref| <= 2**-p * |ref| + (ceil(K/16) + 16) * 2**-23 * alpha * sum_k |A[m,k] B[n,k]|
+    |out - ref| <= 2**-p * |ref| + (ceil(K/c) + 16) * 2**-23 * alpha * sum_k |A[m,k] B[n,k]|
                    + tiny
 
 ``p`` is the output's precision (bf16: 8, fp16: 11, fp32: 24). The second term bounds FP32
-accumulation in which the tensor core sums each 16-wide K chunk (one scale block; WGMMA
-BF16 has K = 16, the SM120 MMA K = 64) to FP32 accuracy and then adds it to the
-accumulator: one rounding of at most ``2 u = 2**-23`` (truncation allowed) per addition, the
-``+ 16`` covering split-K partial sums and the alpha multiply. ``tiny`` is the output's
-smallest subnormal step. The rule is a worst-case bound, not a statistical one, so it holds
-for any summation order; a single dropped 16-element block still fails it at moderate K,
-which is why kernel tests use short and odd K as well as long K.
+accumulation in which the tensor core sums each ``c``-wide K chunk to FP32 accuracy and
+then adds it to the accumulator: one rounding of at most ``2 u = 2**-23`` (truncation
+allowed) per addition, the ``+ 16`` covering split-K partial sums and the alpha multiply.
+``c`` is the weight format's block size (one scale block: ``b.fmt.block``), at most
+:data:`MMA_K_MIN` = 16, the K of the narrowest MMA any kernel issues (WGMMA BF16 and
+``mma.sync.m16n8k16`` have K = 16, the SM120 block-scaled MMA K = 64): NVFP4's 16.
+``tiny`` is the output's smallest subnormal step. The rule is a worst-case bound, not a
+statistical one, so it holds for any summation order; a single dropped 16-element block
+still fails it at moderate K, which is why kernel tests use short and odd K as well as
+long K.
 
 Grouped (MoE) GEMMs: :func:`grouped_gemm` and :func:`check_grouped` apply the same
 arithmetic and the same rule expert by expert, on the rows ``offsets[e]:offsets[e+1]``.
@@ -34,30 +37,36 @@ import operator
 
 import torch
 
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import InputError, InputTypeError, ValidationError
-from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.formats import BlockFormat
+
+MMA_K_MIN = 16  # K of the narrowest MMA a kernel adds to its FP32 accumulator at a time
 
 _PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 _TINY = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
 
 
 def _operand(x, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values without the global scale as float64, global scale as float64)."""
-    if isinstance(x, NVFP4Tensor | torch.Tensor) and x.device.type == "meta":
+    """(values without the global scale as float64, global scale as float64: 1 for a
+    16-bit operand or a format without one)."""
+    if isinstance(x, BlockTensor | torch.Tensor) and x.device.type == "meta":
         raise InputError(f"{name} is on the meta device: the reference reads its values")
-    if isinstance(x, NVFP4Tensor):
+    one = torch.tensor(1.0, dtype=torch.float64)
+    if isinstance(x, BlockTensor):
         if x.experts is not None:
             raise InputError(f"{name} must be one 2-D [rows, K] tensor, got an expert stack "
                              f"{list(x.shape)} (grouped_gemm takes stacks)")
-        return x.block_values(torch.float64), x.global_scale.double()
+        gs = one if x.global_scale is None else x.global_scale.double()
+        return x.block_values(torch.float64), gs
     if isinstance(x, torch.Tensor):
         if x.dtype not in (torch.bfloat16, torch.float16):
-            raise InputError(f"{name} must be an NVFP4Tensor or a bfloat16/float16 tensor "
-                             f"(W4A16), got {x.dtype}")
+            raise InputError(f"{name} must be an NVFP4Tensor or MXFP4Tensor or a "
+                             f"bfloat16/float16 tensor (W4A16), got {x.dtype}")
         if x.dim() != 2:
             raise InputError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
-        return x.double(), torch.tensor(1.0, dtype=torch.float64)
-    raise InputTypeError(f"{name} must be an NVFP4Tensor or a torch.Tensor, "
+        return x.double(), one
+    raise InputTypeError(f"{name} must be an NVFP4Tensor or MXFP4Tensor or a torch.Tensor, "
                          f"got {type(x).__name__}")
 
 
@@ -84,9 +93,18 @@ def _alpha(alpha, experts: int) -> torch.Tensor:
     return torch.as_tensor(alpha, dtype=torch.float32).double()
 
 
+def _same_format(a, b) -> None:
+    """W4A4 takes A and B in one block format (SM120's MMA takes one scale type)."""
+    if isinstance(a, BlockTensor) and a.fmt != b.fmt:
+        raise InputError(f"a is {a.fmt} and b is {b.fmt}: W4A4 takes both operands in one "
+                         "block format")
+
+
 def _prepare(a, b, alpha):
-    if not isinstance(b, NVFP4Tensor):
-        raise InputTypeError(f"b must be an NVFP4Tensor [N, K], got {type(b).__name__}")
+    if not isinstance(b, BlockTensor):
+        raise InputTypeError(f"b must be an NVFP4Tensor or MXFP4Tensor [N, K], got "
+                             f"{type(b).__name__}")
+    _same_format(a, b)
     av, ag = _operand(a, "a")
     bv, bg = _operand(b, "b")
     if av.shape[1] != bv.shape[1]:
@@ -100,33 +118,40 @@ def _prepare(a, b, alpha):
     return av.to(dev), bv, alpha64.to(dev)
 
 
-def gemm(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _chunk(fmt: BlockFormat) -> int:
+    """K elements a kernel sums before one accumulator addition, at most (module docstring)."""
+    return min(fmt.block, MMA_K_MIN)
+
+
+def gemm(a, b: BlockTensor, alpha=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exact reference ``alpha * A @ B^T``, computed in float64 on ``b``'s device.
 
-    ``a``: NVFP4Tensor [M, K] (W4A4) or a bf16/fp16 tensor [M, K] (W4A16); ``b``:
-    NVFP4Tensor [N, K]. ``alpha`` defaults to the product of the global scales (W4A16: the
+    ``a``: a block tensor [M, K] (W4A4: NVFP4Tensor, or MXFP4Tensor with an MXFP4 ``b``)
+    or a bf16/fp16 tensor [M, K] (W4A16); ``b``: NVFP4Tensor or MXFP4Tensor [N, K].
+    ``alpha`` defaults to the product of the global scales (1 for MXFP4; W4A16: the
     global scale of ``b``); when given, it replaces that product, as in the kernels.
     """
     av, bv, alpha64 = _prepare(a, b, alpha)
     return ((av @ bv.T) * alpha64).to(out_dtype)
 
 
-def error_bound(a, b: NVFP4Tensor, alpha=None, out_dtype: torch.dtype = torch.float32,
+def error_bound(a, b: BlockTensor, alpha=None, out_dtype: torch.dtype = torch.float32,
                 ref: torch.Tensor | None = None) -> torch.Tensor:
     """Per-element tolerance of the error rule (float64, on ``b``'s device)."""
     av, bv, alpha64 = _prepare(a, b, alpha)
     if ref is None:
         ref = (av @ bv.T) * alpha64
-    return _bound(av, bv, alpha64, out_dtype, ref)
+    return _bound(av, bv, alpha64, out_dtype, ref, b.fmt)
 
 
 def _bound(av: torch.Tensor, bv: torch.Tensor, alpha64: torch.Tensor, out_dtype: torch.dtype,
-           ref: torch.Tensor) -> torch.Tensor:
-    """The error rule on float64 values: ``av`` [M, K], ``bv`` [N, K], a scalar alpha."""
+           ref: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The error rule on float64 values: ``av`` [M, K], ``bv`` [N, K] (of block format
+    ``fmt``), a scalar alpha."""
     k = av.shape[1]
     absdot = (av.abs() @ bv.abs().T) * alpha64.abs()
     p = _PRECISION[out_dtype]
-    acc = absdot * ((-(-k // 16) + 16) * 2.0**-23)
+    acc = absdot * ((-(-k // _chunk(fmt)) + 16) * 2.0**-23)
     return ref.double().abs() * 2.0**-p + acc * (1 + 2.0**-p) + _TINY[out_dtype]
 
 
@@ -155,7 +180,7 @@ def _overflow_threshold(dtype: torch.dtype) -> float:
     return big + 2.0 ** (emax - _PRECISION[dtype])
 
 
-def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
+def check(out: torch.Tensor, a, b: BlockTensor, alpha=None) -> CheckResult:
     """Compare ``out`` with the reference under the error rule (poison-aware).
 
     NaN never passes. An infinity passes only where the exact result, within the bound,
@@ -168,7 +193,7 @@ def check(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
     got = out.detach().double().to(ref.device)
     if got.shape != ref.shape:
         raise InputError(f"output shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
-    bound = _bound(av, bv, alpha64, out.dtype, ref)
+    bound = _bound(av, bv, alpha64, out.dtype, ref, b.fmt)
     err, nonfinite = _errors(got, ref, bound, out.dtype)
     ratio = float((err / bound).max()) if err.numel() else 0.0
     return CheckResult((av.shape[0], bv.shape[0], av.shape[1]),
@@ -199,7 +224,7 @@ def _errors(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor,
     return err, int((~finite & ~overflow_ok).sum())
 
 
-def assert_close(out: torch.Tensor, a, b: NVFP4Tensor, alpha=None) -> CheckResult:
+def assert_close(out: torch.Tensor, a, b: BlockTensor, alpha=None) -> CheckResult:
     """:func:`check`, raising :class:`ValidationError` when it fails."""
     res = check(out, a, b, alpha)
     if not res.passed:
@@ -212,13 +237,16 @@ def fused(raw: torch.Tensor, bias, ops: tuple, group: int, out_dtype: torch.dtyp
     """What a fused epilogue writes, by its definition (the unfused pipeline): ``raw`` (the
     GEMM without ops, FP32) plus ``bias`` (FP32, or None), rounded to ``out_dtype``, then
     ``F.silu(gate) * up`` of the gate/up columns interleaved in groups of ``group``
-    (``"silu_mul"``, ``cute_fp4.fused``), then with ``"nvfp4_out"`` quantized with the
+    (``"silu_mul"``, ``cute_fp4.fused``; ``"swiglu_oai"``: gpt-oss's clamped SwiGLU,
+    ``fused.swiglu_oai_unfused``), then with ``"nvfp4_out"`` quantized with the
     global scale ``out_scale`` (an ``NVFP4Tensor``)."""
-    from cute_fp4.fused import silu_mul_unfused
+    from cute_fp4.fused import silu_mul_unfused, swiglu_oai_unfused
 
     want = (raw if bias is None else raw + bias).to(out_dtype)
     if "silu_mul" in ops:
         want = silu_mul_unfused(want, group)
+    if "swiglu_oai" in ops:
+        want = swiglu_oai_unfused(want, group)
     if "nvfp4_out" in ops:
         from cute_fp4.nvfp4 import quantize
 
@@ -286,14 +314,15 @@ def group_bounds(offsets, experts: int, total_m: int) -> list[int]:
     return offs
 
 
-def _experts_of(b) -> NVFP4Tensor:
-    """``b`` as a plain NVFP4Tensor expert stack (a packed stack is unpacked)."""
-    from cute_fp4.packed import PackedNVFP4Weight
+def _experts_of(b) -> BlockTensor:
+    """``b`` as a plain block-tensor expert stack (a packed stack is unpacked)."""
+    from cute_fp4.packed import PackedWeight
 
-    if isinstance(b, PackedNVFP4Weight):
+    if isinstance(b, PackedWeight):
         b = b.unpack()
-    if not isinstance(b, NVFP4Tensor):
-        raise InputTypeError(f"b must be an NVFP4Tensor [E, N, K], got {type(b).__name__}")
+    if not isinstance(b, BlockTensor):
+        raise InputTypeError(f"b must be an NVFP4Tensor or MXFP4Tensor [E, N, K], got "
+                             f"{type(b).__name__}")
     if b.experts is None:
         raise InputError(f"b must have a leading expert mode [E, N, K], got shape {b.shape}")
     return b
@@ -302,6 +331,7 @@ def _experts_of(b) -> NVFP4Tensor:
 def _grouped_prepare(a, b, offsets, alpha):
     """(A values [M, K], B stack, group offsets, alpha [E]) in float64 on ``b``'s device."""
     b = _experts_of(b)
+    _same_format(a, b)
     n_exp, n, k = b.shape
     av, ag = _operand(a, "a")
     if av.shape[1] != k:
@@ -310,7 +340,9 @@ def _grouped_prepare(a, b, offsets, alpha):
     offs = group_bounds(offsets, n_exp, av.shape[0])
     dev = b.device
     if alpha is None:
-        alpha64 = ag.to(dev) * b.global_scale.double()
+        gs = (torch.ones(n_exp, dtype=torch.float64, device=dev) if b.global_scale is None
+              else b.global_scale.double())
+        alpha64 = ag.to(dev) * gs
     else:
         alpha64 = _alpha(alpha, n_exp).reshape(-1).to(dev).expand(n_exp)
     return av.to(dev), b, offs, alpha64
@@ -331,7 +363,7 @@ def _grouped_ref(a, b, offsets, alpha, out_dtype: torch.dtype | None):
         bv = b.expert(e).block_values(torch.float64)
         ref[lo:hi] = (av[lo:hi] @ bv.T) * alpha64[e]
         if bound is not None:
-            bound[lo:hi] = _bound(av[lo:hi], bv, alpha64[e], out_dtype, ref[lo:hi])
+            bound[lo:hi] = _bound(av[lo:hi], bv, alpha64[e], out_dtype, ref[lo:hi], b.fmt)
     return ref, bound, offs, (m, n, k)
 
 
@@ -341,7 +373,8 @@ def grouped_gemm(a, b, offsets, alpha=None, out_dtype: torch.dtype = torch.float
     ``out[offsets[e]:offsets[e+1]] = alpha[e] * A[offsets[e]:offsets[e+1]] @ B[e]^T``.
 
     ``a``: NVFP4Tensor [total_M, K] (W4A4, one global scale) or bf16/fp16 [total_M, K]
-    (W4A16); ``b``: NVFP4Tensor expert stack [E, N, K] (or its PackedNVFP4Weight);
+    (W4A16); ``b``: NVFP4Tensor or MXFP4Tensor expert stack [E, N, K] (or its packed
+    weight);
     ``offsets``: E + 1 cumulative row offsets (CPU or CUDA tensor, or ints; read here);
     ``alpha``: one value or E values, default ``a.global_scale * b.global_scale[e]``
     (W4A16: ``b.global_scale[e]``)."""

@@ -20,6 +20,7 @@ import dataclasses
 import enum
 
 from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.formats import BlockFormat, Operand
 from cute_fp4.targets import Target, get_target
 
 
@@ -199,11 +200,24 @@ class Scheduler:
 #   plan.silu_group(schedule), the width at which the kernel's MMA gives one thread both);
 #   D has N / 2 columns, h = silu(g) * u with g and u rounded to the output type first and
 #   silu(g) rounded again: the bits of the unfused ``gemm -> F.silu(g) * u`` in that type;
+# * "swiglu_oai": gpt-oss's clamped SwiGLU on the same interleaved gate/up rows (or
+#   silu_mul, not both): g = min(gate, 7), u = clamp(up, -7, 7), h = (u + 1) * (g *
+#   sigmoid(1.702 g)), every operation rounded to the output type where transformers'
+#   ``GptOssExperts._apply_gate`` rounds on that type (cute_fp4.fused.swiglu_oai_unfused);
 # * "nvfp4_out": the output written as NVFP4 (the next W4A4 layer's activation) with a given
 #   global scale. Rounding point: the output as the unfused pipeline has it, rounded to
-#   the output type (after bias and silu_mul), then nvfp4's quantize rule (``quantize(x,
-#   global_scale)``): the same codes and blocked scales, padding included, bit for bit.
-EPILOGUE_OPS = ("bias", "silu_mul", "nvfp4_out")
+#   the output type (after bias and the gated activation), then nvfp4's quantize rule
+#   (``quantize(x, global_scale)``): the same codes and blocked scales, padding included,
+#   bit for bit.
+EPILOGUE_OPS = ("bias", "silu_mul", "swiglu_oai", "nvfp4_out")
+GATED_OPS = ("silu_mul", "swiglu_oai")  # activations of gate/up pairs: N / 2 output columns
+SWIGLU_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: sigmoid(alpha g) ...
+SWIGLU_LIMIT = 7.0  # ... of the gate clamped above, the up clamped to [-limit, limit]
+
+
+def gated_op(ops: tuple[str, ...]) -> str | None:
+    """The gated activation among ``ops`` (:data:`GATED_OPS`), None without one."""
+    return next((o for o in ops if o in GATED_OPS), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +252,9 @@ def _ops(ops: object) -> tuple[str, ...]:
                          f"known: {', '.join(EPILOGUE_OPS)}")
     if len(set(ops)) != len(ops):
         raise InputError(f"Epilogue.ops names an operation twice: {tuple(ops)}")
+    if sum(o in GATED_OPS for o in ops) > 1:
+        raise InputError(f"Epilogue.ops takes one gated activation of "
+                         f"{', '.join(GATED_OPS)}, got {tuple(ops)}")
     return tuple(o for o in EPILOGUE_OPS if o in ops)
 
 
@@ -431,12 +448,14 @@ def _plain(x: object) -> object:
     return x
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Problem:
     """A GEMM problem: ``D[M, N] = alpha * A[M, K] @ B[N, K]^T`` (TN).
 
-    ``a_format`` is ``"nvfp4"`` (W4A4) or ``"bf16"``/``"fp16"`` (W4A16: A is 16-bit).
-    B is always NVFP4. A dimension of 0 means "any" (symbolic) for planning.
+    ``a_format`` (:class:`~cute_fp4.formats.Operand`; its value strings are accepted and
+    compare equal) is a block format (W4A4) or ``"bf16"``/``"fp16"`` (W4A16: A is 16-bit);
+    ``b_format``, the weight's, is a block format (default NVFP4). W4A4 takes both in one
+    format. A dimension of 0 means "any" (symbolic) for planning.
     ``groups`` > 0: a grouped (MoE) problem of that many experts, ``m`` their total rows
     (tokens sorted by expert), B ``[groups, N, K]``; 0: a dense GEMM.
     """
@@ -444,21 +463,40 @@ class Problem:
     m: int = 0
     n: int = 0
     k: int = 0
-    a_format: str = "nvfp4"
+    a_format: Operand = Operand.NVFP4
     groups: int = 0
+    b_format: Operand = Operand.NVFP4
 
     def __post_init__(self) -> None:
         for f in ("m", "n", "k", "groups"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise InputError(f"Problem.{f} must be an int >= 0, got {v!r}")
-        if self.a_format not in ("nvfp4", "bf16", "fp16"):
-            raise InputError(f"Problem.a_format must be nvfp4, bf16 or fp16, "
-                             f"got {self.a_format!r}")
+        _set(self, "a_format", Operand.of(self.a_format, "Problem.a_format"))
+        _set(self, "b_format", Operand.of(self.b_format, "Problem.b_format"))
+        if self.b_format.sixteen_bit:
+            raise InputError(f"Problem.b_format must be a block format (the weight is "
+                             f"block-scaled 4-bit), got {self.b_format!r}")
+        if not self.a_format.sixteen_bit and self.a_format != self.b_format:
+            raise InputError(f"Problem: A is {self.a_format} and B is {self.b_format}; W4A4 "
+                             "takes both operands in one block format")
+
+    def __repr__(self) -> str:
+        # the weight format only where it is not the default: problems' reprs key the
+        # build caches, whose entries of NVFP4 problems stay valid
+        extra = "" if self.b_format is Operand.NVFP4 else f", b_format={self.b_format!r}"
+        return (f"Problem(m={self.m}, n={self.n}, k={self.k}, a_format={self.a_format!r}, "
+                f"groups={self.groups}{extra})")
 
     @property
     def w4a16(self) -> bool:
-        return self.a_format != "nvfp4"
+        return self.a_format.sixteen_bit
+
+    @property
+    def fmt(self) -> BlockFormat:
+        """The weight's block format (and W4A4's activation's): its block size, scale type
+        and layout rules (:class:`~cute_fp4.formats.BlockFormat`)."""
+        return self.b_format.block_format
 
     @classmethod
     def of(cls, x: object) -> Problem | None:

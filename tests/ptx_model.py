@@ -120,6 +120,8 @@ def run_ptx(ptx: str, reads: list[int], n_writes: int) -> list[int]:
             regs[d] = val(args[1]) | val(args[2])
         elif op == "prmt.b32":
             regs[d] = prmt(val(args[1]), val(args[2]), val(args[3]))
+        elif op == "add.u32":
+            regs[d] = (val(args[1]) + val(args[2])) & M32
         elif op == "mul.lo.u32":
             regs[d] = (val(args[1]) * val(args[2])) & M32
         elif op == "mul.rn.f16x2":

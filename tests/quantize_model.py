@@ -21,7 +21,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape, sf_offset_shifts
+from cute_fp4.formats import sf_offset_shifts
+from cute_fp4.nvfp4 import E2M1_VALUES, e2m1_encode, scale_offset, scale_shape
 
 F32 = np.float32
 M2_BIAS = (22 << 23) - 254  # kernels/e2m1.py M2_BIAS

@@ -359,8 +359,8 @@ def _sf_regs(k, f, thr_copy, ident, frag_key, src_f, dst_f, alloc_layout, stage,
     inverse = {}
     rows = cute.size(alloc_layout, mode=[0])
     for r in range(rows):
-        for kk in range(0, k.tile_mnk[2], sf_layout.SF_VEC):
-            inverse[_eval_flat(alloc_layout, (r, kk, stage))] = (r, kk // sf_layout.SF_VEC)
+        for kk in range(0, k.tile_mnk[2], k.fmt.block):
+            inverse[_eval_flat(alloc_layout, (r, kk, stage))] = (r, kk // k.fmt.block)
     out = {}
     view_strides = [d for _, ds in _modes(sub) for d in ds]
     for t in range(n_threads):
@@ -729,7 +729,7 @@ def _trace(schedule, corrupt=None):
                             ks = k_of[w, mi, g]
                             r_isa = isa_sf(lane, op)
                             for j in range(4):
-                                blocks = {ks[c] // sf_layout.SF_VEC
+                                blocks = {ks[c] // k.fmt.block
                                           for c in range(16 * j, 16 * j + 16)}
                                 offs = {_offset(frag, _flat_index(frag, (v, mi, mm[key])))
                                         for v in range(16 * j, 16 * j + 16)}

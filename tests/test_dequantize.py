@@ -17,8 +17,9 @@ from ptx_model import run_ptx, to_bf16
 
 from cute_fp4 import quant
 from cute_fp4.errors import DeviceError, InputTypeError
+from cute_fp4.formats import sf_offset, sf_offset_shifts
 from cute_fp4.kernels.dequantize import DequantizeKernel, DequantSpec, block_ptx
-from cute_fp4.nvfp4 import E2M1_VALUES, e4m3_decode, quantize, sf_offset, sf_offset_shifts
+from cute_fp4.nvfp4 import E2M1_VALUES, e4m3_decode, quantize
 
 PTX = block_ptx()
 

@@ -1,5 +1,5 @@
-"""Fused epilogue operations (``Epilogue.ops``: bias, silu_mul) on the CPU: the schedule
-component, plan()'s refusals, the gate/up weight order, the pairing of gate and up values
+"""Fused epilogue operations (``Epilogue.ops``: bias, silu_mul, swiglu_oai) on the CPU: the
+schedule component, plan()'s refusals, the gate/up weight order, the pairing of gate and up values
 in every thread of every SM120 tiled MMA, and per family one compile of a grouped kernel
 and one of the weight-streaming kernel (0 spills, the accurate exp and division the
 bit-identity with torch's SiLU rests on).
@@ -13,13 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cute_fp4 import catalogue
+from cute_fp4 import catalogue, reference
 from cute_fp4.errors import InputError, InputTypeError
-from cute_fp4.fused import deinterleave_gate_up, gate_up_order, interleave_gate_up
+from cute_fp4.fused import (
+    deinterleave_gate_up,
+    gate_up_order,
+    interleave_gate_up,
+    regroup_gate_up,
+    swiglu_oai_unfused,
+)
 from cute_fp4.nvfp4 import quantize
 from cute_fp4.plan import plan
 from cute_fp4.planning.common import silu_group
-from cute_fp4.schedule import Epilogue, Problem
+from cute_fp4.schedule import Epilogue, Problem, gated_op
 
 
 def test_ops_are_validated_and_put_in_order():
@@ -147,18 +153,28 @@ def test_every_sm120_thread_holds_its_gate_and_up(name):
     assert _sm120_pairs_hold(catalogue.get(name)) == []
 
 
-@pytest.mark.compile
 # one per family, CI's time being short: sm_90a's D^T split-K store (the stream kernel) and
 # SM120's grouped OMMA store, for sm_121a (GB10; the nvfp4_out compile below is sm_120a's;
 # the other flavours compile in the GPU runs)
-@pytest.mark.parametrize("name, fmt, target", [("sm90_stream_decode", "bf16", "sm_90a"),
-                                               ("sm120_grouped_decode", "nvfp4", "sm_121a")])
-def test_fused_kernels_compile_without_spills(name, fmt, target):
+# swiglu_oai (gpt-oss's experts): MXFP4's grouped kernels, the stream decode and SM120's MMA
+FUSED_COMPILES = [("sm90_stream_decode", "bf16", "sm_90a", "silu_mul"),
+                  ("sm120_grouped_decode", "nvfp4", "sm_121a", "silu_mul"),
+                  ("sm90_mxfp4_stream_grouped_decode", "bf16", "sm_90a", "swiglu_oai"),
+                  ("sm90_mxfp4_grouped", "bf16", "sm_90a", "swiglu_oai"),
+                  ("sm120_mxfp4_grouped", "mxfp4", "sm_120a", "swiglu_oai")]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, fmt, target, gated", FUSED_COMPILES,
+                         ids=[f"{n}-{g}" for n, _, _, g in FUSED_COMPILES])
+def test_fused_kernels_compile_without_spills(name, fmt, target, gated):
     from cute_fp4.compile import compile_report
 
-    s = catalogue.get(name).replace(ops=("bias", "silu_mul"))
+    s = catalogue.get(name).replace(ops=("bias", gated))
     groups = 8 if s.scheduler.grouped else 0
-    row = compile_report(s, target, problem=Problem(a_format=fmt, groups=groups))
+    weights = "mxfp4" if "mxfp4" in name else "nvfp4"
+    row = compile_report(s, target, problem=Problem(a_format=fmt, groups=groups,
+                                                    b_format=weights))
     assert row["target"] == target
     assert row["ok"], row.get("reason")
     assert row["spills"] == 0 and row["kernel_smem_bytes"] == row["smem_bytes"], row
@@ -266,3 +282,72 @@ def test_auto_takes_a_tile_that_writes_nvfp4_for_nvfp4_out():
     with pytest.raises(InputError, match="nvfp4_out on a packed weight"):
         with_ops(catalogue.get("sm90_rs_packed_decode"), ("nvfp4_out",), 16, 4096, 4096,
                  "bf16")
+
+
+# ----------------------------------------------------------------------------- swiglu_oai
+
+def _gptoss_apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' own GptOssExperts._apply_gate (gate and up alternating)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    class Cfg:
+        intermediate_size, num_local_experts, hidden_size = 4, 1, 4
+
+    return GptOssExperts._apply_gate(GptOssExperts(Cfg()), gate_up)
+
+
+@pytest.mark.parametrize("group", [8, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_oai_unfused_is_transformers_gate(group, dtype):
+    """On the kernels' interleave, the same bits as transformers' ``_apply_gate`` on
+    gpt-oss's alternating gate/up columns (values past the clamps, NaN included)."""
+    g = torch.Generator().manual_seed(group)
+    alt = (torch.randn(6, 4 * group, generator=g) * 6).to(dtype)
+    alt[0, :8] = torch.tensor([9.0, 9.0, -9.0, -9.0, 7.0, 7.0, float("nan"), 1.0]).to(dtype)
+    want = _gptoss_apply_gate(alt)
+    grouped = regroup_gate_up(alt, group, dim=-1)
+    got = swiglu_oai_unfused(grouped, group)
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int16), want[ok].view(torch.int16))
+    assert torch.equal(deinterleave_gate_up(grouped, group)[0].view(torch.int16),
+                       alt[:, 0::2].view(torch.int16))
+
+
+def test_regroup_weights_and_bias_from_gptoss_order():
+    """gpt-oss's gate_up weight rows and bias alternate gate and up; regrouped into the
+    kernels' groups the GEMM's columns are the kernels' interleave of the same gate and up
+    (torch, NVFP4 and MXFP4 weights, expert stacks; a bias along its last dim)."""
+    g = torch.Generator().manual_seed(3)
+    w, x, bias = torch.randn(2, 64, 64, generator=g), torch.randn(3, 64, generator=g), \
+        torch.randn(2, 64, generator=g)
+    for group in (8, 32):
+        wg = regroup_gate_up(w, group)
+        gate, up = deinterleave_gate_up(x @ wg[1].T + regroup_gate_up(bias, group, dim=-1)[1],
+                                        group)
+        full = x @ w[1].T + bias[1]
+        torch.testing.assert_close(gate, full[:, 0::2])
+        torch.testing.assert_close(up, full[:, 1::2])
+        for fmt in ("nvfp4", "mxfp4"):
+            q = quantize(w, format=fmt)
+            r = regroup_gate_up(q, group)
+            assert type(r) is type(q)
+            assert torch.equal(r.dequantize(), regroup_gate_up(q.dequantize(), group))
+    with pytest.raises(InputError, match="dim"):
+        regroup_gate_up(w, 8, dim=0)
+
+
+def test_swiglu_oai_op_rules():
+    assert Epilogue(ops="swiglu_oai+bias").ops == ("bias", "swiglu_oai")
+    assert gated_op(("bias", "swiglu_oai", "nvfp4_out")) == "swiglu_oai"
+    assert gated_op(("bias",)) is None
+    with pytest.raises(InputError, match="one gated activation"):
+        Epilogue(ops=("silu_mul", "swiglu_oai"))
+    s = catalogue.get("sm90_mxfp4_stream_grouped_decode").replace(ops=("bias", "swiglu_oai"))
+    p = Problem(1, 5760, 2880, "bf16", groups=32, b_format="mxfp4")
+    assert plan(s, p).ok  # gpt-oss-20b's gate_up: 2 x 2880 rows, hidden 2880, 32 experts
+    bad = plan(s, Problem(1, 5768, 2880, "bf16", groups=32, b_format="mxfp4"))
+    assert any("N = 5768 is not a multiple of 16: swiglu_oai" in r for r in bad.reasons)
+    raw = torch.randn(4, 64)
+    out = reference.fused(raw, None, ("swiglu_oai",), 8, torch.bfloat16)
+    assert torch.equal(out, swiglu_oai_unfused(raw.bfloat16(), 8)) and out.shape == (4, 32)

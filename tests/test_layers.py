@@ -23,7 +23,8 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "cute_fp4"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first; fnmatch patterns
-    ("core", ("cute_fp4.errors", "cute_fp4.nvfp4", "cute_fp4.packed",
+    ("core", ("cute_fp4.errors", "cute_fp4.formats", "cute_fp4.blockscaled", "cute_fp4.nvfp4",
+              "cute_fp4.mxfp4", "cute_fp4.packed",
               "cute_fp4.reference", "cute_fp4.fused",
               "cute_fp4.targets", "cute_fp4.schedule", "cute_fp4.families", "cute_fp4.plan",
               "cute_fp4.planning",

@@ -26,6 +26,7 @@ import torch
 from ptx_model import bf16 as _bf16
 from ptx_model import run_ptx
 
+from cute_fp4.formats import MXFP4, NVFP4
 from cute_fp4.kernels import mma_emulation as emu
 from cute_fp4.kernels import sf_layout
 from cute_fp4.nvfp4 import E2M1_VALUES
@@ -52,15 +53,23 @@ def ue4m3(byte: int) -> float:
 FINITE_SCALES = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
 
 
-def test_conversion_is_exact_for_every_code_and_scale():
+UE8M0_SCALES = list(range(253))  # every code the kernels take (253..255 are refused)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+def test_conversion_is_exact_for_every_code_and_scale(fmt):
+    """The conversion of ``fmt``'s scale type (``CONVERTS``): every E2M1 code at every
+    nibble times every finite scale code (UE4M3; UE8M0 0..252) in every byte: ``v * s`` as
+    BF16, exactly (BF16 subnormals for the smallest UE8M0 codes), signs of zeros kept."""
     words = [sum(((w + i) % 16) << (4 * i) for i in range(8)) for w in range(16)]
+    ptx = emu.CONVERTS[fmt.scale.name]
     bad = []
-    for sb in FINITE_SCALES:
-        s = ue4m3(sb)
+    for sb in FINITE_SCALES if fmt is NVFP4 else UE8M0_SCALES:
+        s = fmt.scale.decode(sb)
         for byte in range(4):
             junk = random.Random(sb * 4 + byte).getrandbits(32) & ~(0xFF << (8 * byte))
-            for q in words:
-                out = convert(q, junk | sb << (8 * byte), byte)
+            for q in words[:: 1 if fmt is NVFP4 or sb % 16 == byte else 5]:
+                out = convert(q, junk | sb << (8 * byte), byte, ptx)
                 for j in range(8):
                     want = e2m1((q >> (4 * j)) & 15) * s
                     half = out[j // 2] >> (16 * (j % 2))
@@ -104,16 +113,22 @@ def isa_bf16_b(lane: int, i: int) -> tuple[int, int]:
     return 2 * t + i % 2 + 8 * (i // 2), g
 
 
-def _random_mma(seed: int):
+def _random_mma(seed: int, fmt=NVFP4):
     rng = random.Random(seed)
+    n_sf = 64 // fmt.block
+    # UE8M0 codes 2^-9 .. 2^9: every product and the sums stay exact in float64
+    codes = FINITE_SCALES if fmt is NVFP4 else list(range(118, 137))
     a = [[rng.randrange(16) for _ in range(64)] for _ in range(16)]
     b = [[rng.randrange(16) for _ in range(64)] for _ in range(8)]
-    sfa = [[rng.choice(FINITE_SCALES) for _ in range(4)] for _ in range(16)]
-    sfb = [[rng.choice(FINITE_SCALES) for _ in range(4)] for _ in range(8)]
+    sfa = [[rng.choice(codes) for _ in range(n_sf)] for _ in range(16)]
+    sfb = [[rng.choice(codes) for _ in range(n_sf)] for _ in range(8)]
     return rng, a, b, sfa, sfb
 
 
 def _lane_registers(rng, a, b, sfa, sfb):
+    """Each lane's FP4 registers and scale register, as the OMMA would read them (the
+    scale_vec::2X register of MXFP4: bytes 0 and 1, K blocks of 32, from the same lanes as
+    4X's: CUTLASS's SM120 SFA/SFB layouts serve both kinds)."""
     """Each lane's FP4 registers and scale register, as the OMMA would read them."""
     lanes = []
     for lane in range(32):
@@ -130,25 +145,29 @@ def _lane_registers(rng, a, b, sfa, sfb):
             pairs = sf_layout.mma_sf_fragment(lane, op, 0)
             if not pairs:  # not read by the OMMA (selector 0): garbage
                 return rng.getrandbits(32)
-            return sum(table[row][kb] << (8 * kb) for row, kb in pairs)
+            row = pairs[0][0]
+            return sum(code << (8 * kb) for kb, code in enumerate(table[row]))
 
         lanes.append((ra, rb, scale("A", sfa), scale("B", sfb)))
     return lanes
 
 
-def reference_mma(a, b, sfa, sfb) -> list[list[float]]:
-    return [[sum(e2m1(a[r][k]) * ue4m3(sfa[r][k // 16]) * e2m1(b[c][k]) * ue4m3(sfb[c][k // 16])
+def reference_mma(a, b, sfa, sfb, fmt=NVFP4) -> list[list[float]]:
+    s, bl = fmt.scale.decode, fmt.block
+    return [[sum(e2m1(a[r][k]) * s(sfa[r][k // bl]) * e2m1(b[c][k]) * s(sfb[c][k // bl])
                  for k in range(64)) for c in range(8)] for r in range(16)]
 
 
-def emulated_mma(lanes, source=emu.sf_source, byte=emu.sf_byte) -> list[list[float]]:
+def emulated_mma(lanes, source=emu.sf_source, byte=emu.sf_byte, fmt=NVFP4
+                 ) -> list[list[float]]:
     """The emulation's routing + conversion, then 4 BF16 MMAs by the m16n8k16 ISA model."""
     words = []
+    ptx = emu.CONVERTS[fmt.scale.name]
     for lane, (ra, rb, _, _) in enumerate(lanes):
-        wa = [convert(ra[r], lanes[source(lane, "A", r)][2], byte(lane, "A", r))
-              for r in range(emu.REGS["A"])]
-        wb = [convert(rb[r], lanes[source(lane, "B", r)][3], byte(lane, "B", r))
-              for r in range(emu.REGS["B"])]
+        wa = [convert(ra[r], lanes[source(lane, "A", r)][2], byte(lane, "A", r, fmt.block),
+                      ptx) for r in range(emu.REGS["A"])]
+        wb = [convert(rb[r], lanes[source(lane, "B", r)][3], byte(lane, "B", r, fmt.block),
+                      ptx) for r in range(emu.REGS["B"])]
         words.append((wa, wb))
     d = [[0.0] * 8 for _ in range(16)]
     for s in range(emu.SUB_MMAS):
@@ -169,11 +188,24 @@ def emulated_mma(lanes, source=emu.sf_source, byte=emu.sf_byte) -> list[list[flo
     return d
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_emulated_mma_equals_block_scaled_mma(seed):
-    rng, a, b, sfa, sfb = _random_mma(seed)
+def test_emulated_mma_equals_block_scaled_mma(seed, fmt):
+    rng, a, b, sfa, sfb = _random_mma(seed, fmt)
     lanes = _lane_registers(rng, a, b, sfa, sfb)
-    assert emulated_mma(lanes) == reference_mma(a, b, sfa, sfb)
+    assert emulated_mma(lanes, fmt=fmt) == reference_mma(a, b, sfa, sfb, fmt)
+
+
+def test_mxfp4_scale_bytes_are_the_32_element_blocks():
+    # register r of lane 4g + t covers K 8t .. 8t + 7 (+ 32 for the upper registers)
+    assert [emu.sf_byte(lane, "A", r, 32) for lane in range(4) for r in range(4)] == \
+        [0, 0, 1, 1] * 4
+    assert [emu.sf_byte(lane, "B", r, 32) for lane in (0, 3) for r in range(2)] == [0, 1] * 2
+    rng, a, b, sfa, sfb = _random_mma(9, MXFP4)
+    lanes = _lane_registers(rng, a, b, sfa, sfb)
+    nvfp4_bytes = emulated_mma(lanes, byte=lambda lane, op, r, block: emu.sf_byte(lane, op, r),
+                               fmt=MXFP4)
+    assert nvfp4_bytes != reference_mma(a, b, sfa, sfb, MXFP4)
 
 
 def test_sub_mmas_cover_k_once_with_one_bijection():
@@ -210,7 +242,7 @@ def test_emulation_check_catches_slips(slip):
             return s + 1
         return s
 
-    def byte(lane, op, r):
+    def byte(lane, op, r, block):
         return lane % 4 // 2 if slip == "block of K 0..31 only" else emu.sf_byte(lane, op, r)
 
     rng, a, b, sfa, sfb = _random_mma(7)

@@ -270,7 +270,22 @@ ACCOUNTING = {
     ("sm90_rs_packed_w256", "bf16"): (4, 205_824, (128, 256)),
     ("sm90_stream_decode", "bf16"): (2, 36_864, (8, 64)),
     ("sm90_stream_grouped_decode", "bf16"): (2, 36_864, (8, 64)),
+    # MXFP4 (weights; "mxfp4": W4A4 both, "bf16+mxfp4": W4A16): half NVFP4's scale bytes
+    ("sm120_mxfp4", "mxfp4"): (3, 87_040, (128, 128)),
+    ("sm120_mxfp4_grouped", "mxfp4"): (5, 89_088, (128, 128)),
+    ("sm120_mxfp4_stream_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
+    ("sm90_mxfp4_grouped", "bf16+mxfp4"): (5, 208_896, (128, 128)),
+    ("sm90_mxfp4_rs_packed", "bf16+mxfp4"): (4, 201_728, (128, 256)),
+    ("sm90_mxfp4_stream_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
+    ("sm90_mxfp4_stream_grouped_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
 }
+
+
+def problem_of(fmt: str) -> Problem:
+    """The problem of an ACCOUNTING format key: an A format (NVFP4 weights), "mxfp4" (A
+    and B MXFP4) or "<A>+<B>"."""
+    a, _, b = fmt.partition("+")
+    return Problem(a_format=a, b_format=b or ("mxfp4" if a == "mxfp4" else "nvfp4"))
 
 
 @pytest.mark.parametrize("key", sorted(ACCOUNTING), ids=lambda k: f"{k[0]}-{k[1]}")
@@ -280,7 +295,7 @@ def test_catalogue_accounting_unchanged_on_every_target(key):
     for t in TARGETS.values():
         if t.family is not s.arch.family:
             continue
-        pl = plan(s.replace(target=t.name), Problem(a_format=fmt))
+        pl = plan(s.replace(target=t.name), problem_of(fmt))
         assert pl.ok, pl.reasons
         assert (pl.stages, pl.smem_bytes, pl.epi_tile) == ACCOUNTING[key], t.name
 

@@ -18,7 +18,8 @@ import itertools
 import pytest
 import torch
 
-from cute_fp4 import nvfp4
+from cute_fp4 import formats, nvfp4
+from cute_fp4.formats import NVFP4
 from cute_fp4.kernels import sf_layout as L
 from cute_fp4.kernels.scheduler import unit_coords
 
@@ -29,10 +30,10 @@ def test_global_offsets_match_cublas_formula_and_swizzle(rows, k):
     lin = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
     flat = nvfp4.swizzle_scales(lin).reshape(-1)
     for r, c in itertools.product(range(rows), range(cols)):
-        off = L.blocked_sf_offset(r, c, k)
+        off = L.blocked_sf_offset(r, c, k, NVFP4)
         assert off == nvfp4.scale_offset(r, c, k)
         assert int(flat[off]) == int(lin[r, c])
-    assert L.padded_sf_shape(rows, k) == nvfp4.scale_shape(rows, k)
+    assert L.padded_sf_shape(rows, k, NVFP4) == nvfp4.scale_shape(rows, k)
 
 
 def test_isa_fragment_table_shape():
@@ -72,7 +73,7 @@ def test_smem_layout_is_a_copy_of_global_atoms():
     def probe():
         for rows in (32, 64, 128):
             for tk in (64, 128, 256):
-                lay = L.sf_smem_layout(rows, tk, 2)
+                lay = L.sf_smem_layout(rows, tk, 2, NVFP4)
                 probes[(rows, tk)] = [[[lay((m, k, s)) for k in range(0, tk, 16)]
                                        for m in range(rows)] for s in range(2)]
 
@@ -81,8 +82,8 @@ def test_smem_layout_is_a_copy_of_global_atoms():
         for sub in range(max(1, 128 // rows)):
             for s, m, kb in itertools.product(range(2), range(rows), range(tk // 16)):
                 got = int(vals[s][m][kb]) + L.sf_view_offset(rows, sub)
-                want = s * L.sf_stage_bytes(rows, tk) + L.blocked_sf_offset(
-                    sub * rows + m, kb, tk)
+                want = s * L.sf_stage_bytes(rows, tk, NVFP4) + L.blocked_sf_offset(
+                    sub * rows + m, kb, tk, NVFP4)
                 assert got == want, (rows, tk, sub, s, m, kb)
 
 
@@ -92,7 +93,8 @@ def test_stage_bytes_agree_with_plan():
 
     for m, n, k in [(128, 128, 128), (64, 128, 256), (128, 64, 64), (32, 128, 128)]:
         per = stage_bytes(Schedule(tile=Tile(m, n, k)), Problem())
-        assert per["SFA"] == L.sf_stage_bytes(m, k) and per["SFB"] == L.sf_stage_bytes(n, k)
+        assert per["SFA"] == L.sf_stage_bytes(m, k, NVFP4)
+        assert per["SFB"] == L.sf_stage_bytes(n, k, NVFP4)
 
 
 @pytest.mark.parametrize("tiles_m, tiles_n, k_tiles, splits, group, along_m", [
@@ -119,7 +121,7 @@ def test_work_units_cover_every_tile_and_k_once(tiles_m, tiles_n, k_tiles, split
 
 @pytest.mark.parametrize("rows, k_blocks", [(32, 1), (64, 2), (128, 1), (128, 4), (256, 2)])
 def test_stage_rows_layout_is_the_blocked_formula(rows, k_blocks):
-    """The CuTe form of one stage (SM90 conversion) equals nvfp4.sf_offset everywhere."""
+    """The CuTe form of one stage (SM90 conversion) equals formats.sf_offset everywhere."""
     import cutlass.cute as cute
 
     out = {}
@@ -128,7 +130,7 @@ def test_stage_rows_layout_is_the_blocked_formula(rows, k_blocks):
     def probe():
         lay = L.stage_rows_layout(rows, k_blocks)
         out["bad"] = [(r, c) for r in range(rows) for c in range(4 * k_blocks)
-                      if lay((r, c)) != nvfp4.sf_offset(r, c, k_blocks)]
+                      if lay((r, c)) != formats.sf_offset(r, c, k_blocks)]
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert out["bad"] == []

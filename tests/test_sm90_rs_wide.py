@@ -28,8 +28,15 @@ from ptx_model import run_ptx
 import cute_fp4 as cf
 from cute_fp4 import catalogue, packed
 from cute_fp4.errors import FormatError, InputError
-from cute_fp4.kernels.sm90_rs_wide import fragment_ptx, sf_word_offset
-from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize, sf_atom_offset
+from cute_fp4.formats import MXFP4, NVFP4, sf_atom_offset
+from cute_fp4.kernels.sm90_rs_wide import (
+    fragment_ptx,
+    prepare_scale_word,
+    scale_halves,
+    scale_select,
+    sf_word_offset,
+)
+from cute_fp4.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize
 from cute_fp4.schedule import Mainloop, Problem, Schedule, Tile, Warps
 
 RS = [s for s in catalogue.all_schedules("sm90", grouped=False)
@@ -216,77 +223,103 @@ def test_groups_alternate_buffers_across_tiles():
 
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_tables_and_scale_words_meet_at_the_lut_exponent(bf16):
+@pytest.mark.parametrize("fmt, bf16", [(NVFP4, True), (NVFP4, False), (MXFP4, True)],
+                         ids=["nvfp4-bf16", "nvfp4-fp16", "mxfp4-bf16"])
+def test_tables_and_scale_words_meet_at_the_lut_exponent(fmt, bf16):
     """The decode tables hold each E2M1 magnitude times 2^e and a raw scale word holds each
-    UE4M3 scale times 2^-e (e = LUT_EXPONENT), both halves: their product, the decode's one
-    multiply, is the exact value v * s."""
-    from cute_fp4.kernels.sm90_rs_wide import _LUT, LUT_EXPONENT, raw_scale_word
+    scale times 2^-e (e = the scale type's lut_exponent), both halves: their product,
+    the decode's one multiply, is the exact value v * s."""
+    from cute_fp4.kernels.sm90_rs_wide import lut_words, raw_scale_word, scale_decode
 
     half = torch.bfloat16 if bf16 else torch.float16
-    e = LUT_EXPONENT[bf16]
+    e = scale_decode(fmt, bf16).lut_exponent
 
     def halves(words):  # little-endian 16-bit halves of 32-bit words, as the 16-bit type
         return torch.tensor([(w >> s) & 0xFFFF for w in words for s in (0, 16)],
                             dtype=torch.int32).to(torch.int16).view(half).double()
 
-    (lo0, lo1), (hi0, hi1) = _LUT[bf16]
+    (lo0, lo1), (hi0, hi1) = lut_words(bf16, e)
     lo = (lo0 | lo1 << 32).to_bytes(8, "little")
     hi = (hi0 | hi1 << 32).to_bytes(8, "little")
     table = halves([lo[i] | hi[i] << 8 | lo[i + 1] << 16 | hi[i + 1] << 24
                     for i in range(0, 8, 2)])
     assert (table * 2.0**-e).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
-    scales = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
-    words = halves([raw_scale_word(b, bf16) for b in scales]) * 2.0**e
-    assert words.tolist() == [_ue4m3(b) for b in scales for _ in range(2)]
+    scales = _scale_codes(fmt)
+    words = halves([raw_scale_word(b, bf16, fmt) for b in scales]) * 2.0**e
+    assert words.tolist() == [fmt.scale.decode(b) for b in scales for _ in range(2)]
 
 
-def _tables(bf16: bool) -> list[int]:
-    from cute_fp4.kernels.sm90_rs_wide import _LUT
+def _scale_codes(fmt) -> list[int]:
+    """The finite scale codes the kernels take: UE4M3's but NaN 0x7F, UE8M0's up to 252."""
+    return [b for b in range(128) if b != 0x7F] if fmt is NVFP4 else list(range(253))
 
-    (lo0, _), (hi0, _) = _LUT[bf16]
+
+def test_lut_words_are_the_tables_of_2026_12_01():
+    """The computed tables are the constants the decode was written with (so the compiled
+    decode, and its SASS, stayed the same when the tables became data)."""
+    from cute_fp4.kernels.sm90_rs_wide import lut_words, scale_decode
+
+    assert lut_words(True, scale_decode(NVFP4, True).lut_exponent) == (
+        (0xC0800000, 0xC0804000), (0x7B7B7B00, 0x7C7C7C7C))
+    assert lut_words(False, scale_decode(NVFP4, False).lut_exponent) == (
+        (0x00000000, 0x00000000), (0x5E5C5800, 0x66646260))
+
+
+def _tables(bf16: bool, fmt=NVFP4) -> list[int]:
+    from cute_fp4.kernels.sm90_rs_wide import lut_words, scale_decode
+
+    (lo0, _), (hi0, _) = lut_words(bf16, scale_decode(fmt, bf16).lut_exponent)
     return [hi0, lo0] if bf16 else [hi0]
 
 
-def _decode(q: int, row_words: tuple[int, int], kq: int, bf16: bool, ptx=None) -> list[int]:
-    """The kernel's decode of one K block: packed word ``q``, the raw 4-byte scale words of
-    rows g and g + 8, the K block's byte ``kq`` in them."""
-    from cute_fp4.kernels.sm90_rs_wide import scale_halves
-
-    s = [scale_halves(w, bool(kq % 2), bf16) for w in row_words]
-    return run_ptx(ptx or fragment_ptx(bf16, kq), [q, *s, *_tables(bf16)], 4)
+def _decode(q: int, row_words: tuple[int, int], kq: int, bf16: bool, ptx=None, fmt=NVFP4,
+            parity: int = 0) -> list[int]:
+    """The kernel's decode of K block ``kq`` of a unit (of ``parity`` in its scale word,
+    MXFP4): packed word ``q``, the raw 4-byte scale words of rows g and g + 8."""
+    odd, half = scale_select(fmt, kq, parity)
+    s = [scale_halves(prepare_scale_word(w, bf16, fmt), odd, bf16, fmt) for w in row_words]
+    return run_ptx(ptx or fragment_ptx(bf16, half, fmt), [q, *s, *_tables(bf16, fmt)], 4)
 
 
 def _ue4m3(b: int) -> float:
     return float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_decode_is_exact_for_every_code_and_scale(bf16):
-    """Every E2M1 code in every nibble, every finite UE4M3 scale in every byte position of
-    both rows' scale words (the other bytes random, sign bits included)."""
+@pytest.mark.parametrize("fmt, bf16", [(NVFP4, True), (NVFP4, False), (MXFP4, True)],
+                         ids=["nvfp4-bf16", "nvfp4-fp16", "mxfp4-bf16"])
+def test_decode_is_exact_for_every_code_and_scale(fmt, bf16):
+    """Every E2M1 code in every nibble, every finite scale (UE4M3; UE8M0 0..252) in the
+    byte each K block reads (NVFP4: byte kq; MXFP4: 2 parity + kq // 2 for a unit of either
+    parity) of both rows' scale words, the other bytes random (UE4M3: sign bits included;
+    UE8M0: any code a tensor holds): ``v * s`` exactly (BF16 subnormals included)."""
     to_float = _bf16 if bf16 else _f16
     bad = []
-    scales = [b for b in range(128) if b != 0x7F]  # 0x7F is NaN in E4M3
+    scales = _scale_codes(fmt)
     for i, sb in enumerate(scales):
         other = scales[(i * 37 + 11) % len(scales)]
-        for kq in range(4):
-            rng = random.Random(4 * i + kq)
-            w_lo = (rng.getrandbits(32) & ~(0xFF << 8 * kq)) | sb << 8 * kq
-            w_hi = (rng.getrandbits(32) & ~(0xFF << 8 * kq)) | other << 8 * kq
-            for c in range(0, 16, 1 if kq == i % 4 else 5):
-                plain = sum(((c + r) % 16) << 4 * r for r in range(8))
-                q = packed.move_signs(torch.tensor(list(plain.to_bytes(4, "little")),
-                                                   dtype=torch.uint8)).tolist()
-                out = _decode(int.from_bytes(bytes(q), "little"), (w_lo, w_hi), kq, bf16)
-                for j in range(4):
-                    s = _ue4m3(sb if j % 2 == 0 else other)
-                    for h in range(2):
-                        code = (plain >> (8 * j + 4 * h)) & 0xF
-                        want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s
-                        got = to_float(out[j] >> 16 * h)
-                        if got != want:
-                            bad.append((hex(plain), kq, j, h, sb, other, got, want))
+        for parity in range(1 if fmt is NVFP4 else 2):
+            for kq in range(4):
+                byte = kq if fmt is NVFP4 else 2 * parity + kq // 2
+                rng = random.Random(8 * i + 4 * parity + kq)
+                junk = [rng.getrandbits(32) if fmt is NVFP4
+                        else sum(rng.randrange(253) << 8 * x for x in range(4))
+                        for _ in range(2)]
+                w_lo = (junk[0] & ~(0xFF << 8 * byte)) | sb << 8 * byte
+                w_hi = (junk[1] & ~(0xFF << 8 * byte)) | other << 8 * byte
+                for c in range(0, 16, 1 if kq == i % 4 else 5):
+                    plain = sum(((c + r) % 16) << 4 * r for r in range(8))
+                    q = packed.move_signs(torch.tensor(list(plain.to_bytes(4, "little")),
+                                                       dtype=torch.uint8)).tolist()
+                    out = _decode(int.from_bytes(bytes(q), "little"), (w_lo, w_hi), kq, bf16,
+                                  fmt=fmt, parity=parity)
+                    for j in range(4):
+                        s = fmt.scale.decode(sb if j % 2 == 0 else other)
+                        for h in range(2):
+                            code = (plain >> (8 * j + 4 * h)) & 0xF
+                            want = E2M1_VALUES[code & 7] * (-1 if code & 8 else 1) * s
+                            got = to_float(out[j] >> 16 * h)
+                            if got != want:
+                                bad.append((hex(plain), parity, kq, j, h, sb, got, want))
     assert bad[:5] == []
 
 
@@ -297,12 +330,22 @@ def test_scale_halves_are_the_raw_scales_of_each_byte(bf16):
     rng = random.Random(5)
     for word in [rng.getrandbits(32) for _ in range(300)] + [0, 0xFFFFFFFF, 0x7F7F7F7F]:
         for kq in range(4):
-            got = (scale_halves(word, bool(kq % 2), bf16) >> 16 * (kq // 2)) & 0xFFFF
-            assert got == raw_scale_word((word >> 8 * kq) & 0xFF, bf16) & 0xFFFF, (hex(word), kq)
+            got = (scale_halves(word, bool(kq % 2), bf16, NVFP4) >> 16 * (kq // 2)) & 0xFFFF
+            want = raw_scale_word((word >> 8 * kq) & 0xFF, bf16, NVFP4) & 0xFFFF
+            assert got == want, (hex(word), kq)
+
+
+def test_scale_select_reads_the_right_byte():
+    # NVFP4: K block kq reads byte kq of its unit's word; MXFP4: byte 2 p + kq // 2
+    assert [scale_select(NVFP4, kq) for kq in range(4)] == [(False, 0), (True, 0),
+                                                           (False, 1), (True, 1)]
+    assert [scale_select(MXFP4, kq, p) for p in range(2) for kq in range(4)] == [
+        (False, 0), (False, 0), (True, 0), (True, 0), (False, 1), (False, 1), (True, 1),
+        (True, 1)]
 
 
 def test_decode_check_catches_a_swapped_scale():
-    swapped = fragment_ptx(True, 0).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
+    swapped = fragment_ptx(True, 0, NVFP4).replace("{$r2}", "{$rX}").replace("{$r1}", "{$r2}") \
         .replace("{$rX}", "{$r1}")
     words = (0x38, 0x40)
     assert _decode(0x22222222, words, 0, True) != _decode(0x22222222, words, 0, True, swapped)

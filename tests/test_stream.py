@@ -11,6 +11,7 @@ import torch
 
 from cute_fp4 import packed
 from cute_fp4.api import heuristic, stream_decode_schedule
+from cute_fp4.formats import sf_offset
 from cute_fp4.kernels.stream import (
     expert_words,
     grouped_bound,
@@ -19,7 +20,6 @@ from cute_fp4.kernels.stream import (
     unit_word_index,
 )
 from cute_fp4.layers.common import resolve_layout
-from cute_fp4.nvfp4 import sf_offset
 from cute_fp4.plan import plan
 from cute_fp4.planning.stream import stream_schedule
 from cute_fp4.schedule import Problem
@@ -154,6 +154,29 @@ def test_scale_pairs_are_the_blocked_layout(row_block):
                     row = 64 * row_block + 16 * j + 8 * h + quad
                     assert 4 * (w + second) == sf_offset(row, 4 * ku, k_units)
                     assert scale_word_of(j, h) == 2 * pair + second
+
+
+@pytest.mark.parametrize("k", [64 * 7, 64 * 8])
+def test_mxfp4_scale_words_and_bytes_are_the_blocked_layout(k):
+    """MXFP4: K unit ``ku`` reads the word pair of scale atom ``ku // 2`` (StreamGemm's
+    ``_scale_atom``, a word per two units), shifted by 16 (ku % 2) bits, and K block kb of
+    it byte ``kb // 2`` (scale_select): MXFP4's own offset of (row, K / 32 column)."""
+    from cute_fp4.formats import MXFP4
+    from cute_fp4.kernels.sm90_rs_wide import scale_select
+
+    k_units, k_atoms = k // 64, -(-k // 128)
+    for row_block in (0, 1, 3):
+        for ku in range(k_units):
+            for pair in range(4):
+                for quad in range(0, 8, 3):
+                    w = scale_pair_index(row_block, ku // 2, k_atoms, pair, quad)
+                    for second in (0, 1):
+                        j = pair % 2 + 2 * second
+                        row = 64 * row_block + 16 * j + 8 * (pair // 2) + quad
+                        for kb in range(4):
+                            odd, half = scale_select(MXFP4, kb)
+                            byte = 4 * (w + second) + 2 * (ku % 2) + 2 * half + int(odd)
+                            assert byte == MXFP4.scale_offset(row, (64 * ku + 16 * kb) // 32, k)
 
 
 def test_unit_words_are_the_packed_layout():

@@ -18,7 +18,7 @@ float32 product torch computes) of two global scales, so a W4A4 product through 
 kernel needs no separate multiply launch.
 
 Work split: one thread per 16-element block: one 8-byte load of codes, one scale byte
-read from the blocked layout (:func:`cute_fp4.nvfp4.sf_offset`), two 16-byte stores.
+read from the blocked layout (:func:`cute_fp4.formats.sf_offset`), two 16-byte stores.
 Consecutive threads own consecutive blocks of a row, so a warp reads 256 contiguous bytes
 and writes 1,024.
 
@@ -35,8 +35,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_ptr
 
+from cute_fp4.formats import NVFP4, sf_offset_shifts
 from cute_fp4.kernels import roles
-from cute_fp4.nvfp4 import sf_offset_shifts
 
 _GMEM = cute.AddressSpace.gmem
 _U32 = cutlass.Uint32
@@ -135,8 +135,8 @@ class DequantizeKernel:
                  pGA: cute.Pointer, pGB: cute.Pointer, pAlpha: cute.Pointer,
                  m: cutlass.Int32, k: cutlass.Int32, write_alpha: cutlass.Int32,
                  stream: cuda.CUstream):
-        kk = cute.assume(k, divby=16)
-        kb = kk // 16
+        kk = cute.assume(k, divby=NVFP4.block)
+        kb = kk // NVFP4.block
         kbp = (kb + 3) // 4 * 4
         mp = (m + 127) // 128 * 128
         n_blocks = m * kb

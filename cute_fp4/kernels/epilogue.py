@@ -5,8 +5,9 @@ Both stores take the FP32 accumulator of one output tile and a ``scale`` (alpha,
 conversion offset of the SM90 mainloops), then convert to the stored element type.
 :func:`store_direct` (and so split-K) also applies the schedule's fused operations
 (:class:`FusedOps`, ``Epilogue.ops``): a per-column FP32 bias before the conversion, and
-SiLU-and-mul of interleaved gate/up columns (see :func:`silu_mul_pairs` for why the pairs
-are always in one thread's registers), and the NVFP4 output (per-16 block amax over the
+SiLU-and-mul or gpt-oss's clamped SwiGLU of interleaved gate/up columns (see
+:func:`silu_mul_pairs` for why the pairs are always in one thread's registers), and the
+NVFP4 output (per-16 block amax over the
 lanes of a quad, UE4M3 scale, E2M1 codes and the 128x4 scale layout: :func:`nvfp4_blocks`);
 ``cute_fp4.schedule.EPILOGUE_OPS`` gives the rounding points, which are the unfused
 pipeline's. Kernels store from registers whenever a schedule has fused operations.
@@ -41,8 +42,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from cute_fp4.formats import NVFP4, sf_offset_shifts
 from cute_fp4.kernels.e2m1 import m2_sum
-from cute_fp4.nvfp4 import sf_offset_shifts
+from cute_fp4.schedule import SWIGLU_ALPHA, SWIGLU_LIMIT, gated_op
 
 
 def subtile_sources(r2s, tiled_mma, tile_mn, epi_tile) -> list:
@@ -96,7 +98,7 @@ class FusedOps(NamedTuple):
 
     ops: tuple  # Epilogue.ops (static)
     n_mode: int  # the tile mode that is the GEMM's N: 1, or 0 for a D^T tile (swap-AB, stream)
-    group: int  # "silu_mul": gate/up rows per group (planning.common.silu_group)
+    group: int  # gated ops: gate/up rows per group (planning.common.silu_group)
     gBias: Any = None  # "bias": FP32 values indexed by the tile's N coordinate
     n0: Any = 0  # the tile's first GEMM column
     nv: NvTile | None = None  # "nvfp4_out"
@@ -118,9 +120,9 @@ def fused_tile(schedule, n_mode: int, mBias, n0, nv: NvTile | None = None) -> Fu
 
 
 def d_tile(tile_shape: tuple, n_mode: int, ops: tuple) -> tuple:
-    """The output's tile for a GEMM tile of ``tile_shape``: half as wide along N with
-    ``"silu_mul"``."""
-    if "silu_mul" not in ops:
+    """The output's tile for a GEMM tile of ``tile_shape``: half as wide along N with a
+    gated activation (``"silu_mul"``, ``"swiglu_oai"``)."""
+    if not gated_op(ops):
         return tuple(tile_shape)
     return tuple(v // 2 if m == n_mode else v for m, v in enumerate(tile_shape))
 
@@ -152,7 +154,7 @@ def silu_mul_pairs(thr_mma, tile_shape, n_mode: int, group: int) -> list[tuple[i
     return pairs
 
 
-NV_BLOCK = 16  # output columns per NVFP4 block scale
+NV_BLOCK = NVFP4.block  # output columns per NVFP4 block scale
 
 
 class NvBlock(NamedTuple):
@@ -194,7 +196,7 @@ def nvfp4_blocks(thr_mma, tile_shape, n_mode: int, ops: tuple, group: int,
     ``silu_mul`` the output column of gate column ``c`` is ``c // 2G * G + c % G``, and the
     block's 16 output columns are gate columns of the same quad."""
     pairs = (silu_mul_pairs(thr_mma, tile_shape, n_mode, group), group) \
-        if "silu_mul" in ops else None
+        if gated_op(ops) else None
     lanes = list(range(32)) if threads is None else list(threads)
     held = {}
     for t in lanes:
@@ -353,7 +355,7 @@ def _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape: cutlass.Constex
                 vals[i] = vals[i] + b
     if cutlass.const_expr("nvfp4_out" in fused.ops):
         _store_nvfp4(thr_mma, vals, tCcD, tile_shape, rows, cols, d_dtype, fused)
-    elif cutlass.const_expr("silu_mul" not in fused.ops):
+    elif cutlass.const_expr(not gated_op(fused.ops)):
         tCgD = thr_mma.partition_C(gD_tile)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = tCcD[i]
@@ -363,7 +365,7 @@ def _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape: cutlass.Constex
         gr = fused.group
         for gi, ui in silu_mul_pairs(thr_mma, tile_shape, nm, gr):
             r, c = tCcD[gi]
-            h = _silu_mul_value(vals, gi, ui, d_dtype)
+            h = _gated_value(vals, gi, ui, d_dtype, fused.ops)
             if r < rows and c < cols:
                 if cutlass.const_expr(nm == 1):
                     gD_tile[r, c // (2 * gr) * gr + c % gr] = h
@@ -371,13 +373,37 @@ def _store_fused(thr_mma, acc, scale, gD_tile, tCcD, tile_shape: cutlass.Constex
                     gD_tile[r // (2 * gr) * gr + r % gr, c] = h
 
 
-def _silu_mul_value(vals, gi: int, ui: int, d_dtype):
-    """``silu(g) * u`` of the gate and up values ``gi``, ``ui`` in ``d_dtype``, rounded where
-    the unfused ``F.silu(g) * u`` on the GEMM's ``d_dtype`` output rounds."""
+def _gated_value(vals, gi: int, ui: int, d_dtype, ops: tuple):
+    """The gated activation of ``ops`` of the gate and up values ``gi``, ``ui`` in
+    ``d_dtype``: ``silu(g) * u`` (``"silu_mul"``) or gpt-oss's clamped SwiGLU
+    (``"swiglu_oai"``, :func:`swiglu_oai`), rounded where the unfused pipeline on the
+    GEMM's ``d_dtype`` output rounds."""
     f32 = cutlass.Float32
     g = f32(vals[gi].to(d_dtype))
+    if cutlass.const_expr(gated_op(ops) == "swiglu_oai"):
+        return swiglu_oai(g, f32(vals[ui].to(d_dtype)), d_dtype)
     s = f32(silu(g).to(d_dtype))
     return (s * f32(vals[ui].to(d_dtype))).to(d_dtype)
+
+
+def swiglu_oai(g, u, d_dtype):
+    """gpt-oss's clamped SwiGLU of a gate ``g`` and an up ``u`` (FP32 holding ``d_dtype``
+    values), each operation rounded to ``d_dtype`` as torch rounds transformers'
+    ``GptOssExperts._apply_gate`` on that type: ``g = min(g, 7)``, ``u = clamp(u, -7, 7)``
+    (exact; NaN kept, as ``torch.clamp``), ``t = RN(g * fl32(1.702))``, ``s =
+    RN(1 / (1 + exp(-t)))`` (torch's CUDA sigmoid: the accurate ``expf`` and an IEEE
+    division in FP32), ``glu = RN(g * s)``, ``v = RN(u + 1)``, ``h = RN(v * glu)``; every
+    product an explicitly rounded ``mul.rn.f32`` (never contracted into an FMA) before the
+    conversion."""
+    f32 = cutlass.Float32
+    lim = f32(SWIGLU_LIMIT)
+    g = cutlass.select_(g > lim, lim, g)
+    u = cutlass.select_(u > lim, lim, cutlass.select_(u < -lim, -lim, u))
+    t = f32(mul_rn(g, f32(SWIGLU_ALPHA)).to(d_dtype))
+    s = f32((f32(1.0) / (f32(1.0) + cute.math.exp(-t, fastmath=False))).to(d_dtype))
+    glu = f32(mul_rn(g, s).to(d_dtype))
+    v = f32((u + f32(1.0)).to(d_dtype))
+    return mul_rn(v, glu).to(d_dtype)
 
 
 # The block scale of nvfp4's rule (cute_fp4.nvfp4 docstring): $r0 bamax, $r1 gs -> $w0 the
@@ -414,7 +440,7 @@ _NV_PAIR_PTX = "\n".join([
 def _store_nvfp4(thr_mma, vals, tCcD, tile_shape: cutlass.Constexpr, rows, cols,
                  d_dtype: cutlass.Constexpr, fused: cutlass.Constexpr):
     """``"nvfp4_out"``: each 16-column output block of a row rounded to ``d_dtype`` (after
-    bias and silu_mul), then quantized by nvfp4's rule with the given global scale: the
+    bias and the gated activation), then quantized by nvfp4's rule with the given global scale: the
     block amax reduced over the lanes that share the block (:func:`nvfp4_blocks`), the
     scale byte written by the group's first lane into the 128x4 layout, each thread's codes
     as bytes. Scale bytes of padding (rows M .. round_up(M, 128), block columns N_out / 16
@@ -422,7 +448,7 @@ def _store_nvfp4(thr_mma, vals, tCcD, tile_shape: cutlass.Constexpr, rows, cols,
     lanes, beyond the last tiles in M and N by every thread of the tile, strided."""
     f32, u8 = cutlass.Float32, cutlass.Uint8
     nm, nv = fused.n_mode, fused.nv
-    silu_mul = "silu_mul" in fused.ops
+    silu_mul = gated_op(fused.ops) is not None  # a gated activation (silu_mul, swiglu_oai)
     blocks, masks = nvfp4_blocks(thr_mma, tile_shape, nm, fused.ops, fused.group)
     mQ, mSF = nv.out.mQ, nv.out.mSF
     gs = nv.out.mGS[0]
@@ -438,7 +464,8 @@ def _store_nvfp4(thr_mma, vals, tCcD, tile_shape: cutlass.Constexpr, rows, cols,
         xs = []
         for j in cutlass.range_constexpr(len(refs)):
             if cutlass.const_expr(silu_mul):
-                xs.append(f32(_silu_mul_value(vals, refs[j][0], refs[j][1], d_dtype)))
+                xs.append(f32(_gated_value(vals, refs[j][0], refs[j][1], d_dtype,
+                                           fused.ops)))
             else:
                 xs.append(f32(vals[refs[j]].to(d_dtype)))
         amax = abs(xs[0])
@@ -565,5 +592,5 @@ def store_split_k(thr_mma, acc, scale, mWork, mCount, tiles, tile, slot,
 
 __all__ = ["FusedOps", "NvBlock", "NvOut", "NvTile", "SmemEpilogue", "d_tile", "fused_tile",
            "nvfp4_blocks", "silu", "silu_mul_pairs", "smem_epilogue", "store_direct",
-           "store_smem_tma", "SPLIT_HEADER", "split_partial_offset", "split_vector",
+           "swiglu_oai", "store_smem_tma", "SPLIT_HEADER", "split_partial_offset", "split_vector",
            "store_split_k", "subtile_sources"]

@@ -27,8 +27,8 @@ DSL pointer objects and Int32s (:func:`runtime_args`):
   given global scale (one float32); ``pC`` is then the packed codes, uint8 ``[M, N_out /
   2]`` (otherwise both are ``pAlpha`` again, never read). The host passes an
   ``NVFP4Tensor`` as ``out`` (:func:`raw_args`);
-* ``n`` is the GEMM's N (the weight's rows): with ``"silu_mul"`` the output has N / 2
-  columns;
+* ``n`` is the GEMM's N (the weight's rows): with a gated activation (``"silu_mul"``,
+  ``"swiglu_oai"``) the output has N / 2 columns;
 * ``max_ctas``: CTAs a persistent kernel may launch (the device's SM count);
 * ``early``: 1 lets the stream kernel read the weight and its scales before
   ``griddepcontrol.wait`` (``Operands.early``; kernels/stream.py states when that is safe),
@@ -49,10 +49,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from cute_fp4.formats import NVFP4, SF_ATOM_BYTES, SF_ATOM_COLS, BlockFormat
 from cute_fp4.kernels.epilogue import NvOut
-from cute_fp4.nvfp4 import SF_ATOM_BYTES
 from cute_fp4.operands import Operands
-from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.schedule import OutDtype, Schedule, gated_op
 
 _GMEM = cute.AddressSpace.gmem
 
@@ -205,17 +205,23 @@ def _rows(ptr, rows, cols, ld):
     return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(ld, 1)))
 
 
-def _sf_bytes(ptr, rows, half_k):
-    n_cb = (half_k + 31) // 32  # 64-element K blocks
-    size = cute.assume((rows + 127) // 128 * n_cb * SF_ATOM_BYTES, divby=SF_ATOM_BYTES)
+def sf_tensor_bytes(rows, half_k, fmt: BlockFormat):
+    """Bytes of ``fmt``'s padded blocked scales of ``rows`` rows of ``half_k`` packed bytes
+    (plain integer arithmetic: DSL integers while tracing)."""
+    return (rows + 127) // 128 * fmt.atom_cols(half_k) * SF_ATOM_BYTES
+
+
+def _sf_bytes(ptr, rows, half_k, fmt: BlockFormat):
+    size = cute.assume(sf_tensor_bytes(rows, half_k, fmt), divby=SF_ATOM_BYTES)
     return cute.make_tensor(ptr, cute.make_layout((size,), stride=(1,)))
 
 
-def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pWork,
-                   pCount, pBias, m, n, k, ops: tuple = (), pSFOut=None,
+def global_tensors(fmt: BlockFormat, w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC,
+                   pAlpha, pWork, pCount, pBias, m, n, k, ops: tuple = (), pSFOut=None,
                    pGSOut=None, early=None) -> GemmTensors:
-    """The launch's global tensors over the raw pointers (call while tracing); ``ops``: the
-    schedule's fused epilogue operations (``"silu_mul"``: D has N / 2 columns)."""
+    """The launch's global tensors over the raw pointers (call while tracing); ``fmt``:
+    the operands' block format (their scale tensors' sizes); ``ops``: the schedule's fused
+    epilogue operations (``"silu_mul"``: D has N / 2 columns)."""
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
     ld_b = cute.assume(cutlass.Int64(half_k), divby=16)
@@ -224,7 +230,7 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
         mA = _rows(pA, m, kk, cute.assume(cutlass.Int64(kk), divby=8))
     else:
         mA = _rows(pA, m, half_k, ld_b)
-    n_d = n // 2 if "silu_mul" in ops else n  # plan(): N % 16 == 0 with silu_mul
+    n_d = n // 2 if gated_op(ops) else n  # plan(): N % 16 == 0 with a gated activation
     ld_c = cute.assume(cutlass.Int64(n_d), divby=8)
     plane = cute.assume(ld_c * m, divby=8)
     mD = cute.make_tensor(pC, cute.make_layout((m, n_d, 1), stride=(ld_c, 1, plane)))
@@ -240,19 +246,22 @@ def global_tensors(w4a16: bool, split_k: int, pA, pSFA, pB, pSFB, pC, pAlpha, pW
         half_d = cute.assume(n_d // 2, divby=16)
         mQ = cute.make_tensor(cute.recast_ptr(pC, dtype=cutlass.Uint8), cute.make_layout(
             (m, half_d), stride=(cute.assume(cutlass.Int64(half_d), divby=16), 1)))
-        kbp = (n_d // 16 + 3) // 4 * 4
+        # the output's scales, NVFP4's: scale columns padded to whole atoms
+        kbp = (n_d // NVFP4.block + (SF_ATOM_COLS - 1)) // SF_ATOM_COLS * SF_ATOM_COLS
         sf_len = cute.assume((m + 127) // 128 * 128 * kbp, divby=SF_ATOM_BYTES)
         nv = NvOut(mQ, cute.make_tensor(pSFOut, cute.make_layout((sf_len,))),
                    cute.make_tensor(pGSOut, cute.make_layout((1,))))
-    return GemmTensors(mA, _sf_bytes(pSFA, m, half_k), _rows(pB, n, half_k, ld_b),
-                       _sf_bytes(pSFB, n, half_k), mD, mAlpha, mWork, mCount, mBias, nv, early)
+    return GemmTensors(mA, _sf_bytes(pSFA, m, half_k, fmt), _rows(pB, n, half_k, ld_b),
+                       _sf_bytes(pSFB, n, half_k, fmt), mD, mAlpha, mWork, mCount, mBias, nv,
+                       early)
 
 
 class GemmLaunch:
     """Mixin of every GEMM kernel class: the compiled entry point and its arguments.
 
-    A kernel class sets ``self.schedule``, ``self.ptr_types`` (:class:`PointerTypes`),
-    ``self.w4a16``, ``self.split_k`` and ``self.sm_count`` in ``__init__`` and implements
+    A kernel class sets ``self.schedule``, ``self.fmt`` (the block format), ``self.ptr_types``
+    (:class:`PointerTypes`), ``self.w4a16``, ``self.split_k`` and ``self.sm_count`` in
+    ``__init__`` and implements
     ``_launch(tensors: GemmTensors, max_ctas, stream)``.
     """
 
@@ -264,7 +273,7 @@ class GemmLaunch:
     @property
     def out_cols(self) -> int:
         """GEMM columns per output column (2 with ``"silu_mul"``)."""
-        return 2 if "silu_mul" in self.ops else 1
+        return 2 if gated_op(self.ops) else 1
 
     @cute.jit
     def __call__(self, pA: cute.Pointer, pSFA: cute.Pointer, pB: cute.Pointer,
@@ -274,7 +283,7 @@ class GemmLaunch:
                  m: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
                  max_ctas: cutlass.Int32, early: cutlass.Int32, stream: cuda.CUstream):
         """Entry point: raw global pointers and sizes (see the module docstring)."""
-        self._launch(global_tensors(self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
+        self._launch(global_tensors(self.fmt, self.w4a16, self.split_k, pA, pSFA, pB, pSFB, pC,
                                     pAlpha, pWork, pCount, pBias, m, n, k, self.ops,
                                     pSFOut, pGSOut, early),
                      max_ctas, stream)
@@ -332,14 +341,14 @@ class GroupedTensors(NamedTuple):
     nv: NvOut | None = None  # "nvfp4_out": over the M_total rows (as quantize of D has it)
 
 
-def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlpha, pOffsets,
-                    pBias, m, n, k, groups, ops: tuple = (), pSFOut=None,
+def grouped_tensors(fmt: BlockFormat, w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC,
+                    pAlpha, pOffsets, pBias, m, n, k, groups, ops: tuple = (), pSFOut=None,
                     pGSOut=None) -> GroupedTensors:
     """The grouped launch's global tensors over the raw pointers (call while tracing).
     ``b_row_align``: the weight's stored rows per group are ``n`` rounded up to it (64 for
     the fragment-order packed weight, 1 for the plain one)."""
-    dense = global_tensors(w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, pAlpha, pAlpha,
-                           m, n, k, ops, pSFOut, pGSOut)
+    dense = global_tensors(fmt, w4a16, 1, pA, pSFA, pB, pSFB, pC, pAlpha, pAlpha, pAlpha,
+                           pAlpha, m, n, k, ops, pSFOut, pGSOut)
     n = cute.assume(n, divby=8)
     half_k = cute.assume(k // 2, divby=16)
     rows = (n + b_row_align - 1) // b_row_align * b_row_align
@@ -347,8 +356,7 @@ def grouped_tensors(w4a16: bool, b_row_align: int, pA, pSFA, pB, pSFB, pC, pAlph
         (n, half_k, groups),
         stride=(cute.assume(cutlass.Int64(half_k), divby=16), 1,
                 cute.assume(cutlass.Int64(rows) * half_k, divby=128))))
-    sf_bytes = cute.assume((n + 127) // 128 * ((half_k + 31) // 32) * SF_ATOM_BYTES,
-                           divby=SF_ATOM_BYTES)
+    sf_bytes = cute.assume(sf_tensor_bytes(n, half_k, fmt), divby=SF_ATOM_BYTES)
     mSFB = cute.make_tensor(pSFB, cute.make_layout((sf_bytes, groups), stride=(1, sf_bytes)))
     mAlpha = cute.make_tensor(pAlpha, cute.make_layout((groups,)))
     mBias = mAlpha
@@ -377,9 +385,9 @@ class GroupedLaunch(GemmLaunch):
                  pGSOut: cute.Pointer, m: cutlass.Int32,
                  n: cutlass.Int32, k: cutlass.Int32, groups: cutlass.Int32,
                  max_ctas: cutlass.Int32, stream: cuda.CUstream):
-        self._launch(grouped_tensors(self.w4a16, self.b_row_align, pA, pSFA, pB, pSFB, pC,
-                                     pAlpha, pOffsets, pBias, m, n, k, groups, self.ops,
-                                     pSFOut, pGSOut),
+        self._launch(grouped_tensors(self.fmt, self.w4a16, self.b_row_align, pA, pSFA, pB,
+                                     pSFB, pC, pAlpha, pOffsets, pBias, m, n, k, groups,
+                                     self.ops, pSFOut, pGSOut),
                      max_ctas, stream)
 
     def fake_args(self) -> tuple:

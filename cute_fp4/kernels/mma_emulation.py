@@ -54,6 +54,8 @@ import cutlass.cute as cute
 from cutlass import base_dsl
 from cutlass.cute.nvgpu import warp
 
+from cute_fp4.formats import MMA_K, NVFP4, BlockFormat
+
 SUB_MMAS = 4  # m16n8k16 BF16 MMAs per m16n8k64 block-scaled MMA
 REGS = {"A": 4, "B": 2}  # 32-bit FP4 registers per lane and MMA
 
@@ -68,6 +70,12 @@ class LayoutMXF4NVF4Op(warp.MmaMXF4NVF4Op):
     admissible_archs = [*warp.MmaMXF4NVF4Op.admissible_archs, base_dsl.Arch.sm_90a]
 
 
+class LayoutMXF4Op(warp.MmaMXF4Op):
+    """:class:`LayoutMXF4NVF4Op` for MXFP4's ``kind::mxf4`` (UE8M0 scales per 32)."""
+
+    admissible_archs = [*warp.MmaMXF4Op.admissible_archs, base_dsl.Arch.sm_90a]
+
+
 # ----------------------------------------------------------------------------- lane tables
 # Plain integer arithmetic: the kernel calls these with the DSL lane index, the CPU tests
 # with Python ints.
@@ -78,10 +86,13 @@ def sf_source(lane, operand: str, reg: int):
     return quad + (reg % 2 if operand == "A" else 0)
 
 
-def sf_byte(lane, operand: str, reg: int):
-    """Byte (16-element K block) of that scale register for FP4 register ``reg``."""
+def sf_byte(lane, operand: str, reg: int, block: int = NVFP4.block):
+    """Byte (``block``-element K block) of that scale register for FP4 register ``reg``:
+    the register's K ``8 (lane % 4) + j`` (+ 32 for the upper half) over the block."""
     upper = reg // 2 if operand == "A" else reg  # K 32..63 of the MMA
-    return lane % 4 // 2 + 2 * upper
+    if block == NVFP4.block:
+        return lane % 4 // 2 + 2 * upper
+    return 8 * (lane % 4) // block + (32 // block) * upper
 
 
 # ----------------------------------------------------------------------------- PTX
@@ -135,6 +146,37 @@ use -> ``{$w0..3}``: word s holds nibbles 2s, 2s+1 times the scale, as BF16x2 (l
 lower K)."""
 
 
+def _ue8m0_pair_ptx(j: int, out: str) -> list[str]:
+    """Nibbles 2j, 2j+1 -> BF16x2 ``out``: the magnitude bits ``e1 e0 m`` at BF16 bits 8..6
+    are the BF16 number ``v * 2^-126`` (subnormal for codes 0, 1), times 2^125 it is ``v /
+    2``, times the scale word ``2^(e - 126)`` it is ``v * 2^(e - 127)``, each product
+    exact (a BF16 number for every scale code up to 252)."""
+    return [*_pair_ptx(j, out)[:5],  # the nibbles at bits 15..12 / 31..28 in x
+            "and.b32 sg, x, 0x80008000;", "shr.b32 mg, x, 6;",
+            "and.b32 mg, mg, 0x01C001C0;", "or.b32 x, sg, mg;",  # BF16x2 (v * 2^-126)
+            "mul.rn.bf16x2 x, x, c;",  # (v / 2)
+            f"mul.rn.bf16x2 {out}, x, s;"]  # (v * 2^(e - 127)), exact
+
+
+def _convert_ue8m0_ptx() -> str:
+    body = ["{", ".reg .b32 s, c, x, lo, hi, sg, mg;",
+            "shl.b32 x, {$r2}, 3;", "shr.b32 s, {$r1}, x;",  # scale byte {$r2}
+            "and.b32 s, s, 0xFF;", "add.u32 s, s, 1;",
+            "mul.lo.u32 s, s, 0x00800080;",  # BF16x2 (2^(e - 126))
+            "mov.b32 c, 0x7E007E00;"]  # BF16x2 (2^125)
+    for j in range(SUB_MMAS):
+        body += _ue8m0_pair_ptx(j, "{$w" + str(j) + "}")
+    body.append("}")
+    return "\n".join(body)
+
+
+CONVERT_UE8M0_PTX = _convert_ue8m0_ptx()
+""":data:`CONVERT_PTX` for a UE8M0 scale register (MXFP4, ``kind::mxf4``)."""
+
+# the conversion of each scale type
+CONVERTS = {"ue4m3": CONVERT_PTX, "ue8m0": CONVERT_UE8M0_PTX}
+
+
 def _operands(prefix: str, first: int, count: int) -> str:
     return "{" + ", ".join("{$" + f"{prefix}{i}" + "}" for i in range(first, first + count)) + "}"
 
@@ -146,8 +188,9 @@ HMMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
 
 # ----------------------------------------------------------------------------- DSL
 
-def _convert(q, scale, byte):
-    return cute.arch.inline_ptx(CONVERT_PTX, write_only_types=[cutlass.Uint32] * SUB_MMAS,
+def _convert(q, scale, byte, fmt: BlockFormat):
+    return cute.arch.inline_ptx(CONVERTS[fmt.scale.name],
+                                write_only_types=[cutlass.Uint32] * SUB_MMAS,
                                 read_only_args=[q, scale, byte])
 
 
@@ -157,17 +200,17 @@ def _hmma(a, b, c):
 
 
 @cute.jit
-def _scale_word(sf):
-    """The 32-bit scale register of one MMA: byte j = scale of K block j (value 16 j)."""
+def _scale_word(sf, block: cutlass.Constexpr):
+    """The 32-bit scale register of one MMA: byte j = scale of K block j (value block x j)."""
     sf8 = cute.recast_tensor(sf, cutlass.Uint8)
     word = cutlass.Uint32(sf8[0])
-    for j in cutlass.range_constexpr(1, 4):
-        word = word | (cutlass.Uint32(sf8[16 * j]) << (8 * j))
+    for j in cutlass.range_constexpr(1, MMA_K // block):
+        word = word | (cutlass.Uint32(sf8[block * j]) << (8 * j))
     return word
 
 
 @cute.jit
-def _operand_words(frag, sf, lane, operand: cutlass.Constexpr):
+def _operand_words(frag, sf, lane, operand: cutlass.Constexpr, fmt: cutlass.Constexpr):
     """BF16 registers of the 4 sub-MMAs, ``[s][r]``, from one MMA's FP4 fragment ``frag``
     (32 or 16 values) and scale fragment ``sf`` (64 values) of this lane."""
     # value i of the fragment must be nibble i % 8 of register i // 8, as the OMMA reads it
@@ -177,21 +220,21 @@ def _operand_words(frag, sf, lane, operand: cutlass.Constexpr):
         raise AssertionError(f"{operand} fragment {frag.layout}: expected {8 * regs} "
                              f"consecutive values")
     q = cute.recast_tensor(frag, cutlass.Uint32)
-    word = _scale_word(sf)
+    word = _scale_word(sf, fmt.block)
     # one shuffle per distinct source lane: A registers r and r + 2 share row g + 8 (r % 2)
     sources = [cute.arch.shuffle_sync(word, sf_source(lane, operand, r))
                for r in range(2 if operand == "A" else 1)]
     out = [[None] * regs for _ in range(SUB_MMAS)]
     for r in cutlass.range_constexpr(regs):
         ws = _convert(q[r], sources[r % len(sources)],
-                      cutlass.Uint32(sf_byte(lane, operand, r)))
+                      cutlass.Uint32(sf_byte(lane, operand, r, fmt.block)), fmt)
         for s in cutlass.range_constexpr(SUB_MMAS):
             out[s][r] = ws[s]
     return out
 
 
 @cute.jit
-def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc):
+def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc, fmt: cutlass.Constexpr):
     """The MMAs of one 64-wide K block, emulated: ``acc += A x B`` block-scaled.
 
     ``tCrA`` (values, MMA rows), ``tCrB`` (values, MMA columns), ``tCrSFA``/``tCrSFB``
@@ -202,9 +245,9 @@ def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc):
     n_m = cute.size(tCrA, mode=[1])
     n_n = cute.size(tCrB, mode=[1])
     for mi in cutlass.range_constexpr(n_m):
-        a = _operand_words(tCrA[None, mi], tCrSFA[None, mi], lane, "A")
+        a = _operand_words(tCrA[None, mi], tCrSFA[None, mi], lane, "A", fmt)
         for ni in cutlass.range_constexpr(n_n):
-            b = _operand_words(tCrB[None, ni], tCrSFB[None, ni], lane, "B")
+            b = _operand_words(tCrB[None, ni], tCrSFB[None, ni], lane, "B", fmt)
             c = [acc[i, mi, ni] for i in range(4)]
             for s in cutlass.range_constexpr(SUB_MMAS):
                 c = _hmma(a[s], b[s], c)
@@ -212,5 +255,6 @@ def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc):
                 acc[i, mi, ni] = c[i]
 
 
-__all__ = ["CONVERT_PTX", "HMMA_PTX", "LayoutMXF4NVF4Op", "REGS", "SUB_MMAS", "mma_k_block",
+__all__ = ["CONVERTS", "CONVERT_PTX", "CONVERT_UE8M0_PTX", "HMMA_PTX", "LayoutMXF4NVF4Op",
+           "LayoutMXF4Op", "REGS", "SUB_MMAS", "mma_k_block",
            "sf_byte", "sf_source"]

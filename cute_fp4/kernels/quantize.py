@@ -100,9 +100,9 @@ import cutlass.cute as cute
 import cutlass.memory
 from cutlass.cute.runtime import make_ptr
 
+from cute_fp4.formats import NVFP4, sf_offset_shifts
 from cute_fp4.kernels import roles
 from cute_fp4.kernels.e2m1 import m2_sum
-from cute_fp4.nvfp4 import sf_offset_shifts
 
 _GMEM = cute.AddressSpace.gmem
 _I32 = cutlass.Int32
@@ -267,7 +267,7 @@ def _elements(half: str, hw: bool, mode: str, values: bool = False) -> list[str]
                     body += _mask_low(acc)
     if hw and not values:
         body += ["mov.b32 acc0, {eb0, eb1, eb2, eb3};", "mov.b32 acc1, {eb4, eb5, eb6, eb7};"]
-        for j in range(16):
+        for j in range(NVFP4.block):
             acc = "acc0" if j < 8 else "acc1"
             body.append(f"@pe{j} or.b32 {acc}, {acc}, {_pow16(j % 8, 8)};")
     return body
@@ -473,8 +473,8 @@ class QuantizeKernel:
         """(K / 16, its multiple of 4, M up to a multiple of 128, input words, (input words,
         packed codes as words, scale bytes, scale words, global scale)): the tensors every
         quantize kernel addresses."""
-        kk = cute.assume(k, divby=16)
-        kb = kk // 16
+        kk = cute.assume(k, divby=NVFP4.block)
+        kb = kk // NVFP4.block
         kbp = (kb + 3) // 4 * 4
         mp = (m + 127) // 128 * 128
         words = m * (kk // 2)

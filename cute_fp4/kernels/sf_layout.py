@@ -1,15 +1,17 @@
-"""SM120 NVFP4 scale-factor layouts: global (cuBLAS 128x4 blocked), shared memory, MMA fragment.
+"""SM120 block-scale layouts: global (cuBLAS 128x4 blocked), shared memory, MMA fragment.
 
-Three views of the same UE4M3 bytes (one scale per 16 K elements):
+Three views of the same scale bytes (one scale per ``fmt.block`` K elements, the format
+descriptor :class:`~cute_fp4.formats.BlockFormat` says which):
 
 * Global memory: the cuBLAS "128x4 blocked" order (:func:`blocked_sf_offset`). Rows are
-  padded to a multiple of 128, scale columns (K/16) to a multiple of 4; each 512-byte atom
-  holds 128 rows x 4 scale columns (one 64-element K block of an m16n8k64 MMA).
+  padded to a multiple of 128, scale columns (K / block) to a multiple of 4; each 512-byte
+  atom holds 128 rows x 4 scale columns (``fmt.atom_k`` elements of K: one 64-element K
+  block of an m16n8k64 MMA for NVFP4's blocks of 16).
 * Shared memory (:func:`sf_smem_layout`): one stage holds ``round_up(tile_rows, 128)`` rows
-  and ``tile_k / 16`` columns in the very same atom order, so a stage is a contiguous copy
-  of ``tile_k / 64`` global atoms (TMA bulk tensor or 16-byte cp.async chunks). Tiles of
-  fewer than 128 rows (64, 32) load the whole 128-row atom and the MMA reads its sub-block
-  through a view with fewer rows (:func:`sf_view_offset` gives the byte offset).
+  and ``tile_k / block`` columns in the very same atom order, so a stage is a contiguous
+  copy of ``tile_k / atom_k`` global atoms (TMA bulk tensor or 16-byte cp.async chunks).
+  Tiles of fewer than 128 rows (64, 32) load the whole 128-row atom and the MMA reads their
+  sub-block through a view with fewer rows (:func:`sf_view_offset` gives the byte offset).
 * Registers (:func:`mma_sf_fragment`): which (row, K block) scale each lane of a warp feeds
   to ``mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X``.
 
@@ -19,27 +21,25 @@ Python so CPU tests can check the kernel's layouts against the formulas here.
 
 from __future__ import annotations
 
-from cute_fp4 import nvfp4
+from cute_fp4.formats import MMA_K, NVFP4, SF_ATOM_BYTES, SF_ATOM_COLS, SF_ATOM_ROWS, BlockFormat
 
-SF_VEC = nvfp4.SF_BLOCK  # K elements per scale factor
-ATOM_ROWS = nvfp4.SF_ATOM_ROWS  # rows of one 512-byte atom
-ATOM_COLS = nvfp4.SF_ATOM_COLS  # scale columns of one atom (= one 64-element K block)
-ATOM_BYTES = nvfp4.SF_ATOM_BYTES
-MMA_K = 64  # K of one m16n8k64 MMA: exactly one atom column group
+ATOM_ROWS = SF_ATOM_ROWS  # rows of one 512-byte atom
+ATOM_COLS = SF_ATOM_COLS  # scale columns of one atom
+ATOM_BYTES = SF_ATOM_BYTES
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def padded_sf_shape(rows: int, k: int) -> tuple[int, int]:
+def padded_sf_shape(rows: int, k: int, fmt: BlockFormat) -> tuple[int, int]:
     """(rows, scale columns) of the padded global scale tensor for ``rows`` x ``k``."""
-    return _ceil_div(rows, ATOM_ROWS) * ATOM_ROWS, _ceil_div(_ceil_div(k, SF_VEC), 4) * 4
+    return fmt.scale_shape(rows, k)
 
 
-def blocked_sf_offset(r: int, c: int, k: int) -> int:
+def blocked_sf_offset(r: int, c: int, k: int, fmt: BlockFormat) -> int:
     """Byte offset of scale (row ``r``, scale column ``c``) in the cuBLAS blocked layout."""
-    return nvfp4.scale_offset(r, c, k)
+    return fmt.scale_offset(r, c, k)
 
 
 def sf_smem_rows(tile_rows: int) -> int:
@@ -47,9 +47,9 @@ def sf_smem_rows(tile_rows: int) -> int:
     return _ceil_div(tile_rows, ATOM_ROWS) * ATOM_ROWS
 
 
-def sf_stage_bytes(tile_rows: int, tile_k: int) -> int:
+def sf_stage_bytes(tile_rows: int, tile_k: int, fmt: BlockFormat) -> int:
     """Bytes of one shared-memory stage of scale factors (what plan.py counts)."""
-    return sf_smem_rows(tile_rows) * tile_k // SF_VEC
+    return sf_smem_rows(tile_rows) * tile_k // fmt.block
 
 
 def sf_view_offset(tile_rows: int, sub_tile: int) -> int:
@@ -63,14 +63,16 @@ def sf_view_offset(tile_rows: int, sub_tile: int) -> int:
     return sub_tile * (tile_rows // 32) * 4
 
 
-def sf_smem_layout(view_rows: int, tile_k: int, stages: int):
+def sf_smem_layout(view_rows: int, tile_k: int, stages: int, fmt: BlockFormat):
     """CuTe layout ``((rows), (K), stage) -> byte`` of the scale factors in shared memory.
 
     ``view_rows`` is the number of rows the layout exposes: the CTA tile's rows for the MMA
     view, ``sf_smem_rows(tile_rows)`` for the copy (TMA / cp.async) view. The allocation is
     always ``sf_smem_rows`` rows per stage; the K mode has the mode structure that the DSL's
-    SM120 fragment helpers (``partition_fragment_SFA/SFB``) expect:
-    ``((16, 4), 1, tile_k / 64) : ((0, 1), 4, atoms_per_k_block * 512)``.
+    SM120 fragment helpers (``partition_fragment_SFA/SFB``) expect: per 64-element MMA K
+    block ``n = 64 / block`` scales (``fmt.scales_per_mma``), ``4 / n`` MMA K blocks per
+    atom, then the atoms: ``((block, n), 4 / n, tile_k / atom_k) : ((0, 1), n, row_atoms *
+    512)``; NVFP4 ``((16, 4), 1, tile_k / 64) : ((0, 1), 4, row_atoms * 512)``.
     """
     import cutlass.cute as cute
 
@@ -84,10 +86,10 @@ def sf_smem_layout(view_rows: int, tile_k: int, stages: int):
             raise ValueError(f"scale-factor view of {view_rows} rows: need a multiple of 32")
         shape_m = ((32, view_rows // 32), 1)
         stride_m = ((16, 4), ATOM_BYTES)
-    k_blocks = tile_k // MMA_K
-    shape_k = ((SF_VEC, ATOM_COLS), 1, k_blocks)
-    stride_k = ((0, 1), ATOM_COLS, row_atoms * ATOM_BYTES)
-    per_stage = alloc_rows * tile_k // SF_VEC
+    per_mma = fmt.scales_per_mma
+    shape_k = ((fmt.block, per_mma), ATOM_COLS // per_mma, tile_k // fmt.atom_k)
+    stride_k = ((0, 1), per_mma, row_atoms * ATOM_BYTES)
+    per_stage = alloc_rows * tile_k // fmt.block
     return cute.make_layout((shape_m, shape_k, stages),
                             stride=(stride_m, stride_k, per_stage))
 
@@ -95,7 +97,7 @@ def sf_smem_layout(view_rows: int, tile_k: int, stages: int):
 def stage_rows_layout(rows: int, k_blocks: int):
     """CuTe layout ``(row, scale column) -> byte`` of one stage of ``rows`` rows (within a
     128-row atom when ``rows`` < 128) and ``k_blocks`` 64-element K blocks: the blocked
-    order of :func:`cute_fp4.nvfp4.sf_offset` as a static layout, so index arithmetic folds
+    order of :func:`cute_fp4.formats.sf_offset` as a static layout, so index arithmetic folds
     into the kernels' addressing (tests/test_sf_layout.py checks it against sf_offset)."""
     import cutlass.cute as cute
 
@@ -159,10 +161,10 @@ def cute_sf_fragment(lane: int, operand: str) -> list[tuple[int, int]]:
     """
     if operand == "A":
         rows = {((lane % 2) * 8 + lane // 4 + 16 * v) % 16 for v in range(64)}
-        blocks = sorted({v // SF_VEC for v in range(64)})
+        blocks = sorted({v // NVFP4.block for v in range(MMA_K)})
     elif operand == "B":
         rows = {(lane // 4 + 8 * v) % 8 for v in range(64)}
-        blocks = sorted({v // SF_VEC for v in range(64)})
+        blocks = sorted({v // NVFP4.block for v in range(MMA_K)})
     else:
         raise ValueError(f"operand must be 'A' or 'B', got {operand!r}")
     (row,) = rows
@@ -189,7 +191,7 @@ def dsl_sf_fragment(lane: int, operand: str, tile=(128, 128, 128), warps=(4, 2),
     for idx in rows_of[lane]:
         row, k = idx % perm_rows, idx // perm_rows
         if k < MMA_K and row < (16 if operand == "A" else 8):
-            pairs.add((row, k // SF_VEC))
+            pairs.add((row, k // NVFP4.block))
     return sorted(pairs)
 
 
@@ -205,7 +207,7 @@ def _trace_sf_tv(operand, tile, warps, arch):
     @cute.jit
     def probe():
         op = warp.MmaMXF4NVF4Op(cutlass.Float4E2M1FN, cutlass.Float32, cutlass.Float8E4M3FN)
-        perm = sm120_utils.get_permutation_mnk(tile, SF_VEC, False)
+        perm = sm120_utils.get_permutation_mnk(tile, NVFP4.block, False)
         mma = cute.make_tiled_mma(op, cute.make_layout((*warps, 1)), permutation_mnk=perm)
         get_tv = sm120_utils.get_layoutSFA_TV if is_a else sm120_utils.get_layoutSFB_TV
         tv = get_tv(mma)
@@ -217,7 +219,7 @@ def _trace_sf_tv(operand, tile, warps, arch):
     return out["idx"], out["rows"]
 
 
-__all__ = ["SF_VEC", "ATOM_ROWS", "padded_sf_shape", "blocked_sf_offset", "sf_smem_rows",
+__all__ = ["MMA_K", "ATOM_ROWS", "padded_sf_shape", "blocked_sf_offset", "sf_smem_rows",
            "stage_rows_layout",
            "sf_stage_bytes", "sf_view_offset", "sf_smem_layout", "mma_sf_fragment",
            "cute_sf_fragment", "dsl_sf_fragment"]

@@ -18,9 +18,11 @@ Constraints
   the FP4 layout (``s*_layout``). Hopper's TMA rejects 4-bit types, so this one load path
   also serves the emulated build; never ``internal_type=Uint8`` on an FP4 tensor (the DSL
   then picks an unpacking TMA format that doubles the bytes).
-* Scale factors: Float8E4M3FN (UE4M3), one per 16 K elements, in the cuBLAS 128x4 blocked
-  layout, padded to rows -> multiple of 128 and K/16 -> multiple of 4, padding zero-filled
-  (or at least not NaN: padded scales multiply zero-filled data). Passed flat as uint8.
+* Scale factors: the problem's block format (``Problem.fmt``, :mod:`cute_fp4.formats`:
+  NVFP4's UE4M3, one per 16 K elements), in the cuBLAS 128x4 blocked layout, padded to
+  rows -> multiple of 128 and K / block -> multiple of 4, padding zero-filled (or at least
+  not NaN: padded scales multiply zero-filled data). Passed flat as uint8. The MMA is the
+  format's (``fmt.mma_kind``, :func:`mma_op`).
 * K a multiple of 32 (16-byte rows for TMA); M, N arbitrary >= 1 with N % 8 == 0
   (16-byte output rows). Partial tiles: TMA zero-fills loads and clips stores.
 * Tile: M, N in {32, 64, 128} (dividing the 128-row scale atom), M a multiple of 16 x
@@ -82,6 +84,7 @@ import cutlass.utils.blackwell_helpers as sm120_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp
 
+from cute_fp4.formats import BlockFormat
 from cute_fp4.kernels import loads, mma_emulation, roles, sf_layout
 from cute_fp4.kernels.epilogue import (
     NvOut,
@@ -107,8 +110,20 @@ from cute_fp4.kernels.sm120_mainloop import MmaFragments, Sm120Mainloop
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Problem, Raster, Schedule, SFLoad, WarpRoles
 
-SF_VEC = sf_layout.SF_VEC
 ALIGN = 1024
+
+# the SM120 block-scaled MMA of each BlockFormat.mma_kind: (the atom, its emulated build's)
+MMA_OPS = {"mxf4nvf4": (warp.MmaMXF4NVF4Op, mma_emulation.LayoutMXF4NVF4Op),
+           "mxf4": (warp.MmaMXF4Op, mma_emulation.LayoutMXF4Op)}
+
+
+def mma_op(fmt: BlockFormat, emulate: bool = False):
+    """The warp-level block-scaled MMA atom of ``fmt`` (its emulated build's with
+    ``emulate``: the same layouts, admitted on sm_90a, never issued)."""
+    op_class = MMA_OPS[fmt.mma_kind][int(emulate)]
+    return op_class(getattr(cutlass, fmt.element.dsl_name), cutlass.Float32,
+                    getattr(cutlass, fmt.scale.dsl_name))
+
 
 
 class Sm120Params(NamedTuple):
@@ -128,7 +143,7 @@ class Sm120Params(NamedTuple):
     sfb_bytes: cute.Tensor
     mAlpha: cute.Tensor  # (1,) float32, grouped: (groups,)
     units: TileScheduler | GroupedScheduler
-    k_blocks: cutlass.Int32  # 64-element K blocks of the scale tensors
+    k_blocks: cutlass.Int32  # atom column groups (fmt.atom_k elements of K) of the scales
     mOffsets: cute.Tensor | None  # grouped: int32 [groups + 1] row offsets; dense: None
     m_rows: cutlass.Int32  # rows of A
     mWork: cute.Tensor | None  # split-K: the workspace (launch.global_tensors); else None
@@ -171,6 +186,7 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         # to run this kernel on SM90; nothing else changes
         self.emulate = emulate
         self.problem = problem or Problem()
+        self.fmt = self.problem.fmt  # the block format: scale type, block size, MMA kind
         pl = plan(schedule, self.problem).raise_if_invalid()
         t = schedule.tile
         self.tile_mnk = (t.m, t.n, t.k)
@@ -222,9 +238,9 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         belong to the function being traced, so the kernel builds its own copies.
         """
         tm, tn, tk = self.tile_mnk
-        op_class = mma_emulation.LayoutMXF4NVF4Op if self.emulate else warp.MmaMXF4NVF4Op
-        op = op_class(cutlass.Float4E2M1FN, cutlass.Float32, cutlass.Float8E4M3FN)
-        perm = sm120_utils.get_permutation_mnk(self.tile_mnk, SF_VEC, False)
+        fmt = self.fmt
+        op = mma_op(fmt, self.emulate)
+        perm = sm120_utils.get_permutation_mnk(self.tile_mnk, fmt.block, False)
         self.tiled_mma = cute.make_tiled_mma(
             op, cute.make_layout((*self.warps_mn, 1)), permutation_mnk=perm)
         self.sA_layout = self._operand_layout(tm, tk, cutlass.Float4E2M1FN, self.stages)
@@ -233,20 +249,20 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         # row), because Hopper's TMA refuses 4-bit element types (tests/test_sm120_tma_bytes)
         self.sA_tma_layout = self._operand_layout(tm, tk // 2, cutlass.Uint8, self.stages)
         self.sB_tma_layout = self._operand_layout(tn, tk // 2, cutlass.Uint8, self.stages)
-        # scales: MMA-order views (UE4M3) and the byte stages the loads fill, same bytes
-        self.sSFA_layout = sf_layout.sf_smem_layout(self.sf_rows[0], tk, self.stages)
-        self.sSFB_layout = sf_layout.sf_smem_layout(self.sf_rows[1], tk, self.stages)
-        self.sSFA_view = sf_layout.sf_smem_layout(tm, tk, self.stages)
-        self.sSFB_view = sf_layout.sf_smem_layout(tn, tk, self.stages)
-        k_blocks = tk // sf_layout.MMA_K
-        self.sSFA_bytes = loads.sf_stage_layout(k_blocks, self.sf_rows[0] // 128, self.stages)
-        self.sSFB_bytes = loads.sf_stage_layout(k_blocks, self.sf_rows[1] // 128, self.stages)
+        # scales: MMA-order views (the scale type) and the byte stages the loads fill
+        self.sSFA_layout = sf_layout.sf_smem_layout(self.sf_rows[0], tk, self.stages, fmt)
+        self.sSFB_layout = sf_layout.sf_smem_layout(self.sf_rows[1], tk, self.stages, fmt)
+        self.sSFA_view = sf_layout.sf_smem_layout(tm, tk, self.stages, fmt)
+        self.sSFB_view = sf_layout.sf_smem_layout(tn, tk, self.stages, fmt)
+        k_atoms = tk // fmt.atom_k  # 512-byte scale atoms along K per stage and row atom
+        self.sSFA_bytes = loads.sf_stage_layout(k_atoms, self.sf_rows[0] // 128, self.stages)
+        self.sSFB_bytes = loads.sf_stage_layout(k_atoms, self.sf_rows[1] // 128, self.stages)
         self.sC_layout = self._operand_layout(*self.epi_tile, self.c_dtype, self.epi_stages)
         self.tx_bytes = (tm + tn) * tk // 2
         if not self.sf_cp_async:
-            self.tx_bytes += self.sf_rows[1] * tk // SF_VEC
+            self.tx_bytes += self.sf_rows[1] * tk // fmt.block
             if not self.grouped:
-                self.tx_bytes += self.sf_rows[0] * tk // SF_VEC
+                self.tx_bytes += self.sf_rows[0] * tk // fmt.block
         self.shared_storage = self._storage_struct()
         self.smem_bytes = self.shared_storage.size_in_bytes()
         if self.smem_bytes != self.plan_smem_bytes:
@@ -304,11 +320,11 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
         # and the group offsets where there are none
         tma_sfa = tma_mSFA = tma_sfb = tma_mSFB = None
         if cutlass.const_expr(not self.sf_cp_async):
-            tma_sfb, tma_mSFB = loads.sf_tma_atom(loads.sf_global_view(t.mSFB, n, half_k),
-                                                  self.sSFB_bytes)
+            tma_sfb, tma_mSFB = loads.sf_tma_atom(
+                loads.sf_global_view(t.mSFB, n, half_k, self.fmt), self.sSFB_bytes)
             if cutlass.const_expr(not self.grouped):
                 tma_sfa, tma_mSFA = loads.sf_tma_atom(
-                    loads.sf_global_view(t.mSFA, m, half_k), self.sSFA_bytes)
+                    loads.sf_global_view(t.mSFA, m, half_k, self.fmt), self.sSFA_bytes)
         tma_c, tma_mC = None, t.mD
         offsets = work = count = None
         if cutlass.const_expr(self.grouped):
@@ -324,7 +340,8 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
             units = TileScheduler.create(m, n, k, self.tile_mnk, self.split_k,
                                          self.sched.group_size, self.along_m)
         params = Sm120Params(tma_a, tma_mA, tma_b, tma_mB, tma_sfa, tma_mSFA, tma_sfb, tma_mSFB,
-                             tma_c, tma_mC, t.mSFA, t.mSFB, t.mAlpha, units, (half_k + 31) // 32,
+                             tma_c, tma_mC, t.mSFA, t.mSFB, t.mAlpha, units,
+                             self.fmt.atom_cols(half_k),
                              offsets, m, work, count, t.mBias if self.ops else None, t.nv)
         self.kernel(params).launch(grid=[units.grid(self.sched.persistent, max_ctas), 1, 1],
                                    block=[self.threads, 1, 1], cluster=[1, 1, 1],
@@ -424,15 +441,15 @@ class Sm120Gemm(Sm120Mainloop, GemmLaunch):
                 cute.copy(tma_sfb, tBgSFB[(None, 0, 0, kt, rb, g)], tBsSFB[(None, s)],
                           tma_bar_ptr=bar)
                 loads.load_sf_rows_cp_async(sfa_bytes, sSFA, s, row0, m_rows, kt, k_blocks,
-                                            tm, tk, lane)
+                                            tm, tk, lane, self.fmt)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 return
             cm, cn, ra, rb = u
             cute.copy(tma_a, tAgA[(None, cm, kt, 0)], tAsA[(None, s)], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[(None, cn, kt, 0)], tBsB[(None, s)], tma_bar_ptr=bar)
             if cutlass.const_expr(self.sf_cp_async):
-                loads.load_sf_cp_async(sfa_bytes, sSFA, s, ra, kt, k_blocks, tk, lane)
-                loads.load_sf_cp_async(sfb_bytes, sSFB, s, rb, kt, k_blocks, tk, lane)
+                loads.load_sf_cp_async(sfa_bytes, sSFA, s, ra, kt, k_blocks, tk, lane, self.fmt)
+                loads.load_sf_cp_async(sfb_bytes, sSFB, s, rb, kt, k_blocks, tk, lane, self.fmt)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
             else:
                 cute.copy(tma_sfa, tAgSFA[(None, 0, 0, kt, ra)], tAsSFA[(None, s)],

@@ -39,14 +39,14 @@ class MmaFragments(NamedTuple):
     thr_sfb: cute.ThrCopy
     tCrSFA: cute.Tensor  # scale fragments (V, MMA rows, k block)
     tCrSFB: cute.Tensor
-    sfa_ptr: cute.Pointer  # start of the staged scales (UE4M3 view)
+    sfa_ptr: cute.Pointer  # start of the staged scales (a view of the format's scale type)
     sfb_ptr: cute.Pointer
 
 
 class Sm120Mainloop:
     """Mainloop methods of :class:`~cute_fp4.kernels.sm120.Sm120Gemm` (which sets
-    ``tiled_mma``, ``tile_mnk``, the stage layouts, ``warps_mn``, ``pingpong`` and
-    ``emulate``)."""
+    ``tiled_mma``, ``tile_mnk``, the stage layouts, ``warps_mn``, ``pingpong``, ``emulate``
+    and ``fmt``, the block format)."""
 
     def _k_slots(self) -> int:
         """K blocks of register fragments: the tile's K blocks, or two register buffers
@@ -97,10 +97,11 @@ class Sm120Mainloop:
             sA.iterator, cute.make_layout((tm, k_regs), stride=(k_regs, 1)))))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.make_tensor(
             sB.iterator, cute.make_layout((tn, k_regs), stride=(k_regs, 1)))))
-        sfa_ptr = cute.recast_ptr(storage.sSFA.data_ptr(), dtype=cutlass.Float8E4M3FN)
-        sfb_ptr = cute.recast_ptr(storage.sSFB.data_ptr(), dtype=cutlass.Float8E4M3FN)
-        sfa0 = cute.make_tensor(sfa_ptr, sf_layout.sf_smem_layout(tm, k_regs, 1))
-        sfb0 = cute.make_tensor(sfb_ptr, sf_layout.sf_smem_layout(tn, k_regs, 1))
+        sf_dtype = getattr(cutlass, self.fmt.scale.dsl_name)
+        sfa_ptr = cute.recast_ptr(storage.sSFA.data_ptr(), dtype=sf_dtype)
+        sfb_ptr = cute.recast_ptr(storage.sSFB.data_ptr(), dtype=sf_dtype)
+        sfa0 = cute.make_tensor(sfa_ptr, sf_layout.sf_smem_layout(tm, k_regs, 1, self.fmt))
+        sfb0 = cute.make_tensor(sfb_ptr, sf_layout.sf_smem_layout(tn, k_regs, 1, self.fmt))
         tCrSFA = sm120_utils.partition_fragment_SFA(sfa0[None, None, 0], thr_mma, gtid)
         tCrSFB = sm120_utils.partition_fragment_SFB(sfb0[None, None, 0], thr_mma, gtid)
         ldsm_a = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
@@ -108,7 +109,7 @@ class Sm120Mainloop:
             cute.make_copy_atom(ldsm_a, cutlass.Float4E2M1FN), tiled_mma)
         copy_b = self._copy_b(tiled_mma)
         perm = tiled_mma.permutation_mnk
-        sf_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN)
+        sf_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sf_dtype)
         copy_sfa = cute.make_tiled_copy(
             sf_atom, sm120_utils.get_layoutSFA_TV(tiled_mma),
             (cute.size(perm[0]), cute.size(perm[2])))
@@ -196,7 +197,7 @@ class Sm120Mainloop:
         if self.emulate:
             mma_emulation.mma_k_block(f.tCrA[None, None, slot], f.tCrSFA[None, None, slot],
                                       f.tCrB[None, None, slot], f.tCrSFB[None, None, slot],
-                                      f.acc)
+                                      f.acc, self.fmt)
         else:
             cute.gemm(self.tiled_mma, f.acc,
                       [f.tCrA[None, None, slot], f.tCrSFA[None, None, slot]],

@@ -60,6 +60,7 @@ import cutlass.tensor_utils as tensor_utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from cute_fp4.formats import SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.kernels import loads, roles, sf_layout
 from cute_fp4.kernels.epilogue import (
     NvOut,
@@ -89,7 +90,6 @@ from cute_fp4.kernels.sm90_rs_wide import (
     weight_global_view,
     weight_stage_layout,
 )
-from cute_fp4.nvfp4 import SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.plan import plan
 from cute_fp4.schedule import Mainloop, Problem, Raster, Schedule
 
@@ -161,6 +161,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         pl = plan(schedule, problem).raise_if_invalid()
         t = schedule.tile
         self.schedule, self.problem = schedule, problem
+        self.fmt = problem.fmt  # the block format: block size, scale type, layout
         self.tile_m, self.tile_n, self.tile_k = t.m, t.n, t.k
         self.stages = pl.stages
         self.epi_tile = tuple(pl.epi_tile)
@@ -203,7 +204,7 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         # rs_packed's weight decode leaves none (its W4A4 activation conversion does).
         converted = (0 if self.w4a16 else 1) + (0 if self.rs_packed else 1)
         self.acc_scale = float(2 ** (7 * converted))
-        self.sf_cols_blocks = t.k // 64  # 512-byte scale atoms per K tile
+        self.sf_cols_blocks = t.k // self.fmt.atom_k  # 512-byte scale atoms per K tile
         self.sfa_row_blocks = max(1, t.m // SF_ATOM_ROWS)
         self.sfb_row_blocks = max(1, t.n // SF_ATOM_ROWS)
         self.plan_smem_bytes = pl.smem_bytes
@@ -358,19 +359,19 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                                           self.sB_layout)
             if cutlass.const_expr(self.grouped):
                 tma_sfb, gSFB = loads.sf_tma_atom(
-                    loads.sf_global_view(t.mSFB, n, t.mB.shape[1]),
+                    loads.sf_global_view(t.mSFB, n, t.mB.shape[1], self.fmt),
                     self.sSFB_layout)
                 return tma_a, gA, tma_b, gB, None, t.mSFA, tma_sfb, gSFB
         else:
             tma_b, gB = cpasync.make_tiled_tma_atom(
                 g2s, t.mB, cute.slice_(self.sB_layout, (None, None, 0)), (tn, tk // 2))
         half_k = t.mB.shape[1]
-        tma_sfb, gSFB = loads.sf_tma_atom(loads.sf_global_view(t.mSFB, n, half_k),
+        tma_sfb, gSFB = loads.sf_tma_atom(loads.sf_global_view(t.mSFB, n, half_k, self.fmt),
                                           self.sSFB_layout)
         tma_sfa, gSFA = None, None  # W4A16: no activation scales
         if cutlass.const_expr(not self.w4a16):
-            tma_sfa, gSFA = loads.sf_tma_atom(loads.sf_global_view(t.mSFA, m, half_k),
-                                              self.sSFA_layout)
+            tma_sfa, gSFA = loads.sf_tma_atom(
+                loads.sf_global_view(t.mSFA, m, half_k, self.fmt), self.sSFA_layout)
         return tma_a, gA, tma_b, gB, tma_sfa, gSFA, tma_sfb, gSFB
 
     # ------------------------------------------------------------------ kernel
@@ -543,9 +544,10 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
         cute.copy(p.tma_sfb, tSFBg[(None, 0, 0, kk, rb_b, g)], tSFBs[(None, st)],
                   tma_bar_ptr=bar)
         if cutlass.const_expr(not self.w4a16):
-            k_blocks = (p.gA.shape[1] + 31) // 32  # 64-element K blocks (A is K/2 bytes)
+            k_blocks = self.fmt.atom_cols(p.gA.shape[1])  # scale atoms along K (A: K/2 B)
             loads.load_sf_rows_cp_async(p.gSFA, s.sSFA, st, row0, p.m, kk, k_blocks,
-                                        self.tile_m, self.tile_k, cute.arch.lane_idx())
+                                        self.tile_m, self.tile_k, cute.arch.lane_idx(),
+                                        self.fmt)
             cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     # ------------------------------------------------------------------ consumer warpgroups
@@ -651,14 +653,16 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
                 skip_rows: cutlass.Constexpr):
         """Packed FP4 stage + its scale factors -> 16-bit buffer ``buf`` (rows x tile_k).
 
-        Thread ``t`` owns 16-element chunk ``t % kc`` of rows ``t // kc + i * per_pass``. All
+        Thread ``t`` owns chunk ``t % kc`` (one scale block) of rows ``t // kc + i *
+        per_pass``. All
         shared-memory loads are issued first so that their latencies overlap; rows past the
         matrix are zero-filled by TMA (harmless), and with ``skip_rows`` whole passes past
         ``rows_valid`` are not converted (their accumulator rows are never stored).
         ``sf_row`` is the tile's first row inside its 128-row scale atom.
         """
         tk = self.tile_k
-        kc = tk // 16  # 16-element chunks (one scale each) per row
+        words = self.fmt.block // 8  # 32-bit words of packed codes per chunk
+        kc = tk // self.fmt.block  # chunks (one scale block each) per row
         per_pass = self.num_mma_threads // kc
         n_pass = rows // per_pass
         r0 = ctid // kc
@@ -669,12 +673,12 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
             sf = sf + sf_atom_offset(sf_row, 0)
         sf = cute.make_tensor(sf, sf_layout.stage_rows_layout(rows, self.sf_cols_blocks))
         h_buf = sH[(None, None, buf)]
-        rQ = cute.make_rmem_tensor((2, n_pass), cutlass.Uint32)
+        rQ = cute.make_rmem_tensor((words, n_pass), cutlass.Uint32)
         rS = cute.make_rmem_tensor((n_pass,), cutlass.Uint8)
         for i in cutlass.range_constexpr(n_pass):
             r = r0 + i * per_pass
-            rQ[0, i] = q_stage[(r, 2 * c)]
-            rQ[1, i] = q_stage[(r, 2 * c + 1)]
+            for w in cutlass.range_constexpr(words):
+                rQ[w, i] = q_stage[(r, words * c + w)]
             rS[i] = sf[(r, c)]
         for i in cutlass.range_constexpr(n_pass):
             if cutlass.const_expr(skip_rows):
@@ -686,14 +690,15 @@ class Sm90Gemm(PackedRegisterMainloop, RegisterSourcedMainloop, GemmLaunch):
     @cute.jit
     def _convert_chunk(self, rQ, rS, i, h_buf, r, c):
         bf16 = self.mma_dtype is cutlass.BFloat16
+        block = self.fmt.block
         scale = scale_word(rS[i])
-        rH = cute.make_rmem_tensor((1, 16), self.mma_dtype)
+        rH = cute.make_rmem_tensor((1, block), self.mma_dtype)
         rH32 = cute.recast_tensor(rH, cutlass.Uint32)
-        for w in cutlass.range_constexpr(2):
+        for w in cutlass.range_constexpr(block // 8):
             o = convert_word(rQ[w, i], scale, bf16)
             for j in cutlass.range_constexpr(4):
                 rH32[4 * w + j] = o[j]
-        cute.autovec_copy(rH, cute.local_tile(h_buf, (1, 16), (r, c)))
+        cute.autovec_copy(rH, cute.local_tile(h_buf, (1, block), (r, c)))
 
 
 class Sm90GroupedGemm(GroupedLaunch, Sm90Gemm):

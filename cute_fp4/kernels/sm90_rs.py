@@ -44,10 +44,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_fp4.formats import SF_ATOM_BYTES, sf_atom_offset
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.scheduler import this_unit
 from cute_fp4.kernels.sm90_convert import convert_pairs, permute_bytes, scale_word
-from cute_fp4.nvfp4 import SF_ATOM_BYTES, sf_atom_offset
 
 RS_TILE_K = 256  # K per tile: 64 per thread column c
 

@@ -46,6 +46,7 @@ Correct but not overlapped across the stage boundary (W4A16 is the target of thi
 from __future__ import annotations
 
 import functools
+import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 import cutlass
@@ -53,10 +54,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_fp4.formats import E2M1, SF_ATOM_BYTES, SF_ATOM_ROWS, BlockFormat, sf_atom_offset
 from cute_fp4.kernels.epilogue import d_tile, fused_tile, store_direct
 from cute_fp4.kernels.roles import WARPGROUP, Barrier
 from cute_fp4.kernels.scheduler import WorkTile, for_each_unit
-from cute_fp4.nvfp4 import SF_ATOM_BYTES, SF_ATOM_ROWS, sf_atom_offset
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 
 if TYPE_CHECKING:  # sm90 imports this module
@@ -75,43 +76,104 @@ def group_k_blocks(tile_k: int, m_blocks: int) -> int:
 
 
 
-# E2M1 magnitudes 0, 0.5, ..., 6 times 2^120 (BF16) or 2^8 (FP16), as (low bytes, high
-# bytes) tables of 8 entries in two 32-bit words each: the decode looks codes up with PRMT
-_LUT = {True: ((0xC0800000, 0xC0804000), (0x7B7B7B00, 0x7C7C7C7C)),
-        False: ((0x00000000, 0x00000000), (0x5E5C5800, 0x66646260))}
-LUT_EXPONENT = {True: 120, False: 8}  # the tables' power of two; the scale word's is minus
-_SCALE_SHIFT = {True: 4, False: 7}  # E4M3's exponent onto BF16's / FP16's low exponent bits
+class ScaleDecode(NamedTuple):
+    """How the decode turns a scale byte into its 16-bit multiplier ``s * 2^-e``: the
+    tables hold the E2M1 magnitudes times ``2^e`` (``lut_exponent``); the byte, masked to
+    ``mask`` and plus ``offset``, lands on the 16-bit type's exponent field at bit ``shift``
+    (UE4M3: its 7 bits at bit 4 read as the BF16 number ``s * 2^-120``, at bit 7 as the
+    FP16 ``s * 2^-8``, subnormal for small scales, exact; UE8M0 ``e``: ``e + 1`` at bit 7,
+    the BF16 number ``2^(e - 126)``, normal for every code up to 253, against tables of
+    ``v / 2``: ``v * 2^(e - 127)``, a BF16 number for every code up to 252)."""
+
+    lut_exponent: int
+    mask: int
+    shift: int
+    offset: int = 0
 
 
-def raw_scale_word(sf, bf16: bool):
-    """UE4M3 scale byte (sign ignored) -> its 7 bits in both 16-bit halves where they read
-    as the BF16 number ``s * 2^-120`` (at bit 4: E4M3's exponent on BF16's low exponent
-    bits) or the FP16 number ``s * 2^-8`` (at bit 7), subnormal for small scales, exact:
-    the multiplier of :func:`fragment_ptx`."""
-    return (sf & 0x7F) * (0x00100010 if bf16 else 0x00800080)
+# (scale type, BF16?) -> its decode; a format whose scale type has no entry has no decode
+# (UE8M0 into FP16: its range is beyond FP16's; plan() refuses it)
+SCALE_DECODE = {("ue4m3", True): ScaleDecode(120, 0x7F, 4),
+                ("ue4m3", False): ScaleDecode(8, 0x7F, 7),
+                ("ue8m0", True): ScaleDecode(-1, 0xFF, 7, 1)}
 
 
-def scale_halves(word, odd: bool, bf16: bool):
-    """A word of four UE4M3 scale bytes (one row, 64 K elements) -> the :func:`raw_scale_word`
-    halves of bytes 0 and 2 (``odd`` False) or 1 and 3: one shift and one mask, the two
-    words of a row shared by its four K blocks (plain integer arithmetic: the kernel and
-    the CPU tests run it)."""
-    shift = _SCALE_SHIFT[bf16]
-    mask = 0x007F007F << shift
+def scale_decode(fmt: BlockFormat, bf16: bool) -> ScaleDecode:
+    """The :class:`ScaleDecode` of ``fmt``'s scale type into BF16 (``bf16``) or FP16."""
+    dec = SCALE_DECODE.get((fmt.scale.name, bf16))
+    if dec is None:
+        raise AssertionError(f"no {'BF16' if bf16 else 'FP16'} decode of {fmt.scale.name} "
+                             f"scales ({fmt.name}): plan() must refuse it")
+    return dec
+
+
+def lut_words(bf16: bool, exponent: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The decode's tables: the E2M1 magnitudes times ``2^exponent`` as 16-bit numbers
+    (BF16 or FP16), as (low bytes, high bytes) tables of 8 entries in two 32-bit words
+    each: the decode looks codes up with PRMT."""
+    def bits16(v: float) -> int:  # exact: every table value is a BF16 and an FP16 number
+        if bf16:
+            return struct.unpack("<I", struct.pack("<f", v))[0] >> 16
+        return struct.unpack("<H", struct.pack("<e", v))[0]
+
+    bits = [bits16(v * 2.0**exponent) for v in E2M1.magnitudes]
+
+    def words(byte_of):
+        return tuple(sum(byte_of(bits[4 * w + i]) << (8 * i) for i in range(4))
+                     for w in range(2))
+
+    return words(lambda b: b & 0xFF), words(lambda b: b >> 8)
+
+
+def raw_scale_word(sf, bf16: bool, fmt: BlockFormat):
+    """A scale byte of ``fmt`` -> its multiplier ``s * 2^-e`` (:class:`ScaleDecode`) in
+    both 16-bit halves: the multiplier of :func:`fragment_ptx`."""
+    dec = scale_decode(fmt, bf16)
+    return ((sf & dec.mask) + dec.offset) * (0x00010001 << dec.shift)
+
+
+def prepare_scale_word(word, bf16: bool, fmt: BlockFormat):
+    """A loaded word of four scale bytes of ``fmt`` with the decode's ``offset`` added to
+    every byte (UE8M0: ``e + 1``, no carry for codes up to 252): one add per word, before
+    :func:`scale_halves` (the word itself for UE4M3)."""
+    dec = scale_decode(fmt, bf16)
+    return word + dec.offset * 0x01010101 if dec.offset else word
+
+
+def scale_halves(word, odd: bool, bf16: bool, fmt: BlockFormat):
+    """A :func:`prepare_scale_word` word of four scale bytes of ``fmt`` (one row and
+    ``fmt.atom_k`` K elements: one 64-K unit of NVFP4, two of MXFP4) -> the
+    :func:`raw_scale_word` halves of bytes 0 and 2 (``odd`` False) or 1 and 3: one shift
+    and one mask, the two words of a row shared by the K blocks that read them
+    (:func:`scale_select`; plain integer arithmetic: the kernel and the CPU tests run it)."""
+    dec = scale_decode(fmt, bf16)
+    shift = dec.shift
+    mask = (dec.mask * 0x00010001) << shift
     return ((word >> (8 - shift)) if odd else (word << shift)) & mask
 
 
-def fragment_ptx(bf16: bool, kq: int) -> str:
+def scale_select(fmt: BlockFormat, kb: int, unit_parity: int = 0) -> tuple[bool, int]:
+    """``(odd, half)``: where K block ``kb`` (0..3, 16 elements) of a 64-K unit finds its
+    scale in its row's scale word: the :func:`scale_halves` word ``odd`` and its 16-bit
+    ``half`` (byte ``2 half + odd``). NVFP4 (a word per unit, a scale per K block): byte
+    ``kb``. MXFP4 (a word per two units, a scale per two K blocks): byte ``2 p + kb // 2``
+    for the unit of parity ``p``."""
+    if fmt.scales_per_mma == 4:
+        return bool(kb % 2), kb // 2
+    return bool(kb // 2), unit_parity
+
+
+def fragment_ptx(bf16: bool, half: int, fmt: BlockFormat) -> str:
     """PTX of one K block: its packed word ``{$r0}`` (four bytes, one per A-fragment
     register), the :func:`scale_halves` words of rows ``g`` ({$r1}) and ``g + 8`` ({$r2})
-    that hold its scale (half ``kq // 2``, ``kq`` the K block's byte in the scale words),
+    that hold its scale in their 16-bit ``half`` (:func:`scale_select`),
     the tables' first words ({$r3}: high bytes; {$r4}: low bytes, BF16 only; see
     :func:`decode_tables`) -> four 16-bit x 2 words ({$w0}..{$w3}), word ``j`` = (low
     nibble, high nibble) of byte ``j`` times the scale of row ``g`` (``j`` even) or
     ``g + 8`` (``j`` odd).
 
     Exact for every code and scale: the magnitude bits of the eight codes select, with
-    PRMT, the bytes of ``v * 2^e`` (``e`` = :data:`LUT_EXPONENT`) from 8-entry tables (two
+    PRMT, the bytes of ``v * 2^e`` (``e``: :class:`ScaleDecode`) from 8-entry tables (two
     PRMTs per table: codes 0-3 and 4-7); the repack put each group's sign bits on bit 7 of
     the word's bytes (codes 0-3) and of the word shifted left by 4 (codes 4-7,
     :data:`cute_fp4.packed.SIGN_BIT`), so two LOP3s merge them into the high bytes; one
@@ -122,7 +184,7 @@ def fragment_ptx(bf16: bool, kq: int) -> str:
     number). Per 8 elements 13 integer instructions (BF16; 11 FP16) and 4 multiplies, plus
     2 for the scale words (the decode before this took 23 + 5 + 4).
     """
-    (_, lo1), (_, hi1) = _LUT[bf16]
+    (_, lo1), (_, hi1) = lut_words(bf16, scale_decode(fmt, bf16).lut_exponent)
     mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
     body = ["{", ".reg .b32 r, rh, h0, h1, l0, l1, s4, sl, sh, v, tb, ub;",
             ".reg .b16 pl, ph;",
@@ -139,7 +201,7 @@ def fragment_ptx(bf16: bool, kq: int) -> str:
     body += ["shl.b32 s4, {$r0}, 4;",
              "lop3.b32 h0, h0, {$r0}, 0x80808080, 0xF8;",  # h | (q & 0x80808080)
              "lop3.b32 h1, h1, s4, 0x80808080, 0xF8;"]
-    half = "ph" if kq // 2 else "pl"
+    half = "ph" if half else "pl"
     for reg, src in (("sl", "{$r1}"), ("sh", "{$r2}")):
         body += [f"mov.b32 {{pl, ph}}, {src};", f"mov.b32 {reg}, {{{half}, {half}}};"]
     for j in range(4):
@@ -151,7 +213,6 @@ def fragment_ptx(bf16: bool, kq: int) -> str:
     return "\n".join(body)
 
 
-_PTX = {(bf16, kq): fragment_ptx(bf16, kq) for bf16 in (True, False) for kq in range(4)}
 
 # A constant in a per-thread register: the thread index has bit 31 clear, so
 # ``(tid & 2^31) | v`` is ``v``, but ptxas cannot prove it uniform, so it neither keeps the
@@ -164,17 +225,23 @@ def pinned_word(value: int):
                                 read_only_args=[cutlass.Uint32(tid)])  # (tid & 2^31) | v
 
 
-def decode_tables(bf16: bool) -> tuple:
+def decode_tables(bf16: bool, fmt: BlockFormat) -> tuple:
     """The first words of the decode's high-byte (and, BF16, low-byte) tables, pinned in
     registers once per thread; the second words ride PRMT's immediate operand."""
-    (lo0, _), (hi0, _) = _LUT[bf16]
+    (lo0, _), (hi0, _) = lut_words(bf16, scale_decode(fmt, bf16).lut_exponent)
     return (pinned_word(hi0), pinned_word(lo0)) if bf16 else (pinned_word(hi0),)
 
 
-def decode_fragment(q, s_lo, s_hi, kq: int, tables: tuple, bf16: bool):
+@functools.cache
+def _ptx(bf16: bool, half: int, fmt: BlockFormat) -> str:
+    return fragment_ptx(bf16, half, fmt)
+
+
+def decode_fragment(q, s_lo, s_hi, half: int, tables: tuple, bf16: bool, fmt: BlockFormat):
     """Four A-fragment registers of one K block from its packed word, the
-    :func:`scale_halves` words of rows ``g`` and ``g + 8`` and :func:`decode_tables`."""
-    return cute.arch.inline_ptx(_PTX[(bf16, kq)], write_only_types=[cutlass.Uint32] * 4,
+    :func:`scale_halves` words of rows ``g`` and ``g + 8`` (their 16-bit ``half``:
+    :func:`scale_select`) and :func:`decode_tables`."""
+    return cute.arch.inline_ptx(_ptx(bf16, half, fmt), write_only_types=[cutlass.Uint32] * 4,
                                 read_only_args=[q, s_lo, s_hi, *tables])
 
 
@@ -232,9 +299,8 @@ class PackedRegisterMainloop:
     def consume_rs_packed(self, mainloop, p, s, ctid):
         """Consumer warpgroups: every work unit of this CTA (weight tile ``w.m``,
         activation tile ``w.n``, split ``w.split``)."""
-        tm, tk = self.tile_m, self.tile_k
+        tm = self.tile_m
         mb_n = self.rs_m_blocks  # 64-row WGMMA M blocks per warpgroup
-        k_units = tk // UNIT_K
         wg = ctid // WARPGROUP
         t = ctid % WARPGROUP
         lane = t % 32
@@ -257,11 +323,11 @@ class PackedRegisterMainloop:
         for b in cutlass.range_constexpr(mb_n):
             for h in cutlass.range_constexpr(2):
                 r = (wg * mb_n + b) * UNIT_ROWS + r0 + 8 * h  # row inside the weight tile
-                sf_word.append(sf_word_offset(r, k_units))
+                sf_word.append(sf_word_offset(r, self.sf_cols_blocks))
         w4a4_sync = pipeline.NamedBarrier(barrier_id=int(Barrier.ALL_MMA),
                                           num_threads=self.num_mma_threads)
         scale = self._scale(p)
-        tables = decode_tables(bf16)
+        tables = decode_tables(bf16, self.fmt)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         c = PackedConsumer(mainloop, s, ctid, t, wg, thr_mma, tCrB, gD_t, accs, frags, sf_word,
                            w4a4_sync, scale, tables)
@@ -348,17 +414,19 @@ class PackedRegisterMainloop:
     @cute.jit
     def _load_fragments(self, s, st, t, wg_rows, sf_word, bf16):
         """This thread's packed weight words ``rQ[b][ku][kb, 0]`` (16 bytes per M block and K
-        unit) and :func:`scale_halves` words ``rS[b, h, ku, kq % 2]`` of stage ``st``
-        (``wg_rows``: the first 64-row block of this warpgroup in the tile)."""
+        unit) and :func:`scale_halves` words ``rS[b, h, a, odd]`` of stage ``st``: one
+        scale word per row and scale atom ``a`` (``fmt.atom_k`` of K: one K unit of NVFP4,
+        two of MXFP4) (``wg_rows``: the first 64-row block of this warpgroup in the tile)."""
         mb_n = self.rs_m_blocks
         k_units = self.tile_k // UNIT_K
+        k_atoms = self.sf_cols_blocks
         q32 = cute.recast_tensor(s.sB[(None, None, None, None, st)], cutlass.Uint32)
         sf_stage = s.sSFB[(None, None, None, None, st)]
         n_sf = cute.cosize(sf_stage.layout) // 4
         sf32 = cute.make_tensor(cute.recast_ptr(sf_stage.iterator, dtype=cutlass.Uint32),
                                 cute.make_layout(n_sf))
         rQ = []  # [M block][K unit]: (4, 1) words
-        rS = cute.make_rmem_tensor((mb_n, 2, k_units, 2), cutlass.Uint32)
+        rS = cute.make_rmem_tensor((mb_n, 2, k_atoms, 2), cutlass.Uint32)
         for b in cutlass.range_constexpr(mb_n):
             rQ.append([])
             for ku in cutlass.range_constexpr(k_units):
@@ -369,10 +437,11 @@ class PackedRegisterMainloop:
                 cute.autovec_copy(src, words)
                 rQ[b].append(words)
             for h in cutlass.range_constexpr(2):
-                for ku in cutlass.range_constexpr(k_units):
-                    word = sf32[sf_word[2 * b + h] + ku * (SF_ATOM_BYTES // 4)]
+                for a in cutlass.range_constexpr(k_atoms):
+                    word = prepare_scale_word(sf32[sf_word[2 * b + h] + a * (SF_ATOM_BYTES // 4)],
+                                              bf16, self.fmt)
                     for odd in cutlass.range_constexpr(2):
-                        rS[b, h, ku, odd] = scale_halves(word, bool(odd), bf16)
+                        rS[b, h, a, odd] = scale_halves(word, bool(odd), bf16, self.fmt)
         return rQ, rS
 
     @cute.jit
@@ -380,11 +449,14 @@ class PackedRegisterMainloop:
         """K blocks ``G g .. G g + G - 1`` (``G`` = ``self.rs_group``) of M block ``b`` -> the
         A fragment ``frag``."""
         f32 = cute.recast_tensor(frag, cutlass.Uint32)
+        per_atom = self.fmt.atom_k // UNIT_K  # K units per scale word
         for j in cutlass.range_constexpr(self.rs_group):
             kb = g * self.rs_group + j
             ku, kq = kb // 4, kb % 4
-            o = decode_fragment(rQ[b][ku][kq, 0], rS[b, 0, ku, kq % 2], rS[b, 1, ku, kq % 2],
-                                kq, tables, bf16)
+            odd, half = scale_select(self.fmt, kq, ku % per_atom)
+            a = ku // per_atom
+            o = decode_fragment(rQ[b][ku][kq, 0], rS[b, 0, a, int(odd)], rS[b, 1, a, int(odd)],
+                                half, tables, bf16, self.fmt)
             for i in cutlass.range_constexpr(4):
                 f32[j * 4 + i] = o[i]
 
@@ -401,6 +473,8 @@ class PackedRegisterMainloop:
         sync.arrive_and_wait()
 
 
-__all__ = ["GROUP_K_BLOCKS", "WIDE_GROUP_K_BLOCKS", "PackedConsumer", "PackedRegisterMainloop",
-           "decode_fragment", "fragment_ptx", "group_k_blocks", "sf_word_offset",
-           "weight_global_view", "weight_stage_layout"]
+__all__ = ["GROUP_K_BLOCKS", "SCALE_DECODE", "WIDE_GROUP_K_BLOCKS", "PackedConsumer",
+           "PackedRegisterMainloop", "ScaleDecode", "decode_fragment", "fragment_ptx",
+           "group_k_blocks", "lut_words", "prepare_scale_word", "scale_decode",
+           "scale_halves", "scale_select",
+           "sf_word_offset", "weight_global_view", "weight_stage_layout"]

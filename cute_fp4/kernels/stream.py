@@ -112,7 +112,13 @@ from cute_fp4.kernels.scheduler import (
     for_each_unit,
     this_unit,
 )
-from cute_fp4.kernels.sm90_rs_wide import decode_fragment, decode_tables, scale_halves
+from cute_fp4.kernels.sm90_rs_wide import (
+    decode_fragment,
+    decode_tables,
+    prepare_scale_word,
+    scale_halves,
+    scale_select,
+)
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 from cute_fp4.plan import plan
 from cute_fp4.planning.stream import RING, WARPS
@@ -134,10 +140,12 @@ def unit_word_index(row_block, ku, k_units):
 
 def scale_pair_index(row_block, ku, k_units, pair, quad):
     """Index in 32-bit words, in the blocked scales, of scale-word pair ``pair`` of lane
-    quad ``quad`` (``g``) for K unit ``ku`` of a 64-row block: the four UE4M3 scales (one
-    word) of row ``16 j + 8 h + g`` of the block for row groups ``j = pair % 2`` (first
-    word) and ``j + 2`` (second word), ``h = pair // 2``. In the 128x4 layout those two
-    rows are adjacent words. Plain integer arithmetic: the kernel and the CPU tests run it.
+    quad ``quad`` (``g``) for scale atom ``ku`` (of ``k_units`` along K: the K unit itself
+    for NVFP4, whose atom covers 64 K; ``StreamGemm._scale_atom``) of a 64-row block: the
+    four scales (one word) of row ``16 j + 8 h + g`` of the block for row groups ``j =
+    pair % 2`` (first word) and ``j + 2`` (second word), ``h = pair // 2``. In the 128x4
+    layout those two rows are adjacent words. Plain integer arithmetic: the kernel and the
+    CPU tests run it.
     """
     r = 16 * (pair % 2) + 8 * (pair // 2) + quad  # the row's place in its 32-row slab
     return (((row_block // 2) * k_units + ku) * SF_ATOM_WORDS + r * 4 + 2 * (row_block % 2))
@@ -193,6 +201,8 @@ class StreamGemm(GemmLaunch):
     def __init__(self, schedule: Schedule, problem: Problem):
         pl = plan(schedule, problem).raise_if_invalid()
         self.schedule, self.problem = schedule, problem
+        self.fmt = problem.fmt  # the weight's block format (its scales' decode)
+        self.units_per_atom = self.fmt.atom_k // UNIT_K  # K units per scale word
         self.tile_m = schedule.tile.m
         self.n_blocks = self.tile_m // 8  # m16n8k16 N blocks per activation tile
         self.batch = pl.stages  # K units per batch of a warp's ring
@@ -345,7 +355,7 @@ class StreamGemm(GemmLaunch):
             a = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
             a.fill(0.0)
             accs.append(a)
-        tables = decode_tables(self.mma_dtype is cutlass.BFloat16)
+        tables = decode_tables(self.mma_dtype is cutlass.BFloat16, self.fmt)
         k_units = p.units.k_tiles
         # this warp's units of the CTA's range: k_begin + warp + 4 t, t < mine
         mine = (blk.k_count - warp + WARPS - 1) // WARPS
@@ -418,10 +428,27 @@ class StreamGemm(GemmLaunch):
                     cute.copy(q_atom, cute.make_tensor(blk.mQ.iterator + at,
                                                        cute.make_layout(LANE_WORDS)),
                               sQ[(None, j, i, slot)])
-                at = cute.assume(scale_pair_index(blk.blk, ku, k_units, lane % 4, lane // 4),
+                atom, k_atoms = self._scale_atom(ku, k_units)
+                at = cute.assume(scale_pair_index(blk.blk, atom, k_atoms, lane % 4, lane // 4),
                                  divby=2)
                 cute.copy(s_atom, cute.make_tensor(blk.mS.iterator + at, cute.make_layout(2)),
                           sS[(None, lane % 4, lane // 4, i, slot)])
+
+    def _scale_atoms(self, ku, units):
+        """Scale atoms (of one 128-row atom row) that the ``units`` K units from ``ku``
+        span: the units for NVFP4, an atom per two units for MXFP4."""
+        if self.units_per_atom == 1:
+            return units
+        per = self.units_per_atom
+        return (ku + units - 1) // per - ku // per + 1
+
+    def _scale_atom(self, ku, k_units):
+        """(scale atom of K unit ``ku``, atoms along K) of the weight's blocked scales: the
+        unit's own for NVFP4, one per two units for MXFP4."""
+        if self.units_per_atom == 1:
+            return ku, k_units
+        per = self.units_per_atom
+        return ku // per, (k_units + (per - 1)) // per
 
     @cute.jit
     def _prefetch_l2(self, blk: Block, k_units, tidx, first, last):
@@ -438,10 +465,11 @@ class StreamGemm(GemmLaunch):
                 ku = blk.k_begin + u0
                 q = blk.mQ.iterator + cute.assume(unit_word_index(blk.blk, ku, k_units),
                                                   divby=UNIT_WORDS)
+                atom, k_atoms = self._scale_atom(ku, k_units)
                 sf = blk.mS.iterator + cute.assume(
-                    ((blk.blk // 2) * k_units + ku) * SF_ATOM_WORDS, divby=SF_ATOM_WORDS)
+                    ((blk.blk // 2) * k_atoms + atom) * SF_ATOM_WORDS, divby=SF_ATOM_WORDS)
                 prefetch_l2(q, (u1 - u0) * UNIT_BYTES)
-                prefetch_l2(sf, (u1 - u0) * SF_ATOM_WORDS * 4)
+                prefetch_l2(sf, self._scale_atoms(ku, u1 - u0) * SF_ATOM_WORDS * 4)
 
     @cute.jit
     def _unit(self, p: StreamParams, ring, slot, i, ku, x_rows, tables, mma1, frA, frB, accs):
@@ -452,6 +480,11 @@ class StreamGemm(GemmLaunch):
         bf16 = self.mma_dtype is cutlass.BFloat16
         sw = cute.make_rmem_tensor((2 * PAIRS,), cutlass.Uint32)
         cute.autovec_copy(sS[(None, None, lane // 4, i, slot)], sw)
+        if cutlass.const_expr(self.units_per_atom > 1):  # MXFP4: this unit's half of the word
+            # a warp's units are k_begin + warp + 4 t: one parity per warp and block
+            shift = cutlass.Uint32((blk.k_begin + warp) & 1) << 4
+            for w in cutlass.range_constexpr(2 * PAIRS):
+                sw[w] = prepare_scale_word(sw[w] >> shift, bf16, self.fmt)
         a32 = cute.recast_tensor(frA, cutlass.Uint32)
         col = ku * (UNIT_K // 2) + lane % 4  # the pair at K 2c of this unit, in words
         frBs = []  # act_hoist: each K block's B fragment, all loaded before any decode
@@ -473,9 +506,10 @@ class StreamGemm(GemmLaunch):
                 for nb in cutlass.range_constexpr(self.n_blocks):
                     b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
                                                                    kb)
-            s_lo = scale_halves(sw[scale_word_of(j, 0)], bool(kb % 2), bf16)
-            s_hi = scale_halves(sw[scale_word_of(j, 1)], bool(kb % 2), bf16)
-            o = decode_fragment(word, s_lo, s_hi, kb, tables, bf16)
+            odd, half = scale_select(self.fmt, kb)
+            s_lo = scale_halves(sw[scale_word_of(j, 0)], odd, bf16, self.fmt)
+            s_hi = scale_halves(sw[scale_word_of(j, 1)], odd, bf16, self.fmt)
+            o = decode_fragment(word, s_lo, s_hi, half, tables, bf16, self.fmt)
             for r in cutlass.range_constexpr(4):
                 a32[r] = o[r]
             cute.gemm(mma1, accs[j], frA, fb, accs[j])

@@ -12,11 +12,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from cute_fp4.errors import InputError
-from cute_fp4.schedule import Mainloop, Problem, Schedule
+from cute_fp4.formats import NVFP4, SF_ATOM_ROWS, BlockFormat, Operand
+from cute_fp4.schedule import Mainloop, Problem, Schedule, gated_op
 
 ALIGN = 1024  # every region starts on this boundary (TMA's 128-byte swizzles need it)
-SF_VEC = 16  # elements per NVFP4 scale factor
-SF_ATOM_ROWS = 128  # scale factors are stored in 128-row x 4-column atoms
 MAX_EPI_STAGES = 4
 MAX_SPLIT_K = 16
 MAX_CTA_THREADS = 1024
@@ -76,9 +75,10 @@ def operand_stage_bytes(schedule: Schedule, problem: Problem) -> dict[str, int]:
     return {"A": a, "B": t.n * t.k // 2}
 
 
-def sf_stage_bytes(rows: int, tile_k: int) -> int:
-    """Bytes of one stage of scale factors for ``rows`` rows: whole 128-row atoms."""
-    return align(rows, SF_ATOM_ROWS) * (tile_k // SF_VEC)
+def sf_stage_bytes(rows: int, tile_k: int, fmt: BlockFormat) -> int:
+    """Bytes of one stage of scale factors for ``rows`` rows: whole 128-row atoms of
+    ``fmt``'s scales (one byte per ``fmt.block`` elements of ``tile_k``)."""
+    return align(rows, SF_ATOM_ROWS) * (tile_k // fmt.block)
 
 
 def mainloop_regions(per: dict[str, int], stages: int, n_barriers: int) -> list[Region]:
@@ -210,8 +210,9 @@ def check_epilogue_ops(s: Schedule, p: Problem) -> list[str]:
     of twice that (the output has N / 2 columns). ``nvfp4_out`` (:func:`check_nvfp4_out`)."""
     g = silu_group(s)
     out = []
-    if "silu_mul" in s.epilogue.ops and p.n and p.n % (2 * g):
-        out.append(f"N = {p.n} is not a multiple of {2 * g}: silu_mul on {s.target} takes "
+    gated = gated_op(s.epilogue.ops)
+    if gated and p.n and p.n % (2 * g):
+        out.append(f"N = {p.n} is not a multiple of {2 * g}: {gated} on {s.target} takes "
                    f"the weight's rows as gate/up groups of {g} "
                    "(cute_fp4.fused.interleave_gate_up) and stores N / 2 columns")
     if "nvfp4_out" in s.epilogue.ops:
@@ -241,16 +242,46 @@ def check_nvfp4_out(s: Schedule, p: Problem) -> list[str]:
         out.append(f"nvfp4_out does not take split-K (split_k {s.split_k}): the last split "
                    "of a tile is decided per thread, and a block's amax needs the 4 lanes "
                    "that hold it")
-    cols = p.n // 2 if "silu_mul" in s.epilogue.ops else p.n
+    cols = p.n // 2 if gated_op(s.epilogue.ops) else p.n
     if p.n and cols % NV_OUT_COLS:
         out.append(f"nvfp4_out: {cols} output columns are not a multiple of {NV_OUT_COLS} "
                    f"(blocks of 16 and rows of {cols} / 2 bytes of codes, 16-byte aligned)")
     return out
 
 
+def check_block_format(s: Schedule, p: Problem) -> list[str]:
+    """Where a format other than NVFP4 runs: SM120's block-scaled MMA (W4A4, the format's own
+    MMA kind) and the decodes of the packed weight (sm_90a ``rs_packed``, ``stream`` on
+    both families; W4A16 with BF16 activations). A mainloop that stages scale atoms takes
+    whole atoms per K tile (``fmt.atom_k`` of K: 128 for MXFP4's blocks of 32)."""
+    fmt = p.fmt
+    if fmt is NVFP4:
+        return []
+    out = []
+    sm120_mma = s.arch.family == "sm120" and s.mainloop is Mainloop.STANDARD
+    if s.arch.family == "sm90" and (s.mainloop is Mainloop.STANDARD or s.swap_ab):
+        out.append(f"{fmt} weights are not built for the sm_90a "
+                   f"{'swap-AB' if s.swap_ab else 'shared-memory'} conversion (UE4M3 scales "
+                   f"only): use mainloop=rs_packed or stream with the packed weight")
+    if p.w4a16 and p.a_format is not Operand.BF16 and not sm120_mma:
+        out.append(f"{fmt} weights decode to BF16 only ({fmt.scale.name} scales span "
+                   f"{fmt.scale.min_positive:.3g} .. {fmt.scale.max:.3g}, beyond FP16's "
+                   f"range): use bfloat16 activations, got {p.a_format}")
+    if not p.w4a16 and not sm120_mma:
+        out.append(f"W4A4 with {fmt} activations runs SM120's block-scaled MMA "
+                   f"(kind::{fmt.mma_kind}) only; on {s.target} pass BF16 activations "
+                   "(W4A16)")
+    if s.mainloop is not Mainloop.STREAM and s.tile.k % fmt.atom_k:
+        out.append(f"tile K {s.tile.k} is not a multiple of {fmt.atom_k}: a stage holds "
+                   f"whole 512-byte scale atoms, which cover {fmt.atom_k} elements of K in "
+                   f"{fmt} (blocks of {fmt.block})")
+    return out
+
+
 # run after the family's own checks, for every family
 COMMON_CHECKS: tuple[Check, ...] = (check_split_k_limit, check_problem_k, check_split_k_tiles,
-                                    check_problem_n, check_grouped, check_epilogue_ops)
+                                    check_problem_n, check_grouped, check_epilogue_ops,
+                                    check_block_format)
 
 
 class FamilyRules(NamedTuple):
@@ -266,7 +297,7 @@ class FamilyRules(NamedTuple):
     auto_stages: Callable[[Schedule, Problem], int] | None = None
 
 
-__all__ = ["ALIGN", "MAX_GROUPS", "SF_VEC", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
+__all__ = ["ALIGN", "MAX_GROUPS", "SF_ATOM_ROWS", "MAX_EPI_STAGES", "Region",
            "RegisterSplit", "register_split", "FamilyRules", "COMMON_CHECKS", "align", "ceil_div",
            "epilogue_tile", "epi_stages", "c_elem_bytes", "silu_group", "NV_OUT_COLS",
            "check_nvfp4_out"]

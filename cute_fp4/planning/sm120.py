@@ -39,8 +39,8 @@ MAX_TILE_MN = 128  # accumulators of a larger tile exceed 255 registers per thre
 def stage_bytes(s: Schedule, p: Problem) -> dict[str, int]:
     """Bytes of one mainloop stage: A, B and their scale factors in 128-row atoms."""
     t = s.tile
-    return {**operand_stage_bytes(s, p), "SFA": sf_stage_bytes(t.m, t.k),
-            "SFB": sf_stage_bytes(t.n, t.k)}
+    return {**operand_stage_bytes(s, p), "SFA": sf_stage_bytes(t.m, t.k, p.fmt),
+            "SFB": sf_stage_bytes(t.n, t.k, p.fmt)}
 
 
 def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:

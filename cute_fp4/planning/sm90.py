@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from cute_fp4.planning.common import (
     SF_ATOM_ROWS,
-    SF_VEC,
     WARPGROUP,
     FamilyRules,
     Region,
@@ -56,8 +55,9 @@ RS_PACKED_ACC_COLUMNS = 256  # rs_packed: 64-row blocks x activation columns per
 def stage_bytes(s: Schedule, p: Problem) -> dict[str, int]:
     """Bytes of one mainloop stage: A, B and whole 512-byte scale atoms (W4A16: no SFA)."""
     t = s.tile
-    return {**operand_stage_bytes(s, p), "SFA": 0 if p.w4a16 else sf_stage_bytes(t.m, t.k),
-            "SFB": sf_stage_bytes(t.n, t.k)}
+    return {**operand_stage_bytes(s, p),
+            "SFA": 0 if p.w4a16 else sf_stage_bytes(t.m, t.k, p.fmt),
+            "SFB": sf_stage_bytes(t.n, t.k, p.fmt)}
 
 
 def regions(s: Schedule, p: Problem, stages: int) -> tuple[Region, ...]:
@@ -165,22 +165,23 @@ def check_rs_packed(s: Schedule, p: Problem) -> list[str]:
         out.append(f"K = {p.k} is not a multiple of 64: the packed weight is cut into "
                    "64-element K units (use the plain weight and mainloop=standard)")
     if not p.w4a16 and not out:
-        out += _rs_packed_w4a4(s)
+        out += _rs_packed_w4a4(s, p)
     return out
 
 
-def _rs_packed_w4a4(s: Schedule) -> list[str]:
+def _rs_packed_w4a4(s: Schedule, p: Problem) -> list[str]:
     """W4A4: the activation stage is converted by every consumer thread in whole passes of
-    16-element chunks (Sm90Gemm.convert), its scale atoms whole (tile M 64 or 128k)."""
+    block-sized chunks (Sm90Gemm.convert), its scale atoms whole (tile M 64 or 128k)."""
     t, (wm, _) = s.tile, s.warps.mma
-    n_threads, chunks = WARPGROUP * wm, t.k // SF_VEC
+    n_threads, chunks = WARPGROUP * wm, t.k // p.fmt.block
     out = []
     if t.m != 64 and t.m % SF_ATOM_ROWS:
         out.append(f"rs_packed W4A4 tile M {t.m} must be 64 or a multiple of 128 (the "
                    "activation's scale atoms cover 128 rows)")
     if n_threads % chunks or (t.m * chunks) % n_threads:
         out.append(f"rs_packed W4A4: the {n_threads} converting threads do not split a "
-                   f"{t.m}x{t.k} activation tile into whole passes of 16-element chunks")
+                   f"{t.m}x{t.k} activation tile into whole passes of {p.fmt.block}-element "
+                   "chunks")
     return out
 
 
@@ -206,16 +207,16 @@ def check_tile(s: Schedule, p: Problem) -> list[str]:
 
 
 def check_conversion_split(s: Schedule, p: Problem) -> list[str]:
-    """The consumer threads convert a tile in whole passes of 16-element chunks (checked
-    only on a tile that passes ``check_tile``)."""
+    """The consumer threads convert a tile in whole passes of block-sized chunks (one scale
+    each; checked only on a tile that passes ``check_tile``)."""
     if s.swap_ab or rs_packed(s) or check_tile(s, p):
         return []
     t, (wm, wn) = s.tile, s.warps.mma
-    n_threads, chunks = WARPGROUP * wm * wn, t.k // SF_VEC
+    n_threads, chunks = WARPGROUP * wm * wn, t.k // p.fmt.block
     a_split = p.w4a16 or (t.m * chunks) % n_threads == 0  # W4A16 converts only B
     if n_threads % chunks or not a_split or (t.n * chunks) % n_threads:
         return [f"the {n_threads} converting threads do not split a {t.m}x{t.k} / "
-                f"{t.n}x{t.k} tile into whole passes of 16-element chunks"]
+                f"{t.n}x{t.k} tile into whole passes of {p.fmt.block}-element chunks"]
     return []
 
 
