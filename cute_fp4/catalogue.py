@@ -1,11 +1,16 @@
 """The schedule catalogue: one file per idea under ``schedules/``.
 
 Each file defines ``SCHEDULE = Schedule(...)`` and opens with a docstring saying what it
-changes and why; the file name is the schedule's name. Extra directories can be added with
-the ``CUTE_FP4_SCHEDULES`` environment variable (``os.pathsep``-separated); a schedule of
-an extra directory replaces a built-in one of the same name, and says so once (a
-:class:`CatalogueWarning` naming both files). An entry that is not a directory (missing,
-or a file) is warned about once and ignored.
+changes and why; the file name is the schedule's name. A schedule says nothing of the
+operands; a file whose schedule is meant for other formats than NVFP4 also defines
+``PROBLEM = Problem(a_format=..., b_format=...)`` (sizes left open): what ``plan()``,
+``compile_report()`` and the CLI take for it when no problem, or bare ``(m, n, k)``, is
+given.
+
+Extra directories can be added with the ``CUTE_FP4_SCHEDULES`` environment variable
+(``os.pathsep``-separated); a schedule of an extra directory replaces a built-in one of the
+same name, and says so once (a :class:`CatalogueWarning` naming both files). An entry that
+is not a directory (missing, or a file) is warned about once and ignored.
 
 Where the built-in files live: in a source checkout (editable install or ``PYTHONPATH``)
 they are the top-level ``schedules/`` folder next to the package; a wheel or a non-editable
@@ -74,25 +79,35 @@ def _warn_not_a_directory(entry: str) -> None:
                   stacklevel=4)
 
 
-def _load_file(path: Path) -> Schedule:
+def _load_file(path: Path) -> tuple[Schedule, Problem | None]:
     spec = importlib.util.spec_from_file_location(f"cute_fp4_schedules.{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sched = getattr(mod, "SCHEDULE", None)
     if not isinstance(sched, Schedule):
         raise InputError(f"{path} must define SCHEDULE = Schedule(...)")
+    problem = getattr(mod, "PROBLEM", None)
+    if problem is not None and not isinstance(problem, Problem):
+        raise InputError(f"{path}: PROBLEM must be a Problem (the operand formats), got "
+                         f"{type(problem).__name__}")
+    if problem is not None and (problem.m or problem.n or problem.k):
+        raise InputError(f"{path}: PROBLEM names the operand formats only; leave its sizes "
+                         f"open, got m={problem.m}, n={problem.n}, k={problem.k}")
     doc = (mod.__doc__ or "").strip()
-    return dataclasses.replace(sched, name=sched.name or path.stem, doc=sched.doc or doc)
+    sched = dataclasses.replace(sched, name=sched.name or path.stem, doc=sched.doc or doc)
+    return sched, problem
 
 
 class _Loaded(NamedTuple):
     table: dict[str, Schedule]
     errors: tuple[LoadError, ...]
+    problems: dict[str, Problem]  # the files' PROBLEM: operand formats other than NVFP4
 
 
 @functools.cache
 def _load_all(dirs: tuple[Path, ...]) -> _Loaded:
     table: dict[str, Schedule] = {}
+    problems: dict[str, Problem] = {}
     origin: dict[str, Path] = {}
     errors: list[LoadError] = []
     for d in dirs:
@@ -100,7 +115,7 @@ def _load_all(dirs: tuple[Path, ...]) -> _Loaded:
             if path.name.startswith("_"):
                 continue
             try:
-                s = _load_file(path)
+                s, problem = _load_file(path)
             except Exception as e:  # any error in a user's file: report it, keep the rest
                 err = LoadError(path, f"{type(e).__name__}: {e}")
                 errors.append(err)
@@ -113,7 +128,10 @@ def _load_all(dirs: tuple[Path, ...]) -> _Loaded:
                               "the catalogue; rename the file to keep both)",
                               CatalogueWarning, stacklevel=4)
             table[s.name], origin[s.name] = s, path
-    return _Loaded(table, tuple(errors))
+            problems.pop(s.name, None)
+            if problem is not None:
+                problems[s.name] = problem
+    return _Loaded(table, tuple(errors), problems)
 
 
 def _loaded() -> _Loaded:
@@ -167,10 +185,23 @@ def resolve(schedule: Schedule | str,
             problem: Problem | tuple | None = None) -> tuple[Schedule, Problem | None]:
     """What ``plan()`` and ``compile_report()`` accept, as a Schedule and a Problem:
     a schedule or a catalogue name; a Problem, ``None`` or an ``(m, n, k[, a_format])``
-    tuple."""
+    tuple. ``None`` and a bare ``(m, n, k)`` take the operand formats of the schedule's
+    file (:func:`formats_of`; NVFP4 where it names none)."""
     if isinstance(schedule, str):
         schedule = get(schedule)
     elif not isinstance(schedule, Schedule):
         raise InputTypeError(f"a schedule must be a Schedule or a catalogue name, got "
                              f"{type(schedule).__name__}")
-    return schedule, Problem.of(problem)
+    meant = formats_of(schedule)
+    if meant is not None and problem is None:
+        return schedule, meant
+    given = Problem.of(problem)
+    if meant is not None and isinstance(problem, (tuple, list)) and len(problem) == 3:
+        given = dataclasses.replace(given, a_format=meant.a_format, b_format=meant.b_format)
+    return schedule, given
+
+
+def formats_of(schedule: Schedule) -> Problem | None:
+    """The operand formats a catalogue schedule's file names (``PROBLEM``), for the
+    schedule or a variant of it (``name+field=value``); None: NVFP4, the default."""
+    return _loaded().problems.get((schedule.name or "").split("+")[0])

@@ -84,8 +84,11 @@ def cmd_plan(args) -> int:
     from cute_fp4.schedule import Problem
 
     s = retarget(catalogue.get(args.name), args.target)
-    problem = Problem.of((*args.shape, args.a_format)) if args.shape else \
-        Problem(a_format=args.a_format)
+    if args.a_format is None:  # the formats the schedule's file names (NVFP4 by default)
+        problem = tuple(args.shape) if args.shape else None
+    else:
+        problem = Problem.of((*args.shape, args.a_format)) if args.shape else \
+            Problem(a_format=args.a_format)
     p = plan(s, problem)
     print(p.summary())
     return EXIT_OK if p.ok else EXIT_REFUSED
@@ -280,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", help="another target of the same family (e.g. sm_121a)")
     s.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"),
                    help="plan for this problem too (K and N alignment, split-K ranges)")
-    s.add_argument("--a-format", default="nvfp4", choices=["nvfp4", "bf16", "fp16"],
-                   help="the A operand: nvfp4 (W4A4, default) or 16-bit (W4A16)")
+    s.add_argument("--a-format", choices=["nvfp4", "bf16", "fp16"],
+                   help="the A operand: nvfp4 (W4A4) or 16-bit (W4A16); default: what the "
+                   "schedule's file names (PROBLEM), else nvfp4")
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("compile", help="compile-only report (no GPU needed); exit 1 if a "

@@ -8,6 +8,7 @@ format descriptor. A 512-byte scale atom covers 128 K of MXFP4, so the K tile is
 multiple of 128; a stage's scales are half NVFP4's (87,040 B for three stages here).
 """
 
-from cute_fp4.schedule import Schedule, Tile
+from cute_fp4.schedule import Problem, Schedule, Tile
 
 SCHEDULE = Schedule(target="sm_120a", tile=Tile(128, 128, 128))
+PROBLEM = Problem(a_format="mxfp4", b_format="mxfp4")  # W4A4: MXFP4 activations

@@ -5,7 +5,8 @@ copied row by row so an expert starts at any row) on MXFP4 activations and weigh
 128, one scale atom per row block and stage.
 """
 
-from cute_fp4.schedule import Schedule, Scheduler, Tile
+from cute_fp4.schedule import Problem, Schedule, Scheduler, Tile
 
 SCHEDULE = Schedule(target="sm_120a", tile=Tile(128, 128, 128),
                     scheduler=Scheduler(grouped=True))
+PROBLEM = Problem(a_format="mxfp4", b_format="mxfp4")  # W4A4: MXFP4 activations

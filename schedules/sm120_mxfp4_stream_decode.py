@@ -7,5 +7,7 @@ scale range is beyond FP16's, so the activations are BF16.
 """
 
 from cute_fp4.planning.stream import stream_schedule
+from cute_fp4.schedule import Problem
 
 SCHEDULE = stream_schedule("sm_120a", tile_m=8, split_k=4)
+PROBLEM = Problem(a_format="bf16", b_format="mxfp4")  # W4A16: BF16 activations

@@ -6,7 +6,8 @@ with K 128 a 192-row tile spills once the fused bias + swiglu_oai epilogue is ad
 words on sm_90a, 2026-12-06), 128 rows keep every variant at 0 spills; five stages.
 """
 
-from cute_fp4.schedule import Schedule, Scheduler, Tile, Warps
+from cute_fp4.schedule import Problem, Schedule, Scheduler, Tile, Warps
 
 SCHEDULE = Schedule(target="sm_90a", tile=Tile(128, 128, 128), warps=Warps(mma=(2, 1)),
                     mainloop="rs_packed", scheduler=Scheduler(grouped=True))
+PROBLEM = Problem(a_format="bf16", b_format="mxfp4")  # W4A16: BF16 activations

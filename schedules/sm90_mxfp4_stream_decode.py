@@ -6,5 +6,7 @@ by the same table lookup with MXFP4's scale decode.
 """
 
 from cute_fp4.planning.stream import stream_schedule
+from cute_fp4.schedule import Problem
 
 SCHEDULE = stream_schedule("sm_90a", tile_m=8, split_k=4)
+PROBLEM = Problem(a_format="bf16", b_format="mxfp4")  # W4A16: BF16 activations

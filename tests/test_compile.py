@@ -32,12 +32,13 @@ REFUSED = {"sm100_style_256x128x256"}
 
 
 def formats_of(s) -> tuple[str, ...]:
-    """The formats a catalogue schedule is compiled for: MXFP4 schedules (named so) W4A4
-    MXFP4 on SM120's MMA, else BF16 activations on MXFP4 weights; the others NVFP4 (and
-    BF16 activations where their kernel takes them)."""
+    """The formats a catalogue schedule is compiled for: those its file names (``PROBLEM``:
+    the MXFP4 schedules); the others NVFP4 (and BF16 activations where their kernel takes
+    them)."""
+    meant = catalogue.formats_of(s)
+    if meant is not None:
+        return (f"{meant.a_format}+{meant.b_format}",)
     sm120_mma = s.arch.family.value == "sm120" and s.mainloop.value != "stream"
-    if "mxfp4" in s.name:
-        return ("mxfp4",) if sm120_mma else ("bf16+mxfp4",)
     return ("nvfp4",) if sm120_mma else ("nvfp4", "bf16")
 
 

@@ -11,6 +11,7 @@ import pytest
 import cute_fp4 as cf
 from cute_fp4 import catalogue
 from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.plan import plan
 from cute_fp4.schedule import (
     Epilogue,
     OutDtype,
@@ -206,3 +207,33 @@ def test_builtin_folder_in_a_checkout(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
     assert catalogue.builtin_dir(tmp_path / "cute_fp4") == tmp_path / "schedules"
     assert catalogue.builtin_dir() is not None and len(catalogue.names()) >= 10
+
+
+def test_a_catalogue_file_names_the_formats_its_schedule_is_for():
+    """An MXFP4 schedule plans, compiles and is listed with MXFP4 operands when no problem
+    (or a bare (m, n, k)) is given, and so do its variants; NVFP4 schedules keep NVFP4."""
+    s, p = catalogue.resolve("sm90_mxfp4_rs_packed")
+    assert (p.a_format, p.b_format) == ("bf16", "mxfp4")
+    assert plan(s).problem.b_format == "mxfp4"
+    _, p = catalogue.resolve(s.replace(stages=3), (1, 2880, 2880))
+    assert (p.m, p.n, p.k, p.a_format, p.b_format) == (1, 2880, 2880, "bf16", "mxfp4")
+    _, p = catalogue.resolve("sm120_mxfp4")
+    assert (p.a_format, p.b_format) == ("mxfp4", "mxfp4")
+    assert catalogue.resolve("sm120_default")[1] is None
+    # an explicit problem wins
+    _, p = catalogue.resolve("sm90_mxfp4_rs_packed", Problem(a_format="bf16"))
+    assert p.b_format == "nvfp4"
+
+
+@pytest.mark.parametrize("text, match", [
+    ('PROBLEM = "mxfp4"\n', "PROBLEM must be a Problem"),
+    ('PROBLEM = Problem(m=1, n=64, k=64, a_format="bf16", b_format="mxfp4")\n',
+     "leave its sizes open, got m=1, n=64, k=64"),
+])
+def test_a_wrong_problem_in_a_catalogue_file_is_reported(tmp_path, monkeypatch, text, match):
+    body = GOOD + "from cute_fp4.schedule import Problem\n" + text
+    _user_dir(tmp_path, monkeypatch, {"mine_fmt.py": body})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(InputError, match=match):
+            catalogue.get("mine_fmt")
