@@ -108,33 +108,42 @@ def _bf16_experts(ex: Experts):
     return w13, w2
 
 
-def measure(model: str, tp: int, layer, m: int, timer) -> dict:
+def measure(model: str, tp: int, layer, ms: list[int], timer) -> list[dict]:
+    """One row per M of ``layer``'s shard at TP ``tp``: the layer is prepared once."""
     from cute_fp4 import moe as cmoe
 
-    row = {"model": model, "tp": tp, "layer": layer.name, "m": m}
+    rows = []
     if isinstance(layer, Moe):
         w13, w2 = modelopt_experts(layer.experts, layer.hidden, layer.inter, seed=tp)
         ex = Experts.from_modelopt(w13, w2, mode="w4a16")
-        x = torch.randn(m, layer.hidden, device="cuda", dtype=torch.bfloat16)
-        ids, wts = routing(m, layer.experts, layer.top_k, seed=m)
+        del w13, w2
         b13, b2 = _bf16_experts(ex)
-        row.update(shape=f"E{layer.experts} H{layer.hidden} I{layer.inter} top{layer.top_k}",
-                   layout=ex.layout, nvfp4_us=timer(lambda: ex(x, ids, wts)),
-                   bf16_us=timer(lambda: cmoe.moe_bf16(x, b13, b2, ids, wts)))
-        del b13, b2
+        for m in ms:
+            x = torch.randn(m, layer.hidden, device="cuda", dtype=torch.bfloat16)
+            ids, wts = routing(m, layer.experts, layer.top_k, seed=m)
+            rows.append({"shape": f"E{layer.experts} H{layer.hidden} I{layer.inter} "
+                                  f"top{layer.top_k}", "m": m, "layout": ex.layout,
+                         "nvfp4_us": timer(lambda x=x, ids=ids, wts=wts: ex(x, ids, wts)),
+                         "bf16_us": timer(
+                             lambda x=x, ids=ids, wts=wts: cmoe.moe_bf16(x, b13, b2, ids, wts))})
+        del b13, b2, ex
     else:
         t = modelopt_linear(layer.n, layer.k, seed=tp)
         lin = Linear.from_modelopt(*t, mode="w4a16", name=layer.name)
-        x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
         wb = lin.weight.dequantize(torch.bfloat16)
-        row.update(shape=f"{layer.n}x{layer.k}", layout=lin.layout,
-                   nvfp4_us=timer(lambda: lin(x)),
-                   bf16_us=timer(lambda: torch.nn.functional.linear(x, wb)),
-                   nvfp4_bytes=layer.n * layer.k // 2 + layer.n * layer.k // 16 + 4,
-                   bf16_bytes=2 * layer.n * layer.k)
-    row["speedup"] = round(row["bf16_us"] / row["nvfp4_us"], 3)
+        for m in ms:
+            x = torch.randn(m, layer.k, device="cuda", dtype=torch.bfloat16)
+            rows.append({"shape": f"{layer.n}x{layer.k}", "m": m, "layout": lin.layout,
+                         "nvfp4_us": timer(lambda x=x: lin(x)),
+                         "bf16_us": timer(lambda x=x: torch.nn.functional.linear(x, wb)),
+                         "nvfp4_bytes": layer.n * layer.k // 2 + layer.n * layer.k // 16 + 4,
+                         "bf16_bytes": 2 * layer.n * layer.k})
+        del wb, lin
+    for r in rows:
+        r.update(model=model, tp=tp, layer=layer.name,
+                 speedup=round(r["bf16_us"] / r["nvfp4_us"], 3))
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def main() -> None:
@@ -152,13 +161,16 @@ def main() -> None:
     for model, tp, layer in SHARDS:
         if model not in args.models.split(","):
             continue
-        for m in map(int, args.ms.split(",")):
-            try:
-                rows.append(measure(model, tp, layer, m, timer))
-            except Exception as e:  # a row that fails says why; the run goes on
-                rows.append({"model": model, "tp": tp, "layer": layer.name, "m": m,
-                             "error": f"{type(e).__name__}: {e}"[:300]})
-            print(json.dumps(rows[-1]), flush=True)
+        ms = [int(m) for m in args.ms.split(",")]
+        try:
+            got = measure(model, tp, layer, ms, timer)
+        except Exception as e:  # a layer that fails says why; the run goes on
+            got = [{"model": model, "tp": tp, "layer": layer.name, "m": m,
+                    "error": f"{type(e).__name__}: {e}"[:300]} for m in ms]
+            torch.cuda.empty_cache()
+        for r in got:
+            print(json.dumps(r), flush=True)
+        rows += got
     env = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "cuda": torch.version.cuda, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d"), "cute_fp4": cf.__version__}
