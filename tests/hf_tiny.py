@@ -154,7 +154,8 @@ def exact_kernels(monkeypatch) -> list:
     Returns the list the calls are recorded in."""
     calls = []
 
-    def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False):
+    def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False,
+                   b_format="nvfp4"):
         return types.SimpleNamespace(out_dtype=out_dtype)
 
     def run(kern, a, w, alpha, dims, out=None, early=False):
