@@ -72,7 +72,8 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
     ``silu_mul=True`` or ``swiglu_oai=True`` (gpt-oss's clamped SwiGLU; each expert's rows
     gate/up interleaved, ``cute_fp4.fused``; the output ``[total_M, N / 2]``),
     ``nvfp4_out=global_scale`` (the output quantized in the epilogue, returned as an
-    ``NVFP4Tensor`` over all total_M rows; the offsets must cover them: ``offsets[0] = 0``, ``offsets[E] = total_M``).
+    ``NVFP4Tensor`` over all total_M rows; the offsets must cover them: ``offsets[0] = 0``,
+    ``offsets[E] = total_M``).
     """
     if torch.compiler.is_compiling():
         if bias is not None or silu_mul or swiglu_oai or nvfp4_out is not None:
