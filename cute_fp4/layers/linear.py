@@ -89,8 +89,8 @@ class Linear:
     global scale (decode form, ``amax / 2688``), None for a dynamic one; ``layout``:
     "auto", "plain" or "packed"; ``name``: the layer's name in error messages;
     ``silu_group``: see the module docstring. The output has the input's dtype and shape
-    ``[..., out_features]`` (``[..., out_features / 2]`` with ``silu_group``). Build from a checkpoint's tensors
-    with :meth:`from_modelopt` (NVFP4) or :meth:`from_mxfp4`.
+    ``[..., out_features]`` (``[..., out_features / 2]`` with ``silu_group``). Build from a
+    checkpoint's tensors with :meth:`from_modelopt` (NVFP4) or :meth:`from_mxfp4`.
     """
 
     __slots__ = ("out_features", "in_features", "mode", "schedule", "layout", "name",
