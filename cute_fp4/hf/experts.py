@@ -252,9 +252,10 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, list[dict[str, list
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"cute_fp4"`` experts implementation: ``self.nvfp4`` (an NVFP4MoE) on the
-    routed tokens; experts left in BF16 (excluded) run transformers' grouped_mm."""
-    moe: NVFP4MoE | None = getattr(self, "nvfp4", None)
+    """The ``"cute_fp4"`` experts implementation: ``self.nvfp4`` (an NVFP4MoE), or
+    ``self.mxfp4`` (gpt-oss's ``MXFP4MoE``, ``cute_fp4.hf.mxfp4``) on the routed tokens;
+    experts left in BF16 (excluded) run transformers' grouped_mm."""
+    moe: NVFP4MoE | None = getattr(self, "nvfp4", None) or getattr(self, "mxfp4", None)
     if moe is None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 

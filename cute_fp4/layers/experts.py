@@ -277,13 +277,16 @@ class Experts:
                             for s, w in zip(self.input_scales, (self.w13, self.w2)))
 
     def adopt(self, w13: tuple, w2: tuple, input_scales: tuple, alphas: tuple,
-              up_ratio=None) -> None:
+              up_ratio=None, biases: tuple | None = None) -> None:
         """Hold these tensors from now on (a module moved its buffers, ``Module.to``):
-        ``w13``/``w2`` = (data, scale, global scale) in the same layout and shapes."""
+        ``w13``/``w2`` = (data, scale, global scale) in the same layout and shapes;
+        ``biases``: the float32 (gate_up, down) biases (None: kept)."""
         self.w13 = stack_view(*w13, self.w13.shape, self.layout, self.w13.fmt)
         self.w2 = stack_view(*w2, self.w2.shape, self.layout, self.w2.fmt)
         self.input_scales, self.alphas, self.up_ratio = tuple(input_scales), tuple(alphas), \
             up_ratio
+        if biases is not None:
+            self.biases = tuple(biases)
 
     @property
     def device(self) -> torch.device:
