@@ -29,8 +29,7 @@ from transformers.core_model_loading import WeightRenaming
 
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.hf import experts as ex
-from cute_fp4.hf import mxfp4
-from cute_fp4.hf import tp
+from cute_fp4.hf import mxfp4, tp
 from cute_fp4.hf.checkpoint import (
     INDEX_FILE,
     LEGACY_QUANT_FILE,
