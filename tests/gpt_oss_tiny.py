@@ -48,25 +48,26 @@ def build(cfg: tf.GptOssConfig, seed: int = 0, device="cpu") -> tf.GptOssForCaus
     return model.eval()
 
 
-def expert_weights(model) -> dict[str, torch.Tensor]:
-    """``<experts>.gate_up_proj`` / ``down_proj`` of the model in the checkpoint's row
-    order (``[E, out, in]``: the transposes of transformers' parameters), float32."""
-    out = {}
-    for name, module in model.named_modules():
-        if type(module).__name__ == "GptOssExperts":
-            for proj in PROJECTIONS:
-                out[f"{name}.{proj}"] = getattr(module, proj).detach().float().transpose(1, 2)
-    return out
+def experts_modules(model):
+    """(name, module) of the model's ``GptOssExperts``."""
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__ == "GptOssExperts"]
 
 
 def mxfp4_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's state dict as an MXFP4 checkpoint holds it (module docstring)."""
-    weights = expert_weights(model)
+    """The model's state dict as an MXFP4 checkpoint holds it (module docstring), on the
+    CPU: each projection quantized on its own device, one at a time (a float32 copy of one
+    projection at most)."""
+    quantized = {}
+    for name, module in experts_modules(model):
+        for proj in PROJECTIONS:
+            w = getattr(module, proj).detach().float().transpose(1, 2).contiguous()
+            blocks, scales = quantize(w, format="mxfp4").to_blocks()
+            del w
+            quantized[f"{name}.{proj}"] = (blocks.cpu(), scales.cpu())
     tensors = {}
     for key, t in model.state_dict().items():
-        if key in weights:
-            blocks, scales = quantize(weights[key].contiguous(), format="mxfp4").to_blocks()
-            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+        if key in quantized:
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = quantized[key]
         else:
             tensors[key] = t.detach().cpu().contiguous()
     return tensors
@@ -92,20 +93,23 @@ def write(model, path, tensors: dict | None = None, not_converted=None,
 
 
 def dequantized(model, tensors: dict[str, torch.Tensor], dtype=torch.bfloat16):
-    """``model`` with its experts' weights replaced by the checkpoint's decoded values
-    (transformers' ``GptOssExperts`` on them: the model transformers dequantizes it to,
-    in ``dtype``)."""
+    """A copy of ``model`` with its experts' weights replaced by the checkpoint's decoded
+    values (transformers' ``GptOssExperts`` on them: the model transformers dequantizes it
+    to without its hub kernels), in ``dtype``; decoded expert by expert on the model's
+    device."""
     import copy
 
     from cute_fp4.mxfp4 import MXFP4Tensor
 
     twin = copy.deepcopy(model).to(dtype)
     with torch.no_grad():
-        for name, module in twin.named_modules():
-            if type(module).__name__ != "GptOssExperts":
-                continue
+        for name, module in experts_modules(twin):
             for proj in PROJECTIONS:
-                w = MXFP4Tensor.from_blocks(tensors[f"{name}.{proj}_blocks"],
-                                            tensors[f"{name}.{proj}_scales"])
-                getattr(module, proj).copy_(w.dequantize(torch.float32).transpose(1, 2))
+                param = getattr(module, proj)
+                blocks = tensors[f"{name}.{proj}_blocks"]
+                scales = tensors[f"{name}.{proj}_scales"]
+                for e in range(param.shape[0]):
+                    w = MXFP4Tensor.from_blocks(blocks[e].to(param.device),
+                                                scales[e].to(param.device))
+                    param[e].copy_(w.dequantize(torch.float32).T)
     return twin
