@@ -27,13 +27,14 @@ PROJECTIONS = ("gate_up_proj", "down_proj")
 
 def config(layers: int = 2, hidden: int = 64, intermediate: int = 64, experts: int = 4,
            top_k: int = 2, **extra) -> tf.GptOssConfig:
-    """A gpt-oss config of the given sizes (heads of 32; sliding and full attention
-    alternating as gpt-oss's)."""
-    return tf.GptOssConfig(num_hidden_layers=layers, hidden_size=hidden,
-                           intermediate_size=intermediate, num_local_experts=experts,
-                           num_experts_per_tok=top_k, head_dim=32, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=extra.pop("vocab_size", 256),
-                           max_position_embeddings=256, sliding_window=16, **extra)
+    """A gpt-oss config of the given sizes (by default heads of 32 and a 256-token
+    vocabulary; ``extra`` overrides any field; sliding and full attention alternating as
+    gpt-oss's)."""
+    params = dict(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate,
+                  num_local_experts=experts, num_experts_per_tok=top_k, head_dim=32,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256, sliding_window=16)
+    return tf.GptOssConfig(**{**params, **extra})
 
 
 def build(cfg: tf.GptOssConfig, seed: int = 0, device="cpu") -> tf.GptOssForCausalLM:
