@@ -28,6 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from cute_fp4.errors import FormatError, InputError
+from cute_fp4.formats import NVFP4
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf import tp
 from cute_fp4.hf.checkpoint import (
@@ -90,8 +91,8 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         n, k = linear.out_features, linear.in_features
         self.in_features, self.out_features = k, n
-        self.weight = tp.parameter((n, k // 2), torch.uint8)
-        self.weight_scale = tp.parameter((n, k // 16), torch.float8_e4m3fn)
+        self.weight = tp.parameter((n, NVFP4.data_row_bytes(k)), torch.uint8)
+        self.weight_scale = tp.parameter((n, NVFP4.scale_cols(k)), NVFP4.scale.torch_dtype)
         for name, shape in (("weight_scale_2", ()), ("input_scale", () if input_scale else None)):
             t = None if shape is None else torch.empty(shape, dtype=torch.float32, device="meta")
             self.register_buffer(name, t)
@@ -188,7 +189,7 @@ def _check_dense(name: str, lin: torch.nn.Linear, keys, index) -> bool:
         raise FormatError(f"{name}: [{n}, {k}] cannot run on cute_fp4's kernels (in_features "
                           f"a multiple of {K_MULTIPLE}, out_features of {N_MULTIPLE}); "
                           "exclude it when quantizing")
-    expect(index, _sibling(key, "weight_scale"), torch.float8_e4m3fn, (n, k // 16),
+    expect(index, _sibling(key, "weight_scale"), NVFP4.scale.torch_dtype, (n, NVFP4.scale_cols(k)),
            near=key, what="row-major block scales")
     expect(index, _sibling(key, "weight_scale_2"), torch.float32, _SCALAR, near=key,
            what="the global scale")
@@ -229,8 +230,8 @@ def _check_expert_source(name: str, e: int, nk: tuple[int, int], template: str, 
         what = f"expert {x} of {e}, {name}"
         near = some[0] if some else None
         expect(index, key, torch.uint8, (n, k // 2), near=near, what=what)
-        expect(index, _sibling(key, "weight_scale"), torch.float8_e4m3fn, (n, k // 16),
-               near=key, what=what)
+        expect(index, _sibling(key, "weight_scale"), NVFP4.scale.torch_dtype,
+               (n, NVFP4.scale_cols(k)), near=key, what=what)
         expect(index, _sibling(key, "weight_scale_2"), torch.float32, _SCALAR, near=key,
                what=what)
         inp = _sibling(key, "input_scale")
