@@ -29,12 +29,12 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from cute_fp4.errors import FormatError, InputError
+from cute_fp4.errors import FormatError
 from cute_fp4.formats import MXFP4
 from cute_fp4.hf.checkpoint import CheckpointError, excluded, expect, read_tensor_index
+from cute_fp4.hf.quantizer import PreQuantized
 from cute_fp4.moe import MXFP4MoE
 
 __all__ = ["ATTRIBUTE", "MXFP4Config", "MXFP4Quantizer", "QUANT_METHOD", "checkpoint_tensors",
@@ -179,23 +179,17 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if k.endswith(_STORED)}
 
 
-class MXFP4Quantizer(HfQuantizer):
+class MXFP4Quantizer(PreQuantized):
     """Loads gpt-oss MXFP4 checkpoints onto cute_fp4's grouped kernels (module
     docstring)."""
 
-    requires_calibration = True  # pre-quantized checkpoints only
+    FORMAT = "MXFP4"
+    SAVED_AS = "the checkpoint's blocks and scales"
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.names: list[str] = []
         self.index = {}
-
-    def validate_environment(self, device_map=None, **kwargs):
-        devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
-        devices.discard(None)
-        if len(devices) > 1 or devices & {"disk", "auto"}:
-            raise InputError(f"MXFP4 checkpoints load onto one device; device_map gives "
-                             f"{sorted(map(str, devices))}")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
@@ -219,21 +213,6 @@ class MXFP4Quantizer(HfQuantizer):
         model.cute_fp4_mode = "w4a16"
         model.cute_fp4_format = QUANT_METHOD
         return model
-
-    def is_serializable(self, safe_serialization=None):
-        """transformers' ``model.save_pretrained`` asks this first: the answer is
-        :func:`cute_fp4.hf.save_pretrained`, which writes the checkpoint's own form."""
-        raise InputError("save an MXFP4 model with cute_fp4.hf.save_pretrained(model, path) "
-                         "(the checkpoint's blocks and scales, bit-exact), not "
-                         "model.save_pretrained")
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
 
 
 _registered = False

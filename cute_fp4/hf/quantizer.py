@@ -304,28 +304,54 @@ def plan_model(model, fmt: QuantFormat, index, conversions) -> _Plan:
 
 # ----------------------------------------------------------------------------- quantizer
 
-class ModelOptNVFP4Quantizer(HfQuantizer):
-    """Loads pre-quantized ModelOpt NVFP4 checkpoints onto cute_fp4's layers (module
-    docstring). Quantizing a BF16 model is ``cute_fp4.hf.quantize_model``."""
+class PreQuantized(HfQuantizer):
+    """What cute_fp4's quantizer plugins share (ModelOpt NVFP4 here, gpt-oss MXFP4 in
+    ``cute_fp4.hf.mxfp4``): pre-quantized checkpoints only, loaded onto one device
+    (``self.device``), saved by :func:`cute_fp4.hf.save_pretrained` (``SAVED_AS``), not
+    trainable, compileable."""
 
     requires_calibration = True  # pre-quantized checkpoints only
+    FORMAT = "NVFP4"
+    SAVED_AS = "ModelOpt's per-expert NVFP4 tensors"
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.device = torch.device("cpu")
-        self.plan: _Plan | None = None
-        self.mode = "w4a16"
 
     def validate_environment(self, device_map=None, **kwargs):
         devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
         devices.discard(None)
         if len(devices) > 1 or devices & {"disk", "auto"}:
-            raise InputError(f"NVFP4 checkpoints load onto one device; device_map gives "
-                             f"{sorted(map(str, devices))}")
+            raise InputError(f"{self.FORMAT} checkpoints load onto one device; device_map "
+                             f"gives {sorted(map(str, devices))}")
         if devices:
             dev = devices.pop()
             self.device = torch.device("cuda", dev) if isinstance(dev, int) else torch.device(
                 dev)
+
+    def is_serializable(self, safe_serialization=None):
+        """transformers' ``model.save_pretrained`` asks this first: the answer is
+        :func:`cute_fp4.hf.save_pretrained`, which writes the checkpoint's form."""
+        raise InputError(f"save an {self.FORMAT} model with cute_fp4.hf.save_pretrained(model, "
+                         f"path) ({self.SAVED_AS}, bit-exact), not model.save_pretrained")
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+class ModelOptNVFP4Quantizer(PreQuantized):
+    """Loads pre-quantized ModelOpt NVFP4 checkpoints onto cute_fp4's layers (module
+    docstring). Quantizing a BF16 model is ``cute_fp4.hf.quantize_model``."""
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.plan: _Plan | None = None
+        self.mode = "w4a16"
 
     def update_weight_conversions(self, weight_conversions):
         out = []
@@ -387,22 +413,6 @@ class ModelOptNVFP4Quantizer(HfQuantizer):
         if plan:
             config.base_model_tp_plan = tp.expert_scale_plan(plan)
         return config
-
-    def is_serializable(self, safe_serialization=None):
-        """transformers' ``model.save_pretrained`` asks this first: the answer is
-        :func:`cute_fp4.hf.save_pretrained`, which writes the ModelOpt form."""
-        raise InputError("save an NVFP4 model with cute_fp4.hf.save_pretrained(model, path) "
-                         "(ModelOpt's per-expert NVFP4 tensors, bit-exact), not "
-                         "model.save_pretrained")
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
 
 def fuse_mlps(model, fuse: bool, group: int | None) -> tuple[tuple, tuple]:
     """The dense gated SiLU MLPs whose three projections are NVFP4 with one gate/up global

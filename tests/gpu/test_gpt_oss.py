@@ -256,19 +256,10 @@ def test_prefill_logits(models):
 @pytest.mark.parametrize("batch", [1, 16])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
 def test_generate(models, batch, sample):
+    """generate's per-step logits (its decode path: static shapes of M = batch rows through
+    the grouped kernels) against the fake-quantized model's on the same tokens."""
     ours, bf16, _ = models
-    x = _prompts(batch, seed=3 + batch)
-    torch.manual_seed(0)
-    kw = dict(do_sample=True, top_k=20, temperature=1.0) if sample else dict(do_sample=False)
-    out = ours.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
-                        min_new_tokens=8, output_logits=True, return_dict_in_generate=True,
-                        pad_token_id=0, **kw)
-    seq = out.sequences
-    assert seq.shape == (batch, 24) and torch.equal(seq[:, :16], x)
-    assert ((seq >= 0) & (seq < 32768)).all()
-    steps = torch.stack(out.logits, dim=1).float()
-    if not sample:
-        assert torch.equal(steps.argmax(-1), seq[:, 16:])
+    seq, steps = hf_tiny.generate_steps(ours, _prompts(batch, seed=3 + batch), sample, 32768)
     with torch.no_grad():
         want = bf16(seq).logits[:, 15:23].float()
     median, p90 = hf_tiny.token_errors(steps, want)
