@@ -284,7 +284,7 @@ def decode(args) -> dict:
                       num_key_value_heads=8, sliding_window=128)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = tf.GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = tf.GptOssForCausalLM._from_config(cfg, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("bias", "sinks")):
