@@ -20,7 +20,9 @@
   which). Bar: faster than both.
 
 Times: CUDA events around CUDA-graph replays of ``--iters`` calls (median of ``--reps``),
-never host wall-clock per call.
+never host wall-clock per call; the calls of a graph read other weights (dense: copies of
+the weight over 128 MB; grouped: eight routings in turn), so the times are of weights
+read from HBM, not L2.
 
     python perf/gpt_oss.py --out DIR [--sections grouped,dense,decode] [--quick]
 
@@ -147,52 +149,79 @@ def _stacks(experts: int, seed: int):
     return out
 
 
-def grouped_case(experts: int, tokens: int, st: dict, ex: Experts, iters: int,
-                 reps: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(tokens)
+ROUTINGS = 8  # distinct routings cycled in a timed graph: each call reads other experts
+
+
+def _routing(experts: int, tokens: int, seed: int, x_seed: int | None = None):
+    """One call's operands: activations, gpt-oss routing, the sorted rows and their
+    experts."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
     ids, weights = softmax_topk(torch.randn(tokens, experts, generator=g,
                                             device="cuda").bfloat16(), TOP_K)
+    r = route(ids, experts)
+    rows = ids.reshape(-1).index_select(0, r.order).long()
+    return {"x": x, "ids": ids, "weights": weights, "r": r, "rows": rows,
+            "xs": x.index_select(0, r.token)}
+
+
+def _cycle(calls):
+    """A function calling ``calls`` in turn (unrolled into a graph as captured)."""
+    state = {"i": 0}
+
+    def call():
+        fn = calls[state["i"] % len(calls)]
+        state["i"] += 1
+        return fn()
+
+    return call
+
+
+def grouped_case(experts: int, tokens: int, st: dict, ex: Experts, iters: int,
+                 reps: int) -> dict:
+    """One (experts, tokens) point: each timed call routes other tokens (:data:`ROUTINGS`
+    routings cycled), so the experts it reads are mostly not in L2 from the call before."""
     w13 = st["gate_up_proj"][2].transpose(1, 2)  # [E, H, 2I]: _grouped_mm's B
     w2 = st["down_proj"][2].transpose(1, 2)
     b13, b2 = st["gate_up_proj_bias"], st["down_proj_bias"]
-    r = route(ids, experts)
-    rows = ids.reshape(-1).index_select(0, r.order).long()
-    xs = x.index_select(0, r.token)
-    ends = r.offsets[1:]
-
-    def torch_layer():
-        rr = route(ids, experts)
-        gu = torch._grouped_mm(x.index_select(0, rr.token), w13, offs=rr.offsets[1:])
-        act = swiglu_oai_unfused(gu + b13.index_select(0, rows), 1)
-        dn = torch._grouped_mm(act, w2, offs=rr.offsets[1:]) + b2.index_select(0, rows)
-        return combine(dn, rr, weights)
-
-    act_b = swiglu_oai_unfused(torch._grouped_mm(xs, w13, offs=ends), 1)
-
-    def torch_gemms():
-        torch._grouped_mm(xs, w13, offs=ends)
-        torch._grouped_mm(act_b, w2, offs=ends)
-
     bias13, bias2 = ex.biases
-    act_c = grouped_gemm(xs, ex.w13, r.offsets, bias=bias13, swiglu_oai=True)
+    cases = [_routing(experts, tokens, 100 * tokens + i) for i in range(ROUTINGS)]
 
-    def ours_gemms():
-        grouped_gemm(xs, ex.w13, r.offsets, bias=bias13, swiglu_oai=True)
-        grouped_gemm(act_c, ex.w2, r.offsets, bias=bias2)
+    def torch_layer(c):
+        rr = route(c["ids"], experts)
+        gu = torch._grouped_mm(c["x"].index_select(0, rr.token), w13, offs=rr.offsets[1:])
+        act = swiglu_oai_unfused(gu + b13.index_select(0, c["rows"]), 1)
+        dn = torch._grouped_mm(act, w2, offs=rr.offsets[1:]) + b2.index_select(0, c["rows"])
+        return combine(dn, rr, c["weights"])
 
-    ours = ex(x, ids, weights)
-    ref = torch_layer()
+    for c in cases:  # the second GEMMs' inputs
+        ends = c["r"].offsets[1:]
+        c["act_bf16"] = swiglu_oai_unfused(torch._grouped_mm(c["xs"], w13, offs=ends), 1)
+        c["act"] = grouped_gemm(c["xs"], ex.w13, c["r"].offsets, bias=bias13, swiglu_oai=True)
+
+    def torch_gemms(c):
+        ends = c["r"].offsets[1:]
+        torch._grouped_mm(c["xs"], w13, offs=ends)
+        torch._grouped_mm(c["act_bf16"], w2, offs=ends)
+
+    def ours_gemms(c):
+        grouped_gemm(c["xs"], ex.w13, c["r"].offsets, bias=bias13, swiglu_oai=True)
+        grouped_gemm(c["act"], ex.w2, c["r"].offsets, bias=bias2)
+
+    c0 = cases[0]
+    ours, ref = ex(c0["x"], c0["ids"], c0["weights"]), torch_layer(c0)
     err = float((ours.float() - ref.float()).norm() / ref.float().norm())
-    routed = int(torch.unique(ids).numel())
+    routed = statistics.mean(int(torch.unique(c["ids"]).numel()) for c in cases)
     weight_bytes = routed * (2 * WIDTH * HIDDEN + HIDDEN * WIDTH) * (0.5 + 1 / 32)
     t = {}
-    for name, fn in (("ours_layer", lambda: ex(x, ids, weights)), ("torch_layer", torch_layer),
-                     ("ours_gemms", ours_gemms), ("torch_gemms", torch_gemms)):
+    impls = {"ours_layer": lambda c: ex(c["x"], c["ids"], c["weights"]),
+             "torch_layer": torch_layer, "ours_gemms": ours_gemms, "torch_gemms": torch_gemms}
+    for name, impl in impls.items():
+        fn = _cycle([lambda c=c, impl=impl: impl(c) for c in cases])
         t[name], t[f"{name}_how"] = best_us(fn, iters, reps)
     dims = GroupedDims(tokens * TOP_K, 2 * WIDTH, HIDDEN, experts, "bf16", True, "mxfp4")
     family = str(gemm_device().target.family)
-    return {"experts": experts, "tokens": tokens, "routed_experts": routed, **t,
+    return {"experts": experts, "tokens": tokens, "routed_experts_mean": routed, **t,
             "speedup_layer": t["torch_layer"] / t["ours_layer"],
             "speedup_gemms": t["torch_gemms"] / t["ours_gemms"],
             "floor_us": weight_bytes / bandwidth() * 1e6, "rel_err_vs_bf16": err,
@@ -220,24 +249,39 @@ def grouped(args) -> list[dict]:
 
 # ----------------------------------------------------------------------------- dense
 
+L2_COLD_BYTES = 128e6  # weight bytes cycled per graph: over twice an H100/H200's 50 MB L2
+
+
+def _copies(w, count: int) -> list:
+    """``count`` copies of a packed weight at other addresses (the same bytes)."""
+    return [w] + [type(w)(w.data.clone(), w.scale.clone(), w.global_scale, w.shape)
+                  for _ in range(count - 1)]
+
+
 def dense(args) -> list[dict]:
+    """M = 1, each timed call on another copy of the weight (cold: :data:`L2_COLD_BYTES`)."""
     rows = []
     for n, k in ((2880, 2880), (8192, 8192)):
         g = torch.Generator(device="cuda").manual_seed(n)
         w = torch.randn(n, k, generator=g, device="cuda") * 0.02
         x = torch.randn(1, k, generator=g, device="cuda").bfloat16()
-        mx, nv, bf = repack(cf.quantize(w, format="mxfp4")), repack(cf.quantize(w)), \
-            w.bfloat16()
+        count = max(2, -(-int(L2_COLD_BYTES) // int(n * k * (0.5 + 1 / 32))))
+        mx = _copies(repack(cf.quantize(w, format="mxfp4")), count)
+        nv = _copies(repack(cf.quantize(w)), count)
+        bf = [w.bfloat16() for _ in range(max(2, -(-int(L2_COLD_BYTES) // (2 * n * k))))]
         t = {}
-        calls = {"mxfp4": lambda x=x, w=mx: cf.gemm(x, w),
-                 "nvfp4": lambda x=x, w=nv: cf.gemm(x, w), "bf16": lambda x=x, w=bf: x @ w.T}
-        for name, fn in calls.items():
-            t[name], t[f"{name}_how"] = best_us(fn, args.iters, args.reps)
-        row = {"m": 1, "n": n, "k": k, **t, "mxfp4_over_nvfp4": t["mxfp4"] / t["nvfp4"],
+        calls = {"mxfp4": [lambda b=b, x=x: cf.gemm(x, b) for b in mx],
+                 "nvfp4": [lambda b=b, x=x: cf.gemm(x, b) for b in nv],
+                 "bf16": [lambda b=b, x=x: x @ b.T for b in bf]}
+        for name, fns in calls.items():
+            t[name], t[f"{name}_how"] = best_us(_cycle(fns), args.iters, args.reps)
+        row = {"m": 1, "n": n, "k": k, "weight_copies": count, **t,
+               "mxfp4_over_nvfp4": t["mxfp4"] / t["nvfp4"],
                "floor_mxfp4_us": n * k * (0.5 + 1 / 32) / bandwidth() * 1e6}
         print(f"dense {n}x{k} M=1: MXFP4 {t['mxfp4']:.2f} us, NVFP4 {t['nvfp4']:.2f} us "
               f"({row['mxfp4_over_nvfp4']:.3f}x), BF16 {t['bf16']:.2f} us", flush=True)
         rows.append(row)
+        del mx, nv, bf
     return rows
 
 
@@ -346,7 +390,7 @@ def markdown(res: dict) -> str:
                   "| experts | tokens | routed | ours layer us | torch layer us | x | ours "
                   "GEMMs us | torch GEMMs us | x | floor us | auto |", "|" + "---|" * 11]
         for r in res["grouped"]:
-            lines.append(f"| {r['experts']} | {r['tokens']} | {r['routed_experts']} | "
+            lines.append(f"| {r['experts']} | {r['tokens']} | {r['routed_experts_mean']:.1f} | "
                          f"{r['ours_layer']:.1f} | {r['torch_layer']:.1f} | "
                          f"{r['speedup_layer']:.2f} | {r['ours_gemms']:.1f} | "
                          f"{r['torch_gemms']:.1f} | {r['speedup_gemms']:.2f} | "

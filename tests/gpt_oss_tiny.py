@@ -113,4 +113,6 @@ def dequantized(model, tensors: dict[str, torch.Tensor], dtype=torch.bfloat16):
                     w = MXFP4Tensor.from_blocks(blocks[e].to(param.device),
                                                 scales[e].to(param.device))
                     param[e].copy_(w.dequantize(torch.float32).T)
+    if dtype == torch.float32:  # torch's grouped_mm takes 16-bit operands
+        twin.set_experts_implementation("eager")
     return twin
