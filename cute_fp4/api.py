@@ -26,12 +26,14 @@ import dataclasses
 import torch
 
 from cute_fp4 import bindings, reference, run
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.compile import CompiledGemm
 from cute_fp4.errors import InputError
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
+from cute_fp4.formats import NVFP4, Operand
+from cute_fp4.nvfp4 import quantize
 from cute_fp4.operands import ALIGN, alpha_tensor, check_operands, make_operands, out_dtype_of
 from cute_fp4.oplib import LazyOp, define, traced, while_tracing
-from cute_fp4.packed import PackedNVFP4Weight, repack
+from cute_fp4.packed import PackedWeight, repack
 from cute_fp4.run import poisoned_check, run_compiled  # noqa: F401 (scripts use them here)
 from cute_fp4.tuning import (  # noqa: F401 (the heuristic's names, as tests and perf/ use them)
     DECODE_MIN_K_TILES,
@@ -55,11 +57,15 @@ _alpha_tensor = alpha_tensor  # the name scripts under perf/ use
 
 # ----------------------------------------------------------------------------- running
 
-def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
+def gemm(a, b: BlockTensor, *, schedule="auto", out: torch.Tensor | None = None,
          out_dtype: torch.dtype = torch.bfloat16, alpha=None, bias: torch.Tensor | None = None,
-         silu_mul: bool = False, nvfp4_out=None, check: bool = False) -> torch.Tensor:
-    """``out = alpha * a @ b.T`` with ``b`` NVFP4 [N, K] and ``a`` NVFP4 (W4A4) or
-    bf16/fp16 [M, K] (W4A16). ``alpha`` defaults to the product of the global scales.
+         silu_mul: bool = False, nvfp4_out=None, check: bool = False,
+         swiglu_oai: bool = False) -> torch.Tensor:
+    """``out = alpha * a @ b.T`` with ``b`` a block-scaled weight [N, K] (NVFP4Tensor or
+    MXFP4Tensor, or its packed form) and ``a`` in the same block format (W4A4) or bf16/fp16
+    [M, K] (W4A16; MXFP4 weights: bf16). ``alpha`` defaults to the product of the global
+    scales (1 for MXFP4, which has none). Mixed block formats are a FormatError naming
+    both.
 
     ``schedule``: "auto" (tuned if a tuning exists, else a heuristic), a catalogue name, or
     a Schedule. ``check=True`` validates the first call of each kernel against the exact
@@ -69,32 +75,35 @@ def gemm(a, b: NVFP4Tensor, *, schedule="auto", out: torch.Tensor | None = None,
     the output's rounding; ``silu_mul=True``: ``b``'s rows are gate and up interleaved
     (``cute_fp4.fused.interleave_gate_up(w, plan.silu_group(schedule))``) and the output
     is ``F.silu(gate) * up`` [M, N / 2], the bits of that unfused pipeline in the output
-    dtype; ``nvfp4_out=global_scale`` (a float or a float32 device scalar, decode form: the
+    dtype; ``swiglu_oai=True``: the same gate/up order and output, gpt-oss's clamped
+    SwiGLU (``cute_fp4.fused.swiglu_oai_unfused``) instead of SiLU;
+    ``nvfp4_out=global_scale`` (a float or a float32 device scalar, decode form: the
     next W4A4 layer's static input scale): the output, rounded to ``out_dtype``, quantized
     in the epilogue (``quantize(y, global_scale)``'s bytes) and returned as an
     ``NVFP4Tensor`` (``out``: an ``NVFP4Tensor`` to write). Normal-orientation kernels
     without split-K only (plan() refuses the others with the reason).
     """
     if torch.compiler.is_compiling():
-        if bias is not None or silu_mul or nvfp4_out is not None:
-            raise InputError("gemm with bias=, silu_mul= or nvfp4_out= is not supported "
-                             "under torch.compile yet (the cute_fp4::mm op has no epilogue "
-                             "operands)")
-        if isinstance(b, PackedNVFP4Weight):
-            raise InputError("a PackedNVFP4Weight is not supported under torch.compile yet "
-                             "(the cute_fp4::mm op takes the plain layout); use the plain "
-                             "NVFP4Tensor there")
+        if bias is not None or silu_mul or swiglu_oai or nvfp4_out is not None:
+            raise InputError("gemm with bias=, silu_mul=, swiglu_oai= or nvfp4_out= is not "
+                             "supported under torch.compile yet (the cute_fp4::mm op has no "
+                             "epilogue operands)")
+        if isinstance(b, PackedWeight):
+            raise InputError("a packed weight is not supported by gemm under torch.compile "
+                             "yet (the cute_fp4::mm op takes the plain layout; "
+                             "cute_fp4.mm_packed takes the packed one); use the plain tensor "
+                             "there")
         return _op_call(a, b, schedule, out_dtype, alpha)
     OPS.ready()
     return bindings.gemm(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
-                         nvfp4_out)
+                         nvfp4_out, swiglu_oai)
 
 
 # ----------------------------------------------------------------------------- custom ops
 
-def _flatten(a, b: NVFP4Tensor, alpha):
-    """NVFP4 operands -> plain tensors for the op (W4A16: a has no scale)."""
-    if isinstance(a, NVFP4Tensor):
+def _flatten(a, b: BlockTensor, alpha):
+    """Block-tensor operands -> plain tensors for the op (W4A16: a has no scale)."""
+    if isinstance(a, BlockTensor):
         a_t, a_sf = a.data, a.scale
     else:
         a_t, a_sf = a, None
@@ -239,8 +248,8 @@ def _define_ops() -> None:
 
 def _fake_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
-    return (x.new_empty((m, k // 2), dtype=torch.uint8),
-            x.new_empty(scale_shape(m, k), dtype=torch.float8_e4m3fn))
+    return (x.new_empty((m, NVFP4.data_row_bytes(k)), dtype=torch.uint8),
+            x.new_empty(NVFP4.scale_shape(m, k), dtype=NVFP4.scale.torch_dtype))
 
 
 # ----------------------------------------------------------------------------- validate
@@ -274,7 +283,7 @@ DEFAULT_SHAPES = [(1, 264, 320), (7, 136, 4096), (16, 512, 8256), (127, 136, 320
                   (128, 256, 4096), (129, 264, 832), (1000, 136, 4096), (256, 392, 8256)]
 
 
-def validate(schedule_or_kernel, shapes=None, a_format: str = "nvfp4", seed: int = 0,
+def validate(schedule_or_kernel, shapes=None, a_format: str = Operand.NVFP4, seed: int = 0,
              dist: str = "awkward") -> ValidationReport:
     """Run a schedule (or a CompiledGemm) on many shapes against the exact reference,
     with the output poisoned (NaN) before each run so an unwritten element fails. A grouped

@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from cute_fp4.errors import CuteFp4Error
+from cute_fp4.formats import NVFP4, Operand
 from cute_fp4.nvfp4 import NVFP4Tensor
 
 FLUSH_BYTES = 256 << 20
@@ -75,7 +76,9 @@ def default_shapes() -> list[tuple[int, int, int]]:
 
 
 # bytes kinds of the providers: what each one reads and writes
-_KIND = {"quack_w4a16": "bf16", "cute_fp4_w4a16": "bf16", "cute_fp4_w4a4": "nvfp4"}
+_KIND = {"quack_w4a16": Operand.BF16, "cute_fp4_w4a16": Operand.BF16,
+         "cute_fp4_w4a4": Operand.NVFP4}
+_NV = NVFP4  # the block format the providers' operands are in
 
 
 def nbytes(m: int, n: int, k: int, kind: str, out_bytes: int = 2) -> int:
@@ -83,10 +86,10 @@ def nbytes(m: int, n: int, k: int, kind: str, out_bytes: int = 2) -> int:
     provider name ("torch_bf16", "torch_fp8", "quack_w4a16", ...)."""
     kind = _KIND.get(kind, kind)
     d = m * n * out_bytes
-    if kind == "nvfp4":
-        return m * k // 2 + n * k // 2 + (m + n) * k // 16 + d
-    if kind in ("bf16", "fp16"):  # W4A16
-        return 2 * m * k + n * k // 2 + n * k // 16 + d
+    if kind == Operand.NVFP4:
+        return (m + n) * (_NV.data_row_bytes(k) + _NV.scale_cols(k)) + d
+    if kind in (Operand.BF16, Operand.FP16):  # W4A16
+        return 2 * m * k + n * (_NV.data_row_bytes(k) + _NV.scale_cols(k)) + d
     if kind == "torch_bf16":
         return 2 * m * k + 2 * n * k + d
     if kind == "torch_fp8":
@@ -97,8 +100,8 @@ def nbytes(m: int, n: int, k: int, kind: str, out_bytes: int = 2) -> int:
 def weight_bytes(n: int, k: int, kind: str) -> int:
     """Bytes of the weight (and its scales) alone: what decode streams."""
     kind = _KIND.get(kind, kind)
-    if kind in ("nvfp4", "bf16", "fp16"):
-        return n * k // 2 + n * k // 16
+    if kind in (Operand.NVFP4, Operand.BF16, Operand.FP16):
+        return n * (_NV.data_row_bytes(k) + _NV.scale_cols(k))
     if kind == "torch_bf16":
         return 2 * n * k
     if kind == "torch_fp8":
@@ -222,7 +225,7 @@ class BenchOperands:
 
     def activation(self, a_format: str):
         """The A operand of ``a_format``: "bf16", "fp16" (``a16`` converted) or "nvfp4"."""
-        if a_format == "nvfp4":
+        if a_format == Operand.NVFP4:
             return self.a4
         if a_format == "bf16":
             return self.a16
@@ -366,14 +369,14 @@ def _prepare_quack(ops: BenchOperands) -> Prepared:
     m, n, k = ops.mnk
     if k % 64:
         raise Unavailable(f"QuACK's NVFP4 repack needs K a multiple of 64, K = {k}")
-    blob, sf = prepare_w4_weight(ops.b.data, ops.b.scale_linear(), "nvfp4")
+    blob, sf = prepare_w4_weight(ops.b.data, ops.b.scale_linear(), NVFP4.name)
     n_full = blob.shape[0] * 64  # N padded by the repack
     gs = float(ops.b.global_scale)
     out = _poisoned(m, n_full, ops.b.device)
     a = ops.a16
 
     def call() -> torch.Tensor:
-        return gemm_w4a16(a, blob, sf, tensor_scale=gs, out=out, wformat="nvfp4")[:, :n]
+        return gemm_w4a16(a, blob, sf, tensor_scale=gs, out=out, wformat=NVFP4.name)[:, :n]
 
     return Prepared(call, {"quack": quack_version(), "n_padded": n_full})
 
@@ -404,7 +407,7 @@ def provider_status(providers=PEERS) -> dict[str, str | None]:
 def cute_fp4_provider(schedule, a_format: str) -> Provider:
     """cute_fp4 with ``schedule`` (a Schedule, a catalogue name or "auto", resolved per
     shape) and A in ``a_format``; compiled once per schedule signature (symbolic M, N, K)."""
-    name = "cute_fp4_w4a4" if a_format == "nvfp4" else "cute_fp4_w4a16"
+    name = "cute_fp4_w4a16" if Operand.of(a_format).sixteen_bit else "cute_fp4_w4a4"
 
     def status() -> str | None:
         from cute_fp4.targets import detect_device
@@ -561,7 +564,7 @@ def _peer_rows(ops: BenchOperands, timer: Timer, said: set) -> tuple[list[dict],
     return rows, base
 
 
-def run_bench(schedules, shapes=None, formats=("nvfp4",), validate=True, reps=20,
+def run_bench(schedules, shapes=None, formats=(Operand.NVFP4,), validate=True, reps=20,
               progress=True) -> list[dict]:
     """One row per shape x schedule x A format, plus the peers' rows of each shape
     (:data:`PEERS` that are available here, fed the same weight, each with its check).

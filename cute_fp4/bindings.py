@@ -24,6 +24,7 @@ import torch
 
 from cute_fp4 import quant, run, workspaces
 from cute_fp4.compile import on_clear
+from cute_fp4.formats import Operand
 from cute_fp4.operands import A_FORMATS, alpha_tensor
 from cute_fp4.quant import quantize_activation
 from cute_fp4.tuning import resolution_deadline
@@ -95,7 +96,7 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float,
     its caller passes their address to :meth:`BoundLaunch.launch_ptrs`; an alpha that is
     not already a float32 device scalar, whose copy would not follow the original) or, for
     split-K, while capturing. ``key``: what the caller matches it on (kept as ``.key``)."""
-    w4a4 = dims[3] == "nvfp4"
+    w4a4 = not Operand.of(dims[3]).sixteen_bit
     if getattr(kernel, "ffi", None) is None or (w4a4 and not a_scale_per_call):
         return None
     dev = b.data.device
@@ -117,11 +118,11 @@ _GEMM_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def gemm(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=None,
-         silu_mul: bool = False, nvfp4_out=None) -> torch.Tensor:
+         silu_mul: bool = False, nvfp4_out=None, swiglu_oai: bool = False) -> torch.Tensor:
     """``cute_fp4.gemm``'s eager body: a W4A16 call like an earlier one on the same weight
     object through its binding (:func:`bound_gemm`), else ``run.gemm_call``, whose launch
     is bound for the next (:func:`remember_gemm`)."""
-    plain = bias is None and not silu_mul and nvfp4_out is None
+    plain = bias is None and not silu_mul and not swiglu_oai and nvfp4_out is None
     if plain and not check:
         result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
         if result is not None:
@@ -131,7 +132,7 @@ def gemm(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=None,
         remember_gemm(kern, a_, b_, result, schedule, out_dtype, alpha_, dims)
 
     return run.gemm_call(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
-                         nvfp4_out, keep=keep if plain else None)
+                         nvfp4_out, keep=keep if plain else None, swiglu_oai=swiglu_oai)
 
 
 def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
@@ -279,10 +280,12 @@ on_clear(clear_bindings)
 # ----------------------------------------------------------------------------- a layer's
 
 def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
-                device_index: int, packed: bool = False):
-    """The compiled kernel of a layer's call of this shape (``run.kernel``: "auto" is
-    resolved again every second, so a new tuning is picked up)."""
-    return run.kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed)
+                device_index: int, packed: bool = False, b_format: str = Operand.NVFP4):
+    """The compiled kernel of a layer's call of this shape on its weight's block format
+    (``run.kernel``: "auto" is resolved again every second, so a new tuning is picked
+    up)."""
+    return run.kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed,
+                      b_format=Operand.of(b_format))
 
 
 def _run(kern, a, w, alpha, dims, out=None, early: bool = False) -> torch.Tensor:
@@ -303,18 +306,22 @@ class Launcher:
         self.bound: dict[tuple, BoundLaunch | tuple[quant.BoundActivation, BoundLaunch]] = {}
 
     def w4a16(self, x: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
-              packed: bool, early: bool = False) -> None:
-        """``out = x @ w^T`` (W4A16, alpha the weight's global scale) for a checked ``x``
-        (contiguous, 16-byte aligned, [..., K] of M rows on the weight's device ``dev``).
-        ``early``: the stream kernel may read the weight before the kernel before it ends
-        (``Operands.early``: the layer holds that no kernel writing it is in flight)."""
+              packed: bool, early: bool = False, alpha: torch.Tensor | None = None) -> None:
+        """``out = x @ w^T`` (W4A16, alpha the weight's global scale, or ``alpha``: a
+        float32 device scalar the layer holds, for a format without global scales) for a
+        checked ``x`` (contiguous, 16-byte aligned, [..., K] of M rows on the weight's
+        device ``dev``). ``early``: the stream kernel may read the weight before the kernel
+        before it ends (``Operands.early``: the layer holds that no kernel writing it is in
+        flight)."""
         bound = self.bound.get((m, x.dtype))
         if (bound is not None and bound.key[0] is w and bound.key[1] is schedule
                 and bound.key[2] == early and bound.launch(x, w, out)):
             return
         k, n = w.shape[1], w.shape[0]
-        fmt, alpha = A_FORMATS[x.dtype], w.global_scale
-        kern = _kernel_for(schedule, m, n, k, fmt, x.dtype, dev, packed=packed)
+        fmt = A_FORMATS[x.dtype]
+        alpha = w.global_scale if alpha is None else alpha
+        kern = _kernel_for(schedule, m, n, k, fmt, x.dtype, dev, packed=packed,
+                           b_format=w.fmt)
         dims = (m, n, k, fmt)
         _run(kern, x, w, alpha, dims, out, early)
         self._keep((m, x.dtype), bind(kern, x, w, out, alpha, dims, (w, schedule, early),
@@ -337,7 +344,7 @@ class Launcher:
         k, n = w.shape[1], w.shape[0]
         gs = w.global_scale
         dynamic = input_scale is None
-        decode = run.via_values(schedule, "nvfp4", packed)
+        decode = run.via_values(schedule, Operand.of(w.fmt), packed)
         a_alpha = alpha
         if decode and not dynamic:  # the values in one pass
             fmt, a = A_FORMATS[torch.bfloat16], quant.quantize_values(x2, input_scale)
@@ -345,7 +352,7 @@ class Launcher:
             fmt = A_FORMATS[torch.bfloat16]
             a, a_alpha = quant.w4a16_operands(quantize_activation(x2, None), gs, None)
         else:
-            fmt, a = "nvfp4", quantize_activation(x2, input_scale)
+            fmt, a = Operand.of(w.fmt), quantize_activation(x2, input_scale)
             if dynamic:  # gemm's own product, made here as the tensor the binding takes
                 a_alpha = alpha_tensor(a, w, None)
         kern = _kernel_for(schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)

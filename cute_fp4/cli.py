@@ -25,6 +25,7 @@ import warnings
 
 from cute_fp4 import tables
 from cute_fp4.errors import CuteFp4Error, InputError
+from cute_fp4.formats import Operand
 
 EXIT_OK = 0
 EXIT_REFUSED = 1  # a named schedule refused, a compile or validation failure
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", help="another target of the same family (e.g. sm_121a)")
     s.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"),
                    help="plan for this problem too (K and N alignment, split-K ranges)")
-    s.add_argument("--a-format", choices=["nvfp4", "bf16", "fp16"],
+    s.add_argument("--a-format", choices=[Operand.NVFP4, Operand.BF16, Operand.FP16],
                    help="the A operand: nvfp4 (W4A4) or 16-bit (W4A16); default: what the "
                    "schedule's file names (PROBLEM), else nvfp4")
     s.set_defaults(func=cmd_plan)
@@ -313,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(plan refusals pass)")
         s.add_argument("--shapes", nargs="+", metavar="M,N,K",
                        help="problem sizes (default: the command's standard set)")
-        s.add_argument("--formats", nargs="+", default=["nvfp4"],
-                       choices=["nvfp4", "bf16"], help="A operand: nvfp4 (W4A4), bf16 (W4A16)")
+        s.add_argument("--formats", nargs="+", default=[Operand.NVFP4],
+                       choices=[Operand.NVFP4, Operand.BF16],
+                       help="A operand: nvfp4 (W4A4), bf16 (W4A16)")
         if name == "validate":
             s.add_argument("--emulate", action="store_true",
                            help="on an SM90 GPU: SM120 schedules (--all: the SM120 catalogue) "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from cute_fp4.errors import CompileError, InputError
 from cute_fp4.families import family_of, resolve
+from cute_fp4.formats import Operand
 from cute_fp4.plan import Plan, plan
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 from cute_fp4.targets import Target, get_target
@@ -214,11 +215,29 @@ def _dump(build_dir: Path, cubin: Path, sass: str, dump_dir: Path, stem: str) ->
 
 # ----------------------------------------------------------------------------- runtime
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Signature:
-    """What a compiled kernel is specialised on besides the schedule (not M, N, K)."""
+    """What a compiled kernel is specialised on besides the schedule (not M, N, K): the
+    activation's format (a block format, W4A4, or ``"bf16"``/``"fp16"``, W4A16) and the
+    weight's block format (:class:`~cute_fp4.formats.Operand`; strings accepted)."""
 
-    a_format: str = "nvfp4"  # "nvfp4" (W4A4) or "bf16"/"fp16" (W4A16)
+    a_format: Operand = Operand.NVFP4
+    b_format: Operand = Operand.NVFP4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "a_format", Operand.of(self.a_format, "Signature.a_format"))
+        object.__setattr__(self, "b_format", Operand.of(self.b_format, "Signature.b_format"))
+
+    def __repr__(self) -> str:
+        # the weight format only where it is not the default: the disk cache keys builds by
+        # this repr, and the entries of NVFP4 kernels stay valid
+        extra = "" if self.b_format is Operand.NVFP4 else f", b_format={self.b_format!r}"
+        return f"Signature(a_format={self.a_format!r}{extra})"
+
+    @property
+    def problem(self) -> Problem:
+        """The symbolic problem of this signature (M, N, K any)."""
+        return Problem(a_format=self.a_format, b_format=self.b_format)
 
 
 TVM_FFI_ENV = "CUTE_FP4_TVM_FFI"  # "0": compile without the TVM-FFI entry
@@ -288,7 +307,7 @@ class CompiledGemm:
         self.validated = False
         self.out_dtype = out_dtype_of(schedule)
         self.max_ctas = max_ctas  # None: the device's SM count (see kernels/launch.py)
-        self._planned: set[tuple] = set()  # (M, N, K, a_format) plan() accepted
+        self._planned: set[tuple] = set()  # (M, N, K, a_format[, E]) plan() accepted
         self._stream_of = stream_getter()
         self._made: dict[tuple[int, int], object] = {}  # (slot, value) -> DSL object
         self._ctas: dict[int, int] = {}  # SM count per device index
@@ -299,12 +318,14 @@ class CompiledGemm:
         self._ffi = ffi_function(compiled)
         self.call_path = "dsl" if self._ffi is None else "tvm-ffi"
 
-    def check_plan(self, dims: tuple[int, int, int, str]) -> None:
-        """``plan(schedule, problem).raise_if_invalid()`` once per (M, N, K, a_format):
-        plan() is pure but costs ~150 us of Python. A refusal is not remembered, so it is
-        raised with its reasons on every call."""
+    def check_plan(self, dims: tuple) -> None:
+        """``plan(schedule, problem).raise_if_invalid()`` once per (M, N, K, a_format) (a
+        grouped call's: (M, N, K, a_format, E)), the weight's format this kernel's
+        (``signature.b_format``): plan() is pure but costs ~150 us of Python. A refusal is
+        not remembered, so it is raised with its reasons on every call."""
         if dims not in self._planned:
-            plan(self.schedule, Problem(*dims)).raise_if_invalid()
+            plan(self.schedule, Problem(*dims, b_format=self.signature.b_format)
+                 ).raise_if_invalid()
             if len(self._planned) >= 4096:
                 self._planned.clear()
             self._planned.add(dims)
@@ -460,7 +481,7 @@ def compile(schedule: Schedule, signature: Signature | None = None) -> CompiledG
 _RESOLVED: dict[tuple, tuple] = {}
 
 
-def kernel_for(schedule, key: tuple, a_format: str, device_index: int,
+def kernel_for(schedule, key: tuple, signature: Signature, device_index: int,
                resolve: Callable[[], Schedule]) -> CompiledGemm:
     """The kernel a call runs for its ``schedule`` argument (a Schedule, a catalogue name or
     "auto"), memoised per (argument, ``key``, device): resolving "auto" (tuning store,
@@ -469,7 +490,7 @@ def kernel_for(schedule, key: tuple, a_format: str, device_index: int,
     besides the argument (a dense call's M, N, K, A format, output dtype, fused ops and
     weight layout; a grouped call's regime); ``resolve()``: the Schedule, made on a miss
     (``tuning.resolve_schedule`` and its kin: this layer does not choose). The kernel is
-    compiled for A in ``a_format``.
+    compiled for ``signature`` (A's and B's formats; ``key`` must hold them too).
 
     A Schedule argument is memoised by identity (the memo holds it, so the id stays its
     own); "auto" is resolved again every ``tuning.AUTO_RECHECK_S`` seconds, so a tuning
@@ -478,7 +499,7 @@ def kernel_for(schedule, key: tuple, a_format: str, device_index: int,
     hit = _RESOLVED.get(memo)
     if hit is not None and hit[0] is schedule and time.monotonic() < hit[2]:
         return hit[1]
-    kern = compile(resolve(), Signature(a_format))
+    kern = compile(resolve(), signature)
     if len(_RESOLVED) >= 4096:
         _RESOLVED.clear()
     _RESOLVED[memo] = (schedule, kern, resolution_deadline(schedule))
@@ -489,7 +510,7 @@ def _build(schedule: Schedule, sig: Signature, kernel=None, tag: str = "") -> Co
     """Compile (or load from the disk cache) with the TVM-FFI entry when
     :func:`tvm_ffi_enabled`; if that build fails where a plain one works (an
     apache-tvm-ffi this DSL cannot use), warn once and keep the plain one."""
-    kernel = kernel or _make_kernel(schedule, Problem(a_format=sig.a_format))
+    kernel = kernel or _make_kernel(schedule, sig.problem)
     if not tvm_ffi_enabled():
         return _build_with(schedule, sig, kernel, tag, ffi=False)
     try:
@@ -605,8 +626,9 @@ def emulated_kernel(schedule: Schedule, problem: Problem | None = None):
     if schedule.arch.family != "sm120":
         raise InputError(f"schedule {schedule.name or schedule.label()} is for "
                          f"{schedule.target}; only SM120 schedules have an emulated build")
-    if problem.a_format != "nvfp4":
-        raise InputError(f"the SM120 kernel takes NVFP4 A only, got {problem.a_format}")
+    if problem.w4a16:
+        raise InputError(f"the SM120 kernel takes block-scaled A (W4A4) only, got "
+                         f"{problem.a_format}")
     plan(schedule, problem).raise_if_invalid()
     return kernel_class(schedule)(schedule, problem, emulate=True)
 
@@ -635,7 +657,7 @@ def compile_emulated(schedule: Schedule, signature: Signature | None = None) -> 
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is None:
-            kernel = emulated_kernel(schedule, Problem(a_format=sig.a_format))
+            kernel = emulated_kernel(schedule, sig.problem)
             hit = _CACHE[key] = _build(schedule, sig, kernel, "+emulated")
     return hit
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from cute_fp4 import tables
+from cute_fp4.formats import Operand
 from cute_fp4.targets import TARGETS, detect_device
 
 
@@ -51,7 +52,8 @@ def _gpu_part(dev, quick: bool, ok: bool) -> int:
     from cute_fp4.plan import plan
 
     _section(f"validation on {dev.name} ({dev.target.name}) against the exact reference")
-    formats = ["nvfp4", "bf16"] if dev.target.family == "sm90" else ["nvfp4"]
+    formats = ([Operand.NVFP4, Operand.BF16] if dev.target.family == "sm90"
+               else [Operand.NVFP4])
     jobs = [(s, fmt) for s in catalogue.all_schedules(dev.target.family, grouped=False)
             if plan(s).ok for fmt in formats]
     for i, (s, fmt) in enumerate(jobs, 1):

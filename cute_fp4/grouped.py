@@ -41,8 +41,8 @@ import torch
 
 from cute_fp4 import run
 from cute_fp4.api import OPS, register_op
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import InputError
-from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import b_stack, grouped_alpha, torch_out
 from cute_fp4.oplib import traced, while_tracing
 
@@ -55,7 +55,7 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                  alpha=None, bias: torch.Tensor | None = None, silu_mul: bool = False,
                  nvfp4_out=None, check: bool = False,
-                 validate_offsets: bool = False) -> torch.Tensor:
+                 validate_offsets: bool = False, swiglu_oai: bool = False) -> torch.Tensor:
     """The grouped (MoE) GEMM: ``out[offsets[e]:offsets[e+1]] = alpha[e] *
     a[offsets[e]:offsets[e+1]] @ b[e].T`` (module docstring for the operands).
 
@@ -69,23 +69,24 @@ def grouped_gemm(a, b, offsets: torch.Tensor, *, schedule="auto",
     offsets give wrong rows of ``out`` but never touch memory outside ``a`` and ``out``.
 
     Fused in the epilogue, as ``gemm``'s: ``bias`` float32 ``[E, N]`` (each expert's),
-    ``silu_mul=True`` (each expert's rows gate/up interleaved, ``cute_fp4.fused``; the
-    output ``[total_M, N / 2]``), ``nvfp4_out=global_scale`` (the output quantized in the
-    epilogue, returned as an ``NVFP4Tensor`` over all total_M rows; the offsets must cover
-    them: ``offsets[0] = 0``, ``offsets[E] = total_M``).
+    ``silu_mul=True`` or ``swiglu_oai=True`` (gpt-oss's clamped SwiGLU; each expert's rows
+    gate/up interleaved, ``cute_fp4.fused``; the output ``[total_M, N / 2]``),
+    ``nvfp4_out=global_scale`` (the output quantized in the epilogue, returned as an
+    ``NVFP4Tensor`` over all total_M rows; the offsets must cover them: ``offsets[0] = 0``,
+    ``offsets[E] = total_M``).
     """
     if torch.compiler.is_compiling():
-        if bias is not None or silu_mul or nvfp4_out is not None:
-            raise InputError("grouped_gemm with bias=, silu_mul= or nvfp4_out= is not "
-                             "supported under torch.compile yet (cute_fp4::grouped_mm has no "
-                             "epilogue operands)")
+        if bias is not None or silu_mul or swiglu_oai or nvfp4_out is not None:
+            raise InputError("grouped_gemm with bias=, silu_mul=, swiglu_oai= or nvfp4_out= "
+                             "is not supported under torch.compile yet (cute_fp4::grouped_mm "
+                             "has no epilogue operands)")
         if validate_offsets:
             raise InputError("validate_offsets=True reads the offsets back (a GPU sync), "
                              "which torch.compile cannot trace: validate them outside")
         return _op_call(a, b, offsets, schedule, out, out_dtype, alpha)
     OPS.ready()
     return run.grouped_call(a, b, offsets, schedule, out, out_dtype, alpha, check,
-                            validate_offsets, bias, silu_mul, nvfp4_out)
+                            validate_offsets, bias, silu_mul, nvfp4_out, swiglu_oai)
 
 
 # ----------------------------------------------------------------------------- custom op
@@ -94,7 +95,7 @@ def _op_call(a, b, offsets, schedule, out, out_dtype, alpha) -> torch.Tensor:
     """``grouped_gemm`` while torch.compile traces it: one ``cute_fp4::grouped_mm`` node (a
     given ``out`` is filled from its result)."""
     n_exp, n, k, packed = b_stack(b)
-    a_t, a_sf = (a.data, a.scale) if isinstance(a, NVFP4Tensor) else (a, None)
+    a_t, a_sf = (a.data, a.scale) if isinstance(a, BlockTensor) else (a, None)
     alpha_t = grouped_alpha(a, b, alpha, n_exp)
     res = grouped_mm(a_t, a_sf, b.data, b.scale, offsets, alpha_t, k, torch_out(out_dtype),
                      schedule, n, packed)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
+from cute_fp4.formats import NVFP4
 from cute_fp4.fused import (
     device_group,
     gate_up_order,
@@ -268,8 +269,8 @@ class NVFP4GatedMLP(torch.nn.Module):
         if any(keys[p, k] not in state_dict for p in _PROJECTIONS[:2] for k in _KEYS[:3]):
             return
         t = {p: {k: state_dict.get(keys[p, k]) for k in _KEYS} for p in _PROJECTIONS[:2]}
-        want = {"weight": (self.intermediate, self.hidden // 2),
-                "weight_scale": (self.intermediate, self.hidden // 16)}
+        want = {"weight": (self.intermediate, NVFP4.data_row_bytes(self.hidden)),
+                "weight_scale": (self.intermediate, NVFP4.scale_cols(self.hidden))}
         for p in _PROJECTIONS[:2]:
             for k, shape in want.items():
                 if tuple(t[p][k].shape) != shape:

@@ -32,7 +32,7 @@ from cute_fp4.layers.experts import (
 from cute_fp4.nn import keep_format_dtypes
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
 
-__all__ = ["LAYOUTS", "MODES", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
+__all__ = ["LAYOUTS", "MODES", "MXFP4MoE", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
            "check_stages", "combine", "expert", "moe_bf16", "moe_reference", "route",
            "silu_and_mul"]
 
@@ -41,7 +41,7 @@ LAYOUTS = ("auto", "plain", "packed")
 MoEStages = Stages  # every intermediate of one call (cute_fp4.layers.Stages)
 _FORMAT_BUFFERS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
                    "w13_alpha", "w2_weight", "w2_weight_scale", "w2_weight_scale_2",
-                   "w2_input_scale", "w2_alpha", "up_ratio")
+                   "w2_input_scale", "w2_alpha", "up_ratio", "w13_bias", "w2_bias")
 _GEMMS = ("w13", "w2")
 
 
@@ -50,7 +50,9 @@ class NVFP4MoE(torch.nn.Module):
     module over a :class:`cute_fp4.layers.Experts` (``self.experts``; arguments as its).
     The module registers the layer's tensors as buffers (``w13_weight``,
     ``w13_weight_scale``, ``w13_weight_scale_2``, ``w13_input_scale``, ``w13_alpha``, the
-    same for ``w2``, ``up_ratio``), so moving it (``.to``) moves them and keeps the layout.
+    same for ``w2``, ``up_ratio``; ``w13_bias``/``w2_bias``, float32, for experts with
+    biases), so moving it (``.to``) moves them and keeps the layout and dtypes. Its
+    experts' format is its weights' (:class:`MXFP4MoE` names the MXFP4 one).
     """
 
     def __init__(self, w13, w2, mode: str = "w4a16", schedule="auto",
@@ -71,6 +73,8 @@ class NVFP4MoE(torch.nn.Module):
                                  persistent=False)
             self.register_buffer(f"{name}_alpha", experts.alphas[i], persistent=False)
         self.register_buffer("up_ratio", experts.up_ratio, persistent=False)
+        for name, bias in zip(_GEMMS, experts.biases):
+            self.register_buffer(f"{name}_bias", bias, persistent=False)
 
     @classmethod
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, mode: str = "w4a16",
@@ -93,7 +97,7 @@ class NVFP4MoE(torch.nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
-        if name in _FORMAT_BUFFERS and "experts" in self.__dict__ and "up_ratio" in self._buffers:
+        if name in _FORMAT_BUFFERS and "experts" in self.__dict__ and "w2_bias" in self._buffers:
             self._give_experts()  # a buffer replaced by assignment: the layer runs on it
 
     def _apply(self, fn, recurse=True):
@@ -107,7 +111,8 @@ class NVFP4MoE(torch.nn.Module):
         self.experts.adopt(*((b[f"{n}_weight"], b[f"{n}_weight_scale"],
                               b[f"{n}_weight_scale_2"]) for n in _GEMMS),
                            tuple(b[f"{n}_input_scale"] for n in _GEMMS),
-                           tuple(b[f"{n}_alpha"] for n in _GEMMS), b["up_ratio"])
+                           tuple(b[f"{n}_alpha"] for n in _GEMMS), b["up_ratio"],
+                           tuple(b[f"{n}_bias"] for n in _GEMMS))
 
     def __getattr__(self, name: str):
         """The prepared layer's attributes (``num_experts``, ``hidden``, ``intermediate``,
@@ -167,8 +172,27 @@ class NVFP4MoE(torch.nn.Module):
                              lambda e: expert(ex.w2, e).dequantize(torch.float64), act_quant)
 
 
+class MXFP4MoE(NVFP4MoE):
+    """gpt-oss's MXFP4 experts as a module (:class:`NVFP4MoE`'s code over
+    :meth:`cute_fp4.layers.Experts.from_gpt_oss`): ``forward(x, topk_ids, topk_weights)``;
+    what ``cute_fp4.hf`` loads a gpt-oss MXFP4 checkpoint's experts into."""
+
+    @classmethod
+    def from_gpt_oss(cls, gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks,
+                     down_scales, down_bias, *, layout: str = "auto", fused="auto",
+                     schedule="auto", name: str = "") -> MXFP4MoE:
+        """From gpt-oss's checkpoint tensors (:meth:`cute_fp4.layers.Experts.from_gpt_oss`)."""
+        return cls(None, None, experts=Experts.from_gpt_oss(
+            gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias,
+            layout=layout, fused=fused, schedule=schedule, name=name))
+
+    def gpt_oss_checkpoint(self, bias_dtype: torch.dtype = torch.bfloat16) -> dict:
+        """The checkpoint tensors back, bit for bit (``Experts.gpt_oss_checkpoint``)."""
+        return self.experts.gpt_oss_checkpoint(bias_dtype)
+
+
 _DELEGATED = frozenset({"num_experts", "hidden", "intermediate", "mode", "layout", "schedule",
-                        "gate_up_group", "w13", "w2"})
+                        "gate_up_group", "w13", "w2", "fmt", "activation", "biases"})
 
 
 # ----------------------------------------------------------------------------- references

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from cute_fp4.errors import InputError
+from cute_fp4.formats import NVFP4
 from cute_fp4.layers import Linear
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedNVFP4Weight
@@ -229,7 +230,7 @@ class NVFP4Linear(torch.nn.Module):
         """torch's "size mismatch" messages for the checkpoint tensors present with the
         wrong shape (packed E2M1 bytes [N, K/2], UE4M3 scales [N, K/16], scalar scales)."""
         n, k = self.out_features, self.in_features
-        want = {"weight": (n, k // 2), "weight_scale": (n, k // 16),
+        want = {"weight": (n, NVFP4.data_row_bytes(k)), "weight_scale": (n, NVFP4.scale_cols(k)),
                 "weight_scale_2": None, "input_scale": None}
         out = []
         for name, shape in want.items():

@@ -14,14 +14,18 @@ from typing import NamedTuple
 
 import torch
 
-from cute_fp4.errors import DeviceError, InputError, InputTypeError, OffsetsError
-from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
-from cute_fp4.packed import PackedNVFP4Weight, packed_rows
-from cute_fp4.schedule import OutDtype, Schedule
+from cute_fp4.blockscaled import BlockTensor
+from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError, OffsetsError
+from cute_fp4.formats import FORMATS, NVFP4, BlockFormat, Operand, get_format
+from cute_fp4.mxfp4 import MXFP4Tensor
+from cute_fp4.nvfp4 import NVFP4Tensor, quantize
+from cute_fp4.packed import UNIT_K, PackedWeight, packed_rows
+from cute_fp4.schedule import OutDtype, Schedule, gated_op
 
 _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
 ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row pitches
+_MEMO_TYPES = frozenset({NVFP4Tensor, MXFP4Tensor})  # the formats' tensor classes
 K_MULTIPLE = 32  # K: packed FP4 rows of whole 16-byte units
 N_MULTIPLE = 8  # N: bf16/fp16 output rows of whole 16-byte units
 
@@ -31,7 +35,7 @@ class Operands(NamedTuple):
     ``check_grouped_operands``): torch tensors, None for an absent operand. The kernels'
     launch code (``kernels.launch``) turns them into the compiled signature's arguments."""
 
-    a: torch.Tensor  # A's data: packed NVFP4 bytes [M, K/2] or 16-bit [M, K]
+    a: torch.Tensor  # A's data: packed FP4 bytes [M, K/2] or 16-bit [M, K]
     a_scale: torch.Tensor | None  # A's blocked scales (None: 16-bit A, W4A16)
     b: torch.Tensor  # B's data: [N, K/2] (plain or fragment order), a stack [E, rows, K/2]
     b_scale: torch.Tensor  # B's blocked scales
@@ -67,34 +71,65 @@ def _check_tensor(t: torch.Tensor, name: str, dtypes, shape, device) -> None:
                          f"aligned (offset {t.data_ptr() % ALIGN}); TMA needs {ALIGN} bytes")
 
 
-A_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # 16-bit A (W4A16) formats
+A_FORMATS = {torch.bfloat16: Operand.BF16, torch.float16: Operand.FP16}  # 16-bit A (W4A16)
+_TENSOR_NAMES = "an NVFP4Tensor or MXFP4Tensor"
+
+
+def format_of_scale(scale: torch.Tensor) -> BlockFormat:
+    """The block format whose scale type is stored in ``scale``'s dtype (float8_e8m0fnu:
+    MXFP4's UE8M0; float8_e4m3fn and uint8 bytes: NVFP4's UE4M3): how the custom ops,
+    which take plain tensors, know an operand's format."""
+    for fmt in FORMATS.values():
+        if fmt is not NVFP4 and scale.dtype == fmt.scale.torch_dtype:
+            return fmt
+    return NVFP4
+
+
+def as_scale(scale: torch.Tensor, fmt: BlockFormat = NVFP4) -> torch.Tensor:
+    """Scales in ``fmt``'s storage dtype (uint8 bytes, as the custom ops may take them, are
+    viewed, not copied)."""
+    return scale.view(fmt.scale.torch_dtype) if scale.dtype == torch.uint8 else scale
 
 
 def as_e4m3(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as float8_e4m3fn (uint8 bytes, as the custom ops take them, are viewed, not
-    copied)."""
-    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
+    """Scales as float8_e4m3fn (NVFP4's; :func:`as_scale`)."""
+    return as_scale(scale, NVFP4)
 
 
-def _a_format(a, rows: str = "M", note: str = "") -> tuple[int, int, str]:
-    """(rows, K, format) of the A operand; raises on anything but a 2-D NVFP4Tensor or a
-    2-D bf16/fp16 tensor (``rows``, ``note``: how the messages name A's rows: ``M`` for
-    gemm, ``total_M`` and the sort order for grouped_gemm)."""
-    if isinstance(a, NVFP4Tensor):
+def _a_format(a, rows: str = "M", note: str = "") -> tuple[int, int, Operand]:
+    """(rows, K, format) of the A operand; raises on anything but a 2-D block tensor
+    (NVFP4Tensor, MXFP4Tensor) or a 2-D bf16/fp16 tensor (``rows``, ``note``: how the
+    messages name A's rows: ``M`` for gemm, ``total_M`` and the sort order for
+    grouped_gemm)."""
+    if isinstance(a, BlockTensor):
         if a.experts is not None:
             raise InputError(f"a must be 2-D [{rows}, K]{note}, got an expert stack of "
                              f"shape {a.shape}")
-        return *a.shape, "nvfp4"
+        return *a.shape, Operand.of(a.fmt)
     if not isinstance(a, torch.Tensor):
-        raise InputTypeError(f"a must be an NVFP4Tensor or a torch.Tensor, "
+        raise InputTypeError(f"a must be {_TENSOR_NAMES} or a torch.Tensor, "
                              f"got {type(a).__name__}")
     if a.dim() != 2:
         raise InputError(f"a must be 2-D [{rows}, K], got shape {tuple(a.shape)}")
-    fmt = A_FORMATS.get(a.dtype, "")
-    if not fmt:
-        raise InputError(f"a must be an NVFP4Tensor (W4A4) or bfloat16/float16 (W4A16), "
+    fmt = A_FORMATS.get(a.dtype)
+    if fmt is None:
+        raise InputError(f"a must be {_TENSOR_NAMES} (W4A4) or bfloat16/float16 (W4A16), "
                          f"got {a.dtype}")
     return *a.shape, fmt
+
+
+def check_formats(a_format: Operand, fmt: BlockFormat) -> None:
+    """The activation's format against the weight's block format ``fmt``: W4A4 takes both in
+    one block format, and a weight whose scales exceed FP16's range (MXFP4's UE8M0)
+    decodes to BF16 only. A FormatError naming both formats otherwise."""
+    if not a_format.sixteen_bit and a_format.block_format is not fmt:
+        raise FormatError(f"a is {a_format} and b is {fmt}: W4A4 takes both operands in one "
+                          f"block format; quantize the activations with format='{fmt}' "
+                          "(cute_fp4.quantize) or pass bfloat16 activations (W4A16)")
+    if a_format is Operand.FP16 and fmt.scale.max > torch.finfo(torch.float16).max:
+        raise FormatError(f"a is fp16 and b is {fmt}: {fmt} weights decode to BF16 only "
+                          f"({fmt.scale.name} scales reach {fmt.scale.max:.3g}, beyond FP16's "
+                          "range); pass bfloat16 activations")
 
 
 # Signatures of operands that passed every check, mapped to their (M, N, K, a_format). Only
@@ -106,10 +141,12 @@ _PASSED_MAX = 4096  # distinct signatures kept; the table is emptied when it is 
 def signature(a, b, out, out_dtype: torch.dtype, require_cuda: bool = True) -> tuple | None:
     """The key of :func:`check_operands`' memo: every shape, dtype, device and contiguity the
     checks read (the NVFP4 containers' ``shape`` included), or None for inputs the memo
-    does not handle (anything but an NVFP4Tensor ``b``, an NVFP4Tensor or tensor ``a``, a
-    tensor or None ``out``): those always take the full checks. Written out attribute by
-    attribute: it runs on every call, and a helper per tensor doubled its cost."""
-    if type(b) is not NVFP4Tensor:
+    does not handle (anything but a block tensor ``b`` of its format's own class, a block
+    tensor or tensor ``a``, a tensor or None ``out``): those always take the full checks.
+    Written out attribute by attribute: it runs on every call, and a helper per tensor
+    doubled its cost."""
+    tb = type(b)
+    if tb not in _MEMO_TYPES:
         return None
     if out is None:
         o = None
@@ -118,11 +155,11 @@ def signature(a, b, out, out_dtype: torch.dtype, require_cuda: bool = True) -> t
     else:
         return None
     bd, bs = b.data, b.scale
-    rest = (b.shape, bd.shape, bd.dtype, bd.device, bd.is_contiguous(), bs.shape, bs.dtype,
-            bs.device, bs.is_contiguous(), o, out_dtype, require_cuda)
+    rest = (tb, b.shape, bd.shape, bd.dtype, bd.device, bd.is_contiguous(), bs.shape,
+            bs.dtype, bs.device, bs.is_contiguous(), o, out_dtype, require_cuda)
     if type(a) is torch.Tensor:  # W4A16: 5 fields, W4A4: 10, so the two never collide
         return a.shape, a.dtype, a.device, a.is_contiguous(), rest
-    if type(a) is NVFP4Tensor:
+    if type(a) in _MEMO_TYPES:
         ad, asc = a.data, a.scale
         return (a.shape, ad.shape, ad.dtype, ad.device, ad.is_contiguous(), asc.shape,
                 asc.dtype, asc.device, asc.is_contiguous(), rest)
@@ -132,7 +169,7 @@ def signature(a, b, out, out_dtype: torch.dtype, require_cuda: bool = True) -> t
 def _pointers_aligned(a, b, out) -> bool:
     """Whether every base address the kernels read or write is ALIGN-byte aligned."""
     p = b.data.data_ptr() | b.scale.data_ptr()
-    p |= (a.data.data_ptr() | a.scale.data_ptr()) if type(a) is NVFP4Tensor else a.data_ptr()
+    p |= (a.data.data_ptr() | a.scale.data_ptr()) if type(a) in _MEMO_TYPES else a.data_ptr()
     if out is not None:
         p |= out.data_ptr()
     return not p % ALIGN
@@ -164,10 +201,10 @@ def check_operands(a, b, out, alpha, out_dtype: torch.dtype,
 def check_all(a, b, out, alpha, out_dtype: torch.dtype,
               require_cuda: bool = True) -> tuple[int, int, int, str]:
     """:func:`check_operands` without its memo: every check, every call."""
-    if not isinstance(b, NVFP4Tensor):
-        raise InputTypeError(f"b (the weight) must be an NVFP4Tensor [N, K], got "
-                             f"{type(b).__name__}; use cute_fp4.quantize() or "
-                             "NVFP4Tensor.from_modelopt()")
+    if not isinstance(b, BlockTensor):
+        raise InputTypeError(f"b (the weight) must be {_TENSOR_NAMES} [N, K], got "
+                             f"{type(b).__name__}; use cute_fp4.quantize() (format=...), "
+                             "NVFP4Tensor.from_modelopt() or MXFP4Tensor.from_blocks()")
     if len(b.shape) != 2:
         raise InputError(f"b is a stack of {b.shape[0]} experts {list(b.shape)}: gemm takes "
                          "one [N, K] weight; cute_fp4.grouped_gemm(a, b, offsets) runs stacks")
@@ -176,6 +213,8 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
     if require_cuda and dev.type != "cuda":
         raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
     m, ka, a_format = _a_format(a)
+    fmt = b.fmt
+    check_formats(a_format, fmt)
     if ka != k:
         raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n}, {k}]")
     if m == 0 or n == 0 or k == 0:
@@ -183,11 +222,9 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
     if k % K_MULTIPLE:
         raise InputError(f"K = {k} is not a multiple of {K_MULTIPLE}: packed FP4 rows must "
                          "be a multiple of 16 bytes")
-    _check_tensor(b.data, "b.data", (torch.uint8,), (n, k // 2), dev)
-    _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), scale_shape(n, k), dev)
-    if a_format == "nvfp4":
-        _check_tensor(a.data, "a.data", (torch.uint8,), (m, k // 2), dev)
-        _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
+    _check_block(b, "b", n, k, (n, fmt.data_row_bytes(k)), dev)
+    if not a_format.sixteen_bit:
+        _check_block(a, "a", m, k, (m, fmt.data_row_bytes(k)), dev)
     else:
         _check_tensor(a, "a", (a.dtype,), (m, k), dev)
     _check_out(out, m, n, out_dtype, dev, f"N = {n} gives output")
@@ -196,11 +233,27 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
     return m, n, k, a_format
 
 
-def epilogue_ops(bias, silu_mul: bool, nvfp4_out=None) -> tuple[str, ...]:
-    """The fused epilogue operations (``Epilogue.ops``) a call's arguments ask for."""
-    if not isinstance(silu_mul, bool):
-        raise InputTypeError(f"silu_mul must be a bool, got {type(silu_mul).__name__}")
+def _check_block(t: BlockTensor, name: str, rows: int, k: int, data_shape, dev) -> None:
+    """A block tensor's data (uint8 ``data_shape``) and blocked scales (its format's dtype
+    and padded shape) as a kernel reads them."""
+    fmt = t.fmt
+    _check_tensor(t.data, f"{name}.data", (torch.uint8,), data_shape, dev)
+    _check_tensor(t.scale, f"{name}.scale", (fmt.scale.torch_dtype,),
+                  fmt.scale_shape(rows, k), dev)
+
+
+def epilogue_ops(bias, silu_mul: bool, nvfp4_out=None, swiglu_oai: bool = False
+                 ) -> tuple[str, ...]:
+    """The fused epilogue operations (``Epilogue.ops``) a call's arguments ask for:
+    ``swiglu_oai`` is gpt-oss's clamped SwiGLU (``schedule.EPILOGUE_OPS``)."""
+    for flag, what in ((silu_mul, "silu_mul"), (swiglu_oai, "swiglu_oai")):
+        if not isinstance(flag, bool):
+            raise InputTypeError(f"{what} must be a bool, got {type(flag).__name__}")
+    if silu_mul and swiglu_oai:
+        raise InputError("silu_mul and swiglu_oai are both gated activations of the gate/up "
+                         "columns: ask for one")
     return ((("bias",) if bias is not None else ()) + (("silu_mul",) if silu_mul else ())
+            + (("swiglu_oai",) if swiglu_oai else ())
             + (("nvfp4_out",) if nvfp4_out is not None else ()))
 
 
@@ -230,29 +283,33 @@ def nvfp4_out_tensor(out, global_scale, rows: int, cols: int, device) -> NVFP4Te
         if not math.isfinite(gs) or gs <= 0:
             raise InputError(f"nvfp4_out's global scale must be finite and > 0, got {gs:g}")
         gs = torch.tensor(gs, dtype=torch.float32, device=device)
-    rp, cp = scale_shape(rows, cols)
-    return NVFP4Tensor._unchecked(torch.empty((rows, cols // 2), dtype=torch.uint8,
-                                              device=device),
-                                  torch.empty((rp, cp), dtype=torch.float8_e4m3fn,
+    rp, cp = NVFP4.scale_shape(rows, cols)
+    return NVFP4Tensor._unchecked(torch.empty((rows, NVFP4.data_row_bytes(cols)),
+                                              dtype=torch.uint8, device=device),
+                                  torch.empty((rp, cp), dtype=NVFP4.scale.torch_dtype,
                                               device=device), gs, (rows, cols))
 
 
 def check_fused_operands(bias, out, rows: int, n: int, out_dtype: torch.dtype,
                          ops: tuple[str, ...], device, experts: int = 0) -> int:
     """Checks of a call with fused epilogue ``ops``: ``bias`` float32 ``[N]`` (``[E, N]``
-    for ``experts`` > 0: one row per expert), ``out`` ``[rows, N / 2]`` with ``silu_mul``
-    (gate/up halves, ``cute_fp4.fused``) else ``[rows, N]``. Returns the output's
-    columns. (Whether N splits into the kernel's gate/up groups is plan()'s check.)"""
-    if "silu_mul" in ops and n % 2:
-        raise InputError(f"silu_mul takes N = {n} GEMM columns (gate and up): N must be even")
-    cols = n // 2 if "silu_mul" in ops else n
+    for ``experts`` > 0: one row per expert), ``out`` ``[rows, N / 2]`` with a gated
+    activation (``silu_mul``, ``swiglu_oai``: gate/up halves, ``cute_fp4.fused``) else
+    ``[rows, N]``. Returns the output's columns. (Whether N splits into the kernel's gate/up
+    groups is plan()'s check.)"""
+    gated = gated_op(ops)
+    if gated and n % 2:
+        raise InputError(f"{gated} takes N = {n} GEMM columns (gate and up): N must be even")
+    cols = n // 2 if gated else n
     if bias is not None:
         shape = (experts, n) if experts else (n,)
         _check_tensor(bias, "bias", (torch.float32,), shape, device)
     if "nvfp4_out" in ops:
-        if cols % 32:
+        unit = 2 * ALIGN  # 16-byte rows of packed codes
+        if cols % unit:
             raise InputError(f"nvfp4_out: the output's {cols} columns must be a multiple of "
-                             "32 (blocks of 16, rows of codes in 16-byte multiples)")
+                             f"{unit} (blocks of {NVFP4.block}, rows of codes in "
+                             f"{ALIGN}-byte multiples)")
         return cols
     _check_out(out, rows, cols, out_dtype, device, f"the output's {cols} columns give")
     return cols
@@ -269,15 +326,18 @@ def _check_out(out, rows: int, cols: int, out_dtype: torch.dtype, device, what: 
                          f"{ALIGN // out_dtype.itemsize} columns)")
 
 
-def alpha_tensor(a, b: NVFP4Tensor, alpha) -> torch.Tensor:
+def alpha_tensor(a, b: BlockTensor, alpha) -> torch.Tensor:
     """alpha as a one-element float32 tensor on b's device (0-d when it comes from the
     global scales: the kernels read only its data pointer). No copy when the global scale
     already is float32 on b's device; W4A4 multiplies the two (one elementwise op per call:
-    not memoised, since a dynamic quantizer rewrites its global scale in place). A Python
-    number is made into a device tensor once per value (:func:`_scalar_alpha`)."""
+    not memoised, since a dynamic quantizer rewrites its global scale in place). A format
+    without global scales (MXFP4) has alpha 1. A Python number is made into a device tensor
+    once per value (:func:`_scalar_alpha`)."""
     if alpha is None:
         dev = b.device
         gs = b.global_scale
+        if gs is None:  # no per-tensor scales: MXFP4
+            return _scalar_alpha(1.0, dev)
         if gs.dtype != torch.float32 or gs.device != dev:
             gs = gs.to(dev, torch.float32)
         if isinstance(a, NVFP4Tensor):
@@ -327,8 +387,9 @@ class GroupedDims(NamedTuple):
     n: int
     k: int
     experts: int
-    a_format: str  # "nvfp4" (W4A4), "bf16" / "fp16" (W4A16)
-    packed: bool  # b is a PackedNVFP4Weight (fragment order, rs_packed schedules)
+    a_format: Operand  # a block format (W4A4), "bf16" / "fp16" (W4A16)
+    packed: bool  # b is a packed weight stack (fragment order, rs_packed/stream schedules)
+    b_format: Operand = Operand.NVFP4  # the weight's block format
 
 
 def torch_out(out_dtype) -> torch.dtype:
@@ -340,15 +401,15 @@ def torch_out(out_dtype) -> torch.dtype:
 
 def b_stack(b) -> tuple[int, int, int, bool]:
     """(E, N, K, packed) of the weight stack; typed errors for anything else."""
-    if not isinstance(b, (NVFP4Tensor, PackedNVFP4Weight)):
-        raise InputTypeError(f"b (the experts' weights) must be an NVFP4Tensor [E, N, K] or "
-                             f"a PackedNVFP4Weight stack, got {type(b).__name__}; "
+    if not isinstance(b, (BlockTensor, PackedWeight)):
+        raise InputTypeError(f"b (the experts' weights) must be {_TENSOR_NAMES} [E, N, K] or "
+                             f"a packed weight stack, got {type(b).__name__}; "
                              "cute_fp4.quantize() takes a 3-D [E, N, K] tensor")
     if b.experts is None:
         raise InputError(f"b must have a leading expert mode [E, N, K], got shape {b.shape}; "
                          "a single weight goes through gemm()")
     e, n, k = b.shape
-    return e, n, k, isinstance(b, PackedNVFP4Weight)
+    return e, n, k, isinstance(b, PackedWeight)
 
 
 def _a_operand(a) -> tuple[int, int, str]:
@@ -363,27 +424,30 @@ def check_grouped_operands(a, b, offsets, out, alpha, out_dtype=torch.bfloat16,
     whether everything is on one device, then (``require_cuda``) whether that is a GPU."""
     n_exp, n, k, packed = b_stack(b)
     m, ka, a_format = _a_operand(a)
+    fmt = b.fmt
+    check_formats(a_format, fmt)
     if ka != k:
         raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n_exp}, {n}, {k}]")
     if n_exp == 0 or n == 0 or k == 0:
         raise InputError(f"empty grouped GEMM: E = {n_exp}, N = {n}, K = {k}; all must be > 0 "
                          "(total_M = 0 is fine)")
-    k_unit = 64 if packed else 32
+    k_unit = UNIT_K if packed else K_MULTIPLE
     if k % k_unit:
         raise InputError(f"K = {k} is not a multiple of {k_unit}: "
-                         + ("the packed layout cuts K into 64-element units" if packed
-                            else "packed FP4 rows must be a multiple of 16 bytes"))
+                         + (f"the packed layout cuts K into {UNIT_K}-element units" if packed
+                            else f"packed FP4 rows must be a multiple of {ALIGN} bytes"))
     if n % N_MULTIPLE:
         raise InputError(f"N = {n} is not a multiple of {N_MULTIPLE} (each expert's output "
                          "rows must be whole 16-byte units)")
     dt = torch_out(out_dtype)
     dev = b.data.device
     rows = packed_rows(n) if packed else n
-    _check_tensor(b.data, "b.data", (torch.uint8,), (n_exp, rows, k // 2), dev)
-    _check_tensor(b.scale, "b.scale", (torch.float8_e4m3fn,), (n_exp, *scale_shape(n, k)), dev)
-    if a_format == "nvfp4":
-        _check_tensor(a.data, "a.data", (torch.uint8,), (m, k // 2), dev)
-        _check_tensor(a.scale, "a.scale", (torch.float8_e4m3fn,), scale_shape(m, k), dev)
+    half = fmt.data_row_bytes(k)
+    _check_tensor(b.data, "b.data", (torch.uint8,), (n_exp, rows, half), dev)
+    _check_tensor(b.scale, "b.scale", (fmt.scale.torch_dtype,),
+                  (n_exp, *fmt.scale_shape(n, k)), dev)
+    if not a_format.sixteen_bit:
+        _check_block(a, "a", m, k, (m, half), dev)
     else:
         _check_tensor(a, "a", (a.dtype,), (m, k), dev)
     _check_offsets(offsets, n_exp, dev)
@@ -392,7 +456,7 @@ def check_grouped_operands(a, b, offsets, out, alpha, out_dtype=torch.bfloat16,
         _check_tensor(out, "out", (dt,), (m, n), dev)
     if require_cuda:
         require_cuda_operands(b)
-    return GroupedDims(m, n, k, n_exp, a_format, packed)
+    return GroupedDims(m, n, k, n_exp, a_format, packed, Operand.of(fmt))
 
 
 def _check_offsets(offsets, n_exp: int, dev: torch.device) -> None:
@@ -440,8 +504,9 @@ def check_offsets(offsets: torch.Tensor, total_m: int) -> None:
 
 def _check_alpha(a, b, alpha, n_exp: int, dev: torch.device) -> None:
     if alpha is None:
-        _check_small(b.global_scale, "b.global_scale", torch.float32, n_exp, dev)
-        if isinstance(a, NVFP4Tensor):
+        if b.global_scale is not None:
+            _check_small(b.global_scale, "b.global_scale", torch.float32, n_exp, dev)
+        if isinstance(a, BlockTensor) and a.global_scale is not None:
             _check_small(a.global_scale, "a.global_scale", torch.float32, 1, dev)
         return
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, torch.Tensor)):
@@ -481,6 +546,8 @@ def grouped_alpha(a, b, alpha, experts: int) -> torch.Tensor:
     """alpha as a float32 ``[E]`` tensor on b's device, made with device ops only (a
     product of global scales, or a fill for a Python number; no host-to-device copy)."""
     if alpha is None:
+        if b.global_scale is None:  # no per-tensor scales (MXFP4): alpha 1 per expert
+            return _scalar_alpha(1.0, b.data.device, experts)
         gs = b.global_scale.reshape(experts)
         return gs * a.global_scale.reshape(()) if isinstance(a, NVFP4Tensor) else gs
     if isinstance(alpha, torch.Tensor):
@@ -490,25 +557,28 @@ def grouped_alpha(a, b, alpha, experts: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- test operands
 
-def make_operands(m: int, n: int, k: int, a_format: str = "nvfp4", seed: int = 0,
-                  dist: str = "awkward", device="cuda"):
+def make_operands(m: int, n: int, k: int, a_format: str = Operand.NVFP4, seed: int = 0,
+                  dist: str = "awkward", device="cuda", b_format: str = Operand.NVFP4):
     """Random operands: ``awkward`` gives rows whose magnitudes span 2^-6..2^6 (block scales
     over ~14 binades of UE4M3's 18, subnormal scales included), 5% zero blocks and 2%
-    blocks 16x larger, so scale handling bugs show up; ``normal`` is N(0, 1)."""
+    blocks 16x larger, so scale handling bugs show up; ``normal`` is N(0, 1). ``b_format``:
+    the weight's block format (W4A4 quantizes A to the same)."""
+    fmt = get_format(b_format)
+    block = fmt.block
     g = torch.Generator(device=device).manual_seed(seed)
 
     def mat(rows):
         x = torch.randn(rows, k, generator=g, device=device)
         if dist == "awkward":
             x *= torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g, device=device).float())
-            blocks = x.view(rows, k // 16, 16)
-            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.05] = 0.0
-            blocks[torch.rand(rows, k // 16, generator=g, device=device) < 0.02] *= 16.0
+            blocks = x.view(rows, k // block, block)
+            blocks[torch.rand(rows, k // block, generator=g, device=device) < 0.05] = 0.0
+            blocks[torch.rand(rows, k // block, generator=g, device=device) < 0.02] *= 16.0
         return x
 
-    b = quantize(mat(n))
+    b = quantize(mat(n), format=fmt)
     a_raw = mat(m)
-    if a_format == "nvfp4":
-        return quantize(a_raw), b
+    if not Operand.of(a_format).sixteen_bit:
+        return quantize(a_raw, format=fmt), b
     dt = torch.bfloat16 if a_format == "bf16" else torch.float16
     return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt), b

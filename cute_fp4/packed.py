@@ -283,6 +283,19 @@ class PackedMXFP4Weight(PackedWeight):
 _PACKED_CLASS = {NVFP4Tensor: PackedNVFP4Weight, MXFP4Tensor: PackedMXFP4Weight}
 
 
+def tensor_class(fmt) -> type[BlockTensor]:
+    """The plain tensor class of a block format (a BlockFormat or its name)."""
+    from cute_fp4.formats import get_format
+
+    fmt = get_format(fmt)
+    return next(c for c in _PACKED_CLASS if c.fmt is fmt)
+
+
+def packed_class(fmt) -> type[PackedWeight]:
+    """The packed weight class of a block format (a BlockFormat or its name)."""
+    return _PACKED_CLASS[tensor_class(fmt)]
+
+
 def repack(w: BlockTensor) -> PackedWeight:
     """The function ``cute_fp4.nn`` (or any caller) uses once per weight: ``w`` in fragment
     order for the ``rs_packed`` and ``stream`` kernels (an expert stack: every expert, for
@@ -292,6 +305,6 @@ def repack(w: BlockTensor) -> PackedWeight:
 
 
 __all__ = ["SIGN_BIT", "UNIT_BYTES", "UNIT_K", "UNIT_ROWS", "PackedMXFP4Weight",
-           "PackedNVFP4Weight", "PackedWeight",
-           "chunk_rows", "fragment_code", "move_signs", "pack", "packed_rows", "repack",
-           "restore_signs", "source_of", "unpack"]
+           "PackedNVFP4Weight", "PackedWeight", "chunk_rows", "fragment_code", "move_signs",
+           "pack", "packed_class", "packed_rows", "repack", "restore_signs", "source_of",
+           "tensor_class", "unpack"]

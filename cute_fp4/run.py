@@ -29,27 +29,31 @@ from __future__ import annotations
 import torch
 
 from cute_fp4 import reference
-from cute_fp4.compile import CompiledGemm, kernel_for
+from cute_fp4.blockscaled import BlockTensor
+from cute_fp4.compile import CompiledGemm, Signature, kernel_for
 from cute_fp4.errors import InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor, scale_shape
+from cute_fp4.formats import Operand
+from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import (
     GroupedDims,
     Operands,
     alpha_tensor,
-    as_e4m3,
+    as_scale,
     check_fused_operands,
     check_grouped_operands,
     check_offsets,
     check_operands,
     epilogue_ops,
+    format_of_scale,
     grouped_alpha,
     nvfp4_out_tensor,
     out_dtype_of,
     require_cuda_operands,
     torch_out,
 )
-from cute_fp4.packed import PackedNVFP4Weight
+from cute_fp4.packed import PackedWeight, packed_class, tensor_class
 from cute_fp4.quant import dequantize_activation, w4a16_operands
+from cute_fp4.schedule import gated_op
 from cute_fp4.targets import reference_mode
 from cute_fp4.tuning import (
     check_grouped_schedule,
@@ -66,28 +70,30 @@ from cute_fp4.workspaces import split_workspace
 
 def via_values(schedule, a_format: str, packed: bool) -> bool:
     """Whether a call runs W4A4 as the W4A16 kernel on the activation's exact BF16 block
-    values (module docstring): NVFP4 activations, a fragment-order packed weight and
-    ``schedule="auto"``."""
-    return a_format == "nvfp4" and packed and isinstance(schedule, str) and schedule == "auto"
+    values (module docstring): NVFP4 activations (the decoder's format), a fragment-order
+    packed weight and ``schedule="auto"``."""
+    return (a_format == Operand.NVFP4 and packed and isinstance(schedule, str)
+            and schedule == "auto")
 
 
 def kernel(schedule, dims: tuple[int, int, int, str], out_dtype: torch.dtype,
-           device_index: int, packed: bool = False, ops: tuple[str, ...] = ()
-           ) -> CompiledGemm:
-    """The compiled kernel of a dense call at ``dims`` = (M, N, K, a_format), memoised per
-    (schedule argument, dims, out dtype, layout, ops, device) by ``compile.kernel_for``
-    ("auto" resolved again every ``tuning.AUTO_RECHECK_S``); ``packed``: for a
-    fragment-order weight (``tuning.resolve_packed``); ``ops``: fused epilogue operations
-    (given to the schedule resolved as without them; "auto" may take another tile for
-    them: ``tuning.with_ops``)."""
+           device_index: int, packed: bool = False, ops: tuple[str, ...] = (),
+           b_format: Operand = Operand.NVFP4) -> CompiledGemm:
+    """The compiled kernel of a dense call at ``dims`` = (M, N, K, a_format) on a weight of
+    block format ``b_format``, memoised per (schedule argument, dims, out dtype, layout,
+    ops, weight format, device) by ``compile.kernel_for`` ("auto" resolved again every
+    ``tuning.AUTO_RECHECK_S``); ``packed``: for a fragment-order weight
+    (``tuning.resolve_packed``); ``ops``: fused epilogue operations (given to the schedule
+    resolved as without them; "auto" may take another tile for them: ``tuning.with_ops``)."""
     def resolve():
-        s = (resolve_packed if packed else resolve_schedule)(schedule, *dims, out_dtype)
+        s = (resolve_packed if packed else resolve_schedule)(schedule, *dims, out_dtype,
+                                                             b_format=b_format)
         if ops and isinstance(schedule, str) and schedule == "auto":
-            return with_ops(s, ops, *dims)
+            return with_ops(s, ops, *dims, b_format=b_format)
         return s.replace(ops=ops) if ops and s.epilogue.ops != ops else s
 
-    return kernel_for(schedule, (*dims, out_dtype, packed, ops), dims[3], device_index,
-                      resolve)
+    return kernel_for(schedule, (*dims, out_dtype, packed, ops, b_format),
+                      Signature(dims[3], b_format), device_index, resolve)
 
 
 def grouped_kernel(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
@@ -99,7 +105,8 @@ def grouped_kernel(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
     def resolve():
         s = resolve_grouped(schedule, out_dtype, dims)
         if ops and schedule == "auto":
-            s = with_ops(s, ops, dims.total_m, dims.n, dims.k, dims.a_format, dims.experts)
+            s = with_ops(s, ops, dims.total_m, dims.n, dims.k, dims.a_format, dims.experts,
+                         dims.b_format)
         elif ops and s.epilogue.ops != ops:
             s = s.replace(ops=ops)
         check_grouped_schedule(s, dims)
@@ -107,7 +114,8 @@ def grouped_kernel(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
         return s
 
     kern = kernel_for(schedule, ("grouped", grouped_regime(schedule, dims), dims.a_format,
-                                 out_dtype, ops), dims.a_format, b.data.get_device(), resolve)
+                                 dims.b_format, out_dtype, ops),
+                      Signature(dims.a_format, dims.b_format), b.data.get_device(), resolve)
     check_grouped_schedule(kern.schedule, dims)  # a memoised kernel: these operands' layout
     return kern
 
@@ -115,14 +123,16 @@ def grouped_kernel(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
 # ----------------------------------------------------------------------------- dense calls
 
 def gemm_call(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=None,
-              silu_mul: bool = False, nvfp4_out=None, keep=None) -> torch.Tensor:
+              silu_mul: bool = False, nvfp4_out=None, keep=None,
+              swiglu_oai: bool = False) -> torch.Tensor:
     """A dense call's full path (module docstring). ``keep(kernel, a, b, result, alpha,
     dims)``: called after a launch that was not validated, without fused ops (a binding can
-    fix it); ``bias``/``silu_mul``/``nvfp4_out``: fused epilogue operations."""
-    ops = epilogue_ops(bias, silu_mul, nvfp4_out)
+    fix it); ``bias``/``silu_mul``/``swiglu_oai``/``nvfp4_out``: fused epilogue
+    operations."""
+    ops = epilogue_ops(bias, silu_mul, nvfp4_out, swiglu_oai)
     if reference_mode():
         return reference_call(a, b, out, out_dtype, alpha, bias, ops, nvfp4_out)
-    packed = isinstance(b, PackedNVFP4Weight)
+    packed = isinstance(b, PackedWeight)
     view = _plain_view(b) if packed else b
     dims = check_operands(a, view, None if ops else out, alpha, out_dtype)
     m, n, k, a_format = dims
@@ -131,8 +141,9 @@ def gemm_call(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=N
     if via_values(schedule, a_format, packed):
         given = None if alpha is None else alpha_tensor(a, view, alpha)
         a, alpha = w4a16_operands(a, b.global_scale, given)
-        dims = (m, n, k, "bf16")
-    kern = kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops)
+        dims = (m, n, k, Operand.BF16)
+    kern = kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops,
+                  Operand.of(b.fmt))
     result = run_checked(kern, a, b, out, alpha, dims, bias, nvfp4_out)
     if check:
         validate_call(kern, result, a, b, alpha, dims, bias)
@@ -144,45 +155,51 @@ def gemm_call(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=N
 def op_call(a, a_scale, b, b_scale, alpha, n: int, k: int, out_dtype, schedule,
             packed: bool, keep=None) -> torch.Tensor:
     """The body of the ``cute_fp4::mm`` (``packed`` False) and ``mm_packed`` ops: the
-    operands wrapped without ``NVFP4Tensor``'s checks (its global-scale check reads the
+    operands wrapped without the containers' checks (the global-scale check reads the
     value back from the GPU, and that sync inside a CUDA-graph capture invalidates it),
-    then :func:`gemm_call`. ``alpha`` is explicit, so the global scales the wrappers carry
-    (alpha itself, a placeholder) are never read."""
+    then :func:`gemm_call`. The weight's format is its scales' dtype's
+    (``operands.format_of_scale``); ``alpha`` is explicit, so the global scales the
+    wrappers carry (alpha itself, a placeholder) are never read."""
     for t, name in ((b, "b"), (b_scale, "b_scale"), (alpha, "alpha")):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    gs = alpha.reshape(())
-    at = a if a_scale is None else NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs,
-                                                          (a.shape[0], k))
+    fmt = format_of_scale(b_scale)
+    gs = alpha.reshape(()) if fmt.global_scale else None
+    at = a if a_scale is None else _wrap(fmt, a, a_scale, gs, (a.shape[0], k))
     if packed:
-        bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n, k))
+        bt = packed_class(fmt)(b, as_scale(b_scale, fmt), gs, (n, k))
     else:
         if b.dim() != 2:
             raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
                                  f"{tuple(b.shape)}")
-        bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (b.shape[0], k))
+        bt = _wrap(fmt, b, b_scale, gs, (b.shape[0], k))
     return gemm_call(at, bt, schedule, None, out_dtype, alpha, keep=keep)
 
 
-def _plain_view(b: PackedNVFP4Weight) -> NVFP4Tensor:
+def _wrap(fmt, data, scale, gs, shape) -> BlockTensor:
+    """A block tensor of ``fmt`` over the tensors, without the checks (see :func:`op_call`)."""
+    return tensor_class(fmt)._unchecked(data, as_scale(scale, fmt), gs, shape)
+
+
+def _plain_view(b: PackedWeight) -> BlockTensor:
     """The plain-weight checks' view of a packed weight's first N rows (same bytes per row,
     same scales)."""
     if len(b.shape) != 2:
         raise InputError(f"b is a stack of {b.shape[0]} packed experts {list(b.shape)}: "
                          "gemm takes one [N, K] weight; cute_fp4.grouped_gemm runs stacks")
     n, k = b.shape
-    return NVFP4Tensor._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
+    return b.tensor_class._unchecked(b.data[:n], b.scale, b.global_scale, (n, k))
 
 
 # ----------------------------------------------------------------------------- grouped calls
 
 def grouped_call(a, b, offsets, schedule, out, out_dtype, alpha, check: bool = False,
                  validate_offsets: bool = False, bias=None, silu_mul: bool = False,
-                 nvfp4_out=None) -> torch.Tensor:
+                 nvfp4_out=None, swiglu_oai: bool = False) -> torch.Tensor:
     """A grouped (MoE) call's full path (module docstring): ``check`` validates the first
     call of each kernel, its offsets first; ``validate_offsets`` checks the offsets on
     every call (one sync each)."""
-    ops = epilogue_ops(bias, silu_mul, nvfp4_out)
+    ops = epilogue_ops(bias, silu_mul, nvfp4_out, swiglu_oai)
     dt = torch_out(out_dtype)
     if reference_mode():
         return reference_grouped_call(a, b, offsets, out, dt, alpha, bias, ops, nvfp4_out,
@@ -195,7 +212,7 @@ def grouped_call(a, b, offsets, schedule, out, out_dtype, alpha, check: bool = F
     alpha_t = None
     if via_values(schedule, dims.a_format, dims.packed):
         alpha_t = grouped_alpha(a, b, alpha, dims.experts)
-        dims = dims._replace(a_format="bf16")
+        dims = dims._replace(a_format=Operand.BF16)
     kern = grouped_kernel(schedule, dims, dt, b, ops)
     validate = check and dims.total_m and not kern.validated
     if validate or validate_offsets:
@@ -226,20 +243,22 @@ def grouped_op_call(a, a_scale, b, b_scale, offsets, alpha, k: int, out_dtype,
                          f"{tuple(b.shape)}")
     n_exp, rows = b.shape[0], b.shape[1]
     n = n or rows
-    rp, cp = scale_shape(n, k)
+    fmt = format_of_scale(b_scale)
+    rp, cp = fmt.scale_shape(n, k)
     if b_scale.numel() == n_exp * rp * cp and b_scale.is_contiguous():
         b_scale = b_scale.view(n_exp, rp, cp)
-    gs = alpha.reshape(-1)
+    gs = alpha.reshape(-1) if fmt.global_scale else None
     if packed:
-        bt = PackedNVFP4Weight(b, as_e4m3(b_scale), gs, (n_exp, n, k))
+        bt = packed_class(fmt)(b, as_scale(b_scale, fmt), gs, (n_exp, n, k))
     else:
         if n != rows:
             raise InputError(f"n = {n} but the plain weight layout has b.shape[1] = {rows} "
                              "rows per expert")
-        bt = NVFP4Tensor._unchecked(b, as_e4m3(b_scale), gs, (n_exp, n, k))
+        bt = _wrap(fmt, b, b_scale, gs, (n_exp, n, k))
     at = a
     if a_scale is not None:
-        at = NVFP4Tensor._unchecked(a, as_e4m3(a_scale), gs[:1].reshape(()), (a.shape[0], k))
+        at = _wrap(fmt, a, a_scale, None if gs is None else gs[:1].reshape(()),
+                   (a.shape[0], k))
     return grouped_call(at, bt, offsets, schedule, None, out_dtype, alpha)
 
 
@@ -250,16 +269,16 @@ def run_compiled(kernel, a, b, out=None, alpha=None, bias=None, nvfp4_out=None
     """Check, allocate, launch ``kernel`` (a CompiledGemm) on a dense call's operands.
 
     A kernel whose mainloop reads the packed weight (rs_packed, stream) takes a
-    fragment-order PackedNVFP4Weight: a plain NVFP4Tensor ``b`` is packed here on every
+    fragment-order packed weight: a plain block tensor ``b`` is packed here on every
     call (so validation harnesses run those schedules unchanged; ``gemm`` users pack once,
     cute_fp4.packed.repack). A schedule with ``"nvfp4_out"`` takes the output's global
     scale as ``nvfp4_out`` (or an ``NVFP4Tensor`` ``out`` to write) and returns the
     ``NVFP4Tensor``."""
     check_b = b
-    if isinstance(b, PackedNVFP4Weight):
+    if isinstance(b, PackedWeight):
         check_b = _plain_view(b)
-    elif kernel.schedule.mainloop.reads_packed and isinstance(b, NVFP4Tensor):
-        b = PackedNVFP4Weight.from_tensor(b)
+    elif kernel.schedule.mainloop.reads_packed and isinstance(b, BlockTensor):
+        b = PackedWeight.from_tensor(b)
     ops = kernel.schedule.epilogue.ops
     dims = check_operands(a, check_b, None if ops else out, alpha, kernel.out_dtype)
     if ops:
@@ -279,15 +298,13 @@ def run_checked(kernel, a, b, out, alpha, dims, bias=None, nvfp4_out=None,
     if s.scheduler.grouped:
         raise InputError(f"schedule {s.name or s.label()} is a grouped (MoE) schedule: call "
                          "cute_fp4.grouped_gemm(a, b, offsets)")
-    if s.mainloop.reads_packed != isinstance(b, PackedNVFP4Weight):
+    if s.mainloop.reads_packed != isinstance(b, PackedWeight):
         raise InputError(f"schedule {s.name or s.label()} reads "
-                         f"{'a packed' if isinstance(b, NVFP4Tensor) else 'the plain'} weight "
+                         f"{'a packed' if isinstance(b, BlockTensor) else 'the plain'} weight "
                          f"layout but b is a {type(b).__name__}: rs_packed schedules take "
                          "cute_fp4.packed.repack(w) (so do stream schedules), the others "
-                         "the plain NVFP4Tensor")
-    if a_format != kernel.signature.a_format:
-        raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
-                         f"got {a_format}")
+                         "the plain block tensor")
+    check_signature(kernel, a_format, b.fmt)
     kernel.check_plan(dims)
     dev = b.data.device
     result = _output(kernel, out, nvfp4_out, m, n, dev)
@@ -303,16 +320,16 @@ def operands(a, b, out, alpha_t: torch.Tensor, a_format: str, workspace=None, bi
     for 16-bit activations), B's, the output, alpha (float32 on the device), the split-K
     workspace or the grouped offsets, the fused bias (None: absent). What
     :func:`run_checked` launches and ``bindings.bind`` fixes."""
-    a_data, a_scale = (a.data, a.scale) if a_format == "nvfp4" else (a, None)
+    a_data, a_scale = (a, None) if Operand.of(a_format).sixteen_bit else (a.data, a.scale)
     return Operands(a_data, a_scale, b.data, b.scale, out, alpha_t, workspace, offsets, bias,
                     early)
 
 
 def _output(kernel, out, nvfp4_out, rows: int, n: int, dev):
     """The tensor a launch writes: ``out``, or a new one of ``rows`` x the kernel's output
-    columns (N / 2 with ``silu_mul``); with ``"nvfp4_out"`` an ``NVFP4Tensor``."""
+    columns (N / 2 with a gated activation); with ``"nvfp4_out"`` an ``NVFP4Tensor``."""
     epi = kernel.schedule.epilogue
-    cols = n // 2 if epi.has("silu_mul") else n
+    cols = n // 2 if gated_op(epi.ops) else n
     if epi.has("nvfp4_out"):
         return nvfp4_out_tensor(out, nvfp4_out, rows, cols, dev)
     return out if out is not None else torch.empty((rows, cols), dtype=kernel.out_dtype,
@@ -342,17 +359,25 @@ def check_grouped_kernel(kernel, dims: GroupedDims) -> None:
     if not kernel.schedule.scheduler.grouped:
         raise InputError(f"kernel {kernel!r} is not a grouped kernel (Scheduler.grouped is "
                          "False)")
-    if kernel.signature.a_format != dims.a_format:
-        raise InputError(f"kernel was compiled for A in {kernel.signature.a_format}, "
-                         f"got {dims.a_format}")
+    check_signature(kernel, dims.a_format, dims.b_format)
     check_grouped_schedule(kernel.schedule, dims)
+
+
+def check_signature(kernel, a_format, b_format) -> None:
+    """The kernel was compiled for these operands' formats (A's and the weight's)."""
+    sig = kernel.signature
+    if Operand.of(b_format) is not sig.b_format:
+        raise InputError(f"kernel was compiled for A in {sig.a_format} and B in "
+                         f"{sig.b_format}, got A in {a_format} and B in {b_format}")
+    if a_format != sig.a_format:
+        raise InputError(f"kernel was compiled for A in {sig.a_format}, got {a_format}")
 
 
 def _launch_grouped(kernel, a, b, offsets, out, alpha, dims: GroupedDims, bias=None,
                     nvfp4_out=None) -> torch.Tensor:
     """Allocate the output (when not given) and launch; total_M = 0 launches nothing. The
     plan check is remembered per kernel and problem (``CompiledGemm.check_plan``)."""
-    m, n, k, n_exp, a_format, _ = dims
+    m, n, k, n_exp, a_format, *_ = dims
     result = _output(kernel, out, nvfp4_out, m, n, b.data.device)
     if m == 0:
         return result
@@ -383,18 +408,18 @@ def validate_call(kern, result, a, b, alpha, dims, bias=None, offsets=None) -> N
             from cute_fp4.compile import compile as compile_schedule
 
             a_run = a  # a W4A4 call run on its values: the W4A16 kernel on the values
-            if kern.signature.a_format != "nvfp4" and isinstance(a, NVFP4Tensor):
+            if kern.signature.a_format.sixteen_bit and isinstance(a, NVFP4Tensor):
                 a_run = dequantize_activation(a)
             gemm = run_grouped(compile_schedule(plain, kern.signature), a_run, b, offsets,
                                alpha=grouped_alpha(a, b, alpha, b.data.shape[0]))
         else:
             unfused = kernel(plain, dims, torch.float32, b.data.get_device(),
-                             isinstance(b, PackedNVFP4Weight))
+                             isinstance(b, PackedWeight), b_format=Operand.of(b.fmt))
             gemm = run_checked(unfused, a, b, None, alpha, dims)
     if grouped:
         reference.assert_close_grouped(gemm, a, b, offsets, alpha)
     else:
-        reference.assert_close(gemm, a, b.unpack() if isinstance(b, PackedNVFP4Weight)
+        reference.assert_close(gemm, a, b.unpack() if isinstance(b, PackedWeight)
                                else b, alpha)
     if ops:
         _assert_fused(kern, result, gemm, bias, offsets)
@@ -419,7 +444,7 @@ def _assert_fused(kern, result, raw, bias, offsets) -> None:
     reference.assert_fused(result[lo:hi], raw[lo:hi], None, ops, kern.silu_group, name)
 
 
-def poisoned_check(kernel, a, b: NVFP4Tensor) -> reference.CheckResult:
+def poisoned_check(kernel, a, b: BlockTensor) -> reference.CheckResult:
     """Run ``kernel`` into an output filled with NaN (so an unwritten element fails) and
     compare it with the exact reference."""
     m, n = a.shape[0], b.shape[0]
@@ -439,7 +464,7 @@ def reference_call(a, b, out, out_dtype, alpha, bias=None, ops: tuple[str, ...] 
     by their definition, ``reference.fused``, with the gate/up group of the kernels that
     read ``b``'s layout on its device: ``fused.device_group``); written into ``out`` when
     given."""
-    packed = isinstance(b, PackedNVFP4Weight)
+    packed = isinstance(b, PackedWeight)
     view = _plain_view(b) if packed else b
     m, n, _, _ = check_operands(a, view, None if ops else out, alpha, out_dtype,
                                 require_cuda=False)

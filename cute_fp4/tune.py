@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from cute_fp4.formats import Operand
 from cute_fp4.schedule import Problem, Schedule
 from cute_fp4.tuning import bucket_range, load_store, lookup, save_entry, store_path
 
@@ -38,7 +39,7 @@ def candidates(family: str, problem: Problem, out_dtype: str = "bf16") -> list[S
     return list(out)
 
 
-def tune(shapes=None, formats=("nvfp4",), reps: int = 10) -> list[dict]:
+def tune(shapes=None, formats=(Operand.NVFP4,), reps: int = 10) -> list[dict]:
     """Time every candidate per shape; store the fastest one that validates.
 
     A shape (M, N, K) is stored for the bucket of M: the winner at M = 16 is what

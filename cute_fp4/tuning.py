@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.formats import Operand
 from cute_fp4.schedule import Mainloop, OutDtype, Problem, Schedule
 
 
@@ -162,23 +163,31 @@ def _find(entry, key: str) -> Schedule | None:
     return s
 
 
-def pick(name: str, m: int, n: int, k: int, a_format: str) -> Schedule:
-    """What a schedule name picks for a call of (M, N, K, a_format): a catalogue name's
-    schedule, or for "auto" on the present GPU the tuned one (:func:`lookup`), else the
-    :func:`heuristic`'s. The launch path (``cute_fp4.run.resolve_schedule``) asks it once
-    per memoised resolution and fits the output dtype."""
+def pick(name: str, m: int, n: int, k: int, a_format: str,
+         b_format: str = Operand.NVFP4) -> Schedule:
+    """What a schedule name picks for a call of (M, N, K, a_format) on a weight of block
+    format ``b_format``: a catalogue name's schedule, or for "auto" on the present GPU the
+    tuned one (:func:`lookup`; the store holds NVFP4 weights' and W4A4 ones keyed by A's
+    format), else the :func:`heuristic`'s. The launch path
+    (``cute_fp4.run.resolve_schedule``) asks it once per memoised resolution and fits the
+    output dtype."""
     from cute_fp4 import catalogue
     from cute_fp4.targets import gemm_device
 
     if name != "auto":
         return catalogue.get(name)
     dev = gemm_device()
-    if a_format not in auto_row(dev.target.family).plain_formats:
-        raise InputError(f"W4A16 ({a_format} activations) on {dev.target.name} runs the "
-                         "stream kernel, which reads the fragment-order packed weight: "
-                         "pass cute_fp4.packed.repack(w) once (NVFP4Linear holds it so), "
-                         "or quantize the activations (W4A4)")
-    return lookup(dev, m, n, k, a_format) or heuristic(dev.target.family, m, n, k)
+    b_format = Operand.of(b_format)
+    if a_format not in auto_row(dev.target.family, b_format).plain_formats:
+        raise InputError(f"a {b_format} weight with {a_format} activations on "
+                         f"{dev.target.name} runs a kernel that reads the fragment-order "
+                         "packed weight: pass cute_fp4.packed.repack(w) once (the layers "
+                         "hold it so), or quantize the activations (W4A4, where the GPU "
+                         "has FP4 MMA)")
+    tuned = None
+    if b_format is Operand.NVFP4 or a_format == b_format:
+        tuned = lookup(dev, m, n, k, a_format)
+    return tuned or heuristic(dev.target.family, m, n, k, b_format=b_format)
 
 
 # ----------------------------------------------------------------------------- heuristic
@@ -187,13 +196,14 @@ SWAPAB_MAX_M = 32  # sm90: up to this M the swap-AB decode schedule is picked
 
 
 def heuristic(family: str, m: int, n: int, k: int, packed: bool = False,
-              a_format: str = "bf16", target: str | None = None) -> Schedule:
-    """The catalogue schedule a shape gets when nothing was tuned for it: the GPU family's
-    row of :data:`AUTO` (``packed``: the weight is a fragment-order PackedNVFP4Weight,
-    which the ``rs_packed`` and ``stream`` mainloops read; the schedule depends on the
-    activation format, ``a_format``; ``target``: the GPU's target name, default the
-    family's first)."""
-    row = auto_row(family)
+              a_format: str = Operand.BF16, target: str | None = None,
+              b_format: str = Operand.NVFP4) -> Schedule:
+    """The catalogue schedule a shape gets when nothing was tuned for it: the row of
+    :data:`AUTO` of the GPU family and the weight's block format ``b_format`` (``packed``:
+    the weight is in fragment order, which the ``rs_packed`` and ``stream`` mainloops read;
+    the schedule depends on the activation format, ``a_format``; ``target``: the GPU's
+    target name, default the family's first)."""
+    row = auto_row(family, b_format)
     if packed:
         return row.packed(m, n, k, a_format, target or _family_target(family))
     return row.dense(m, n, k)
@@ -222,19 +232,26 @@ def _sm90_dense(m: int, n: int, k: int) -> Schedule:
                          else "sm90_default")
 
 
-def _sm120_dense(m: int, n: int, k: int) -> Schedule:
+def _sm120_dense(m: int, n: int, k: int, default: str = "sm120_default") -> Schedule:
     """SM12x, plain weight (W4A4, the block-scaled MMA): split-K decode tiles for small M
-    and long K, else the default tile."""
+    and long K, else the default tile (``default``: the format's)."""
     from cute_fp4 import catalogue
 
-    return catalogue.get("sm120_decode_splitk4" if m <= 64 and k >= 2048 else "sm120_default")
+    return catalogue.get("sm120_decode_splitk4" if m <= 64 and k >= 2048 else default)
+
+
+def _sm120_mxfp4_dense(m: int, n: int, k: int) -> Schedule:
+    """SM12x W4A4 on MXFP4 (``kind::mxf4``): :func:`_sm120_dense` with ``sm120_mxfp4``
+    (the NVFP4 default tile, named for the format; its split-K decode tile is K 128
+    already, whole MXFP4 scale atoms)."""
+    return _sm120_dense(m, n, k, "sm120_mxfp4")
 
 
 def _sm120_packed(m: int, n: int, k: int, a_format: str, target: str) -> Schedule:
     """SM12x, packed weight: the stream kernel, its only W4A16 kernel, at every M
     (activation tiles of 8 rows up to M = 8, else of 16, as many as M needs)."""
-    if a_format == "nvfp4":
-        raise InputError("on sm_120a/sm_121a a PackedNVFP4Weight takes 16-bit activations "
+    if not Operand.of(a_format).sixteen_bit:
+        raise InputError("on sm_120a/sm_121a a packed weight takes 16-bit activations "
                          "(the stream kernel); W4A4 runs on the plain weight: use "
                          "weight.unpack()")
     return stream_decode_schedule(target, min(m, 16), n, k)
@@ -326,20 +343,21 @@ def _family_target(family: str) -> str:
     return next(t.name for t in TARGETS.values() if t.family == family)
 
 
-def _packed_heuristic(m: int, n: int, k: int, a_format: str = "bf16",
-                      target: str = "sm_90a") -> Schedule:
-    """rs_packed tiles by M: 256 activation rows x 128 weight rows at large M; at M <= 16
-    with 16-bit activations :func:`stream_decode_schedule` (W4A4 needs 64-row activation
-    tiles);
+def _packed_heuristic(m: int, n: int, k: int, a_format: str = Operand.BF16,
+                      target: str = "sm_90a", large: str = "sm90_rs_packed") -> Schedule:
+    """rs_packed tiles by M: ``large`` (256 activation rows x 128 weight rows) at large M;
+    at M <= 16 with 16-bit activations :func:`stream_decode_schedule` (W4A4 needs 64-row
+    activation tiles);
     at small M a grid of ~one CTA per SM made up by split-K while each split keeps >= 16
     K tiles."""
     from cute_fp4 import catalogue
 
+    sixteen_bit = Operand.of(a_format).sixteen_bit
     if m > 128:
-        s = catalogue.get("sm90_rs_packed")
-    elif m <= STREAM_MAX_M and a_format != "nvfp4":
+        s = catalogue.get(large)
+    elif m <= STREAM_MAX_M and sixteen_bit:
         return stream_decode_schedule(target, m, n, k)
-    elif m <= 16 and a_format != "nvfp4":
+    elif m <= 16 and sixteen_bit:
         return packed_decode_schedule(n, k)
     else:
         s = catalogue.get("sm90_rs_packed_m64")
@@ -362,7 +380,7 @@ NVFP4_OUT_SCHEDULES = {("sm90", False): "sm90_default", ("sm120", False): "sm120
 
 
 def with_ops(s: Schedule, ops: tuple[str, ...], m: int, n: int, k: int, a_format: str,
-             groups: int = 0) -> Schedule:
+             groups: int = 0, b_format: str = Operand.NVFP4) -> Schedule:
     """What "auto" runs for a call with fused epilogue ``ops``: ``s`` (its pick without
     them) given the ops, or, where plan() refuses ``nvfp4_out`` there (the D^T kernels of
     decode, split-K, SM12x's decode tiles), :data:`NVFP4_OUT_SCHEDULES`'s schedule with the
@@ -372,7 +390,8 @@ def with_ops(s: Schedule, ops: tuple[str, ...], m: int, n: int, k: int, a_format
     from cute_fp4.schedule import Problem
 
     fused = s.replace(ops=ops) if s.epilogue.ops != ops else s
-    if "nvfp4_out" not in ops or plan(fused, Problem(m, n, k, a_format, groups)).ok:
+    if "nvfp4_out" not in ops or plan(fused, Problem(m, n, k, a_format, groups,
+                                                     b_format)).ok:
         return fused
     if s.mainloop.reads_packed:
         raise InputError("nvfp4_out on a packed weight: its kernels (rs_packed, stream) store "
@@ -403,11 +422,11 @@ def resolution_deadline(schedule) -> float:
 
 
 def resolve_schedule(schedule, m: int, n: int, k: int, a_format: str,
-                     out_dtype) -> Schedule:
+                     out_dtype, b_format: str = Operand.NVFP4) -> Schedule:
     """A Schedule from a Schedule, a catalogue name, or "auto" (tuned, else heuristic:
     ``tuning.pick``), with ``out_dtype``."""
     if isinstance(schedule, str):
-        schedule = pick(schedule, m, n, k, a_format)
+        schedule = pick(schedule, m, n, k, a_format, b_format)
     if not isinstance(schedule, Schedule):
         raise InputTypeError(f"schedule must be a Schedule, a catalogue name or 'auto', "
                              f"got {type(schedule).__name__}")
@@ -420,19 +439,20 @@ def with_out_dtype(s: Schedule, out_dtype) -> Schedule:
 
 
 def resolve_packed(schedule, m: int, n: int, k: int, a_format: str,
-                   out_dtype) -> Schedule:
-    """resolve_schedule for a PackedNVFP4Weight: "auto" is the packed heuristic (the tuning
+                   out_dtype, b_format: str = Operand.NVFP4) -> Schedule:
+    """resolve_schedule for a packed weight: "auto" is the packed heuristic (the tuning
     store holds plain-weight schedules), anything else must be ``mainloop=rs_packed``."""
     from cute_fp4.targets import gemm_device
 
     if schedule == "auto":
         t = gemm_device().target
-        s = heuristic(t.family, m, n, k, packed=True, a_format=a_format, target=t.name)
+        s = heuristic(t.family, m, n, k, packed=True, a_format=a_format, target=t.name,
+                      b_format=b_format)
         return with_out_dtype(s, out_dtype)
-    s = resolve_schedule(schedule, m, n, k, a_format, out_dtype)
+    s = resolve_schedule(schedule, m, n, k, a_format, out_dtype, b_format)
     if not s.mainloop.reads_packed:
         raise InputError(f"schedule {s.name or s.label()} reads the plain weight layout, but "
-                         "b is a PackedNVFP4Weight: use a mainloop=rs_packed or stream "
+                         "b is a packed weight: use a mainloop=rs_packed or stream "
                          "schedule, 'auto', or b.unpack()")
     return s
 
@@ -484,7 +504,7 @@ def grouped_auto_name(family: str, dims=None) -> str:
     :class:`GroupedAuto`); of those,
     the first that ``plan()`` accepts for the activation format (sm_90a's decode and
     192-row tiles take 16-bit activations only: W4A4 needs 128-row activation tiles)."""
-    g = auto_row(family).grouped
+    g = auto_row(family, getattr(dims, "b_format", Operand.NVFP4)).grouped
     if dims is None:
         return g.default
     from cute_fp4 import catalogue
@@ -497,7 +517,8 @@ def grouped_auto_name(family: str, dims=None) -> str:
     large, many = g.large or (None, float("inf"))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
     for name in (*first, g.default, large, decode):
-        if name is not None and plan(catalogue.get(name), Problem(a_format=dims.a_format)).ok:
+        if name is not None and plan(catalogue.get(name), Problem(
+                a_format=dims.a_format, b_format=dims.b_format)).ok:
             return name
     return g.default
 
@@ -530,29 +551,38 @@ def check_grouped_schedule(s: Schedule, dims) -> None:
     name = s.name or s.label()
     reads_packed = s.mainloop.reads_packed
     stream = s.mainloop is Mainloop.STREAM
+    sixteen_bit = Operand.of(dims.a_format).sixteen_bit
     if reads_packed and not dims.packed:
         raise InputError(f"schedule {name} reads the fragment-order packed weight "
-                         f"(mainloop={s.mainloop.value}) but b is a plain NVFP4Tensor: "
-                         "repack it once with cute_fp4.packed.repack(b)")
+                         f"(mainloop={s.mainloop.value}) but b is a plain "
+                         f"{_class_name(dims.b_format)}: repack it once with "
+                         "cute_fp4.packed.repack(b)")
     if dims.packed and not reads_packed:
         raise InputError(f"schedule {name} reads the plain weight layout but b is a "
-                         "PackedNVFP4Weight: use an rs_packed or stream grouped schedule, "
-                         "'auto', or b.unpack()")
-    if stream and dims.a_format == "nvfp4":
+                         f"{_class_name(dims.b_format, packed=True)}: use an rs_packed or "
+                         "stream grouped schedule, 'auto', or b.unpack()")
+    if stream and not sixteen_bit:
         raise InputError(f"schedule {name} (mainloop=stream) takes 16-bit activations "
-                         "(W4A16); NVFP4 activations on a packed stack: schedule='auto' runs "
-                         "it on their exact BF16 block values")
-    if s.arch.family == "sm120" and not stream and dims.a_format != "nvfp4":
-        raise InputError(f"schedule {name} ({s.target}) takes NVFP4 activations (W4A4), a is "
-                         f"{dims.a_format} (W4A16): quantize them first "
-                         "(cute_fp4.quant.quantize_activation)")
+                         f"(W4A16); {dims.a_format} activations on a packed stack: "
+                         "schedule='auto' runs NVFP4 ones on their exact BF16 block values")
+    if s.arch.family == "sm120" and not stream and sixteen_bit:
+        raise InputError(f"schedule {name} ({s.target}) takes {str(dims.b_format).upper()} "
+                         f"activations (W4A4), a is {dims.a_format} (W4A16): quantize them first "
+                         "(cute_fp4.quant.quantize_activation, cute_fp4.quantize)")
+
+
+def _class_name(fmt, packed: bool = False) -> str:
+    """The tensor class of a weight format, for messages (``NVFP4Tensor``,
+    ``PackedMXFP4Weight``)."""
+    name = str(Operand.of(fmt)).upper()
+    return f"Packed{name}Weight" if packed else f"{name}Tensor"
 
 
 def _stream_fits(g: GroupedAuto, dims) -> bool:
     """Whether "auto" runs the grouped stream kernel of ``g``: 16-bit activations on a packed
     stack, few rows per expert, and few CTAs with K at most ``g.stream_max_k``, or many with
     a longer K."""
-    if g.stream is None or not dims.packed or dims.a_format == "nvfp4":
+    if g.stream is None or not dims.packed or not Operand.of(dims.a_format).sixteen_bit:
         return False
     if dims.total_m > g.stream[1] * max(dims.experts, 1):
         return False
@@ -568,7 +598,7 @@ def grouped_regime(schedule, dims) -> tuple | None:
     if schedule != "auto" or dims is None:
         return None
     experts = max(dims.experts, 1)
-    rows = [r.grouped for r in AUTO.values()]
+    rows = [r.grouped for r in AUTO.values()]  # every family's and format's
     few = tuple(dims.total_m <= g.decode[1] * experts for g in rows)
     many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
     stream = tuple(_stream_fits(g, dims) for g in rows)
@@ -578,7 +608,7 @@ def grouped_regime(schedule, dims) -> tuple | None:
 # ----------------------------------------------------------------------------- the table
 
 class Auto(NamedTuple):
-    """What "auto" runs on one GPU family: one row of :data:`AUTO`."""
+    """What "auto" runs on one GPU family for one weight format: one row of :data:`AUTO`."""
 
     dense: Callable[[int, int, int], Schedule]  # (M, N, K) on a plain weight
     packed: Callable[[int, int, int, str, str], Schedule]  # (M, N, K, A format, target)
@@ -586,17 +616,52 @@ class Auto(NamedTuple):
     grouped: GroupedAuto  # grouped (MoE) calls
 
 
-# GPU family -> what "auto" runs there. A new GPU family is a row (and its kernel families'
-# rows in cute_fp4.families); a new kernel family on a known GPU changes its functions.
+def _no_plain_mxfp4(m: int, n: int, k: int) -> Schedule:
+    raise InputError("sm_90a runs MXFP4 weights in the packed layout only (rs_packed and "
+                     "stream decode UE8M0 scales; the shared-memory conversion does not): "
+                     "pass cute_fp4.packed.repack(w)")
+
+
+def _sm90_mxfp4_packed(m: int, n: int, k: int, a_format: str = Operand.BF16,
+                       target: str = "sm_90a") -> Schedule:
+    """sm_90a, packed MXFP4 weight: :func:`_packed_heuristic` with ``sm90_mxfp4_rs_packed``
+    (tile K 128, whole MXFP4 scale atoms) at large M; its stream, decode and m64 tiles
+    take MXFP4 as they are (K 128 or the stream kernel)."""
+    return _packed_heuristic(m, n, k, a_format, target, large="sm90_mxfp4_rs_packed")
+
+
+# gpt-oss's MXFP4 experts: the NVFP4 rows' thresholds (the same stream and rs_packed decode
+# kernels), the MXFP4 schedules (tile K 128) where NVFP4's tile K is 64
+_SM90_MXFP4_GROUPED = _SM90_GROUPED._replace(default="sm90_mxfp4_grouped", large=None,
+                                             stream=("sm90_mxfp4_stream_grouped_decode", 4))
+_SM120_MXFP4_GROUPED = _SM120_GROUPED._replace(default="sm120_mxfp4_grouped")
+
+
+def auto_key(family: str, fmt: str = Operand.NVFP4) -> str:
+    """The :data:`AUTO` key of a GPU family and weight block format: the family for NVFP4
+    (the default format), ``"<family>/<format>"`` for another."""
+    fmt = Operand.of(fmt)
+    return str(family) if fmt is Operand.NVFP4 else f"{family}/{fmt}"
+
+
+# (GPU family[/weight format]) -> what "auto" runs there (auto_key). A new GPU family is a row
+# per format (and its kernel families' rows in cute_fp4.families); a new kernel family on a
+# known GPU changes its functions; a new block format is a row per family.
 AUTO: dict[str, Auto] = {
-    "sm90": Auto(_sm90_dense, _packed_heuristic, ("nvfp4", "bf16", "fp16"), _SM90_GROUPED),
-    "sm120": Auto(_sm120_dense, _sm120_packed, ("nvfp4",), _SM120_GROUPED),
+    "sm90": Auto(_sm90_dense, _packed_heuristic, (Operand.NVFP4, Operand.BF16, Operand.FP16),
+                 _SM90_GROUPED),
+    "sm120": Auto(_sm120_dense, _sm120_packed, (Operand.NVFP4,), _SM120_GROUPED),
+    "sm90/mxfp4": Auto(_no_plain_mxfp4, _sm90_mxfp4_packed, (), _SM90_MXFP4_GROUPED),
+    "sm120/mxfp4": Auto(_sm120_mxfp4_dense, _sm120_packed, (Operand.MXFP4,),
+                        _SM120_MXFP4_GROUPED),
 }
 
 
-def auto_row(family: str) -> Auto:
-    """The :data:`AUTO` row of a GPU family; InputError for one without kernels."""
-    row = AUTO.get(str(family))
+def auto_row(family: str, fmt: str = Operand.NVFP4) -> Auto:
+    """The :data:`AUTO` row of a GPU family and weight block format; InputError for one
+    without kernels."""
+    row = AUTO.get(auto_key(family, fmt))
     if row is None:
-        raise InputError(f"no kernels for GPU family {family}; families: {', '.join(AUTO)}")
+        raise InputError(f"no kernels for GPU family {family} with {fmt} weights; rows: "
+                         f"{', '.join(AUTO)}")
     return row

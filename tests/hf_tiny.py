@@ -143,6 +143,26 @@ def token_errors(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return float(e.median()), float(e.quantile(0.9))
 
 
+def generate_steps(model, x: torch.Tensor, sample: bool, vocab: int, new: int = 8
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.generate`` of ``new`` tokens after the prompts ``x`` (greedy, or sampled with
+    top-k 20) with its per-step logits: (sequences, logits ``[batch, new, vocab]`` float32),
+    after checking the sequences are the prompts plus ``new`` tokens of the vocabulary and
+    that greedy picked the argmax of its logits."""
+    torch.manual_seed(0)
+    kw = dict(do_sample=True, top_k=20, temperature=1.0) if sample else dict(do_sample=False)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                         min_new_tokens=new, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0, **kw)
+    seq, p = out.sequences, x.shape[1]
+    assert seq.shape == (x.shape[0], p + new) and torch.equal(seq[:, :p], x)
+    assert ((seq >= 0) & (seq < vocab)).all()
+    steps = torch.stack(out.logits, dim=1).float()
+    if not sample:
+        assert torch.equal(steps.argmax(-1), seq[:, p:])
+    return seq, steps
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
@@ -154,7 +174,8 @@ def exact_kernels(monkeypatch) -> list:
     Returns the list the calls are recorded in."""
     calls = []
 
-    def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False):
+    def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False,
+                   b_format="nvfp4"):
         return types.SimpleNamespace(out_dtype=out_dtype)
 
     def run(kern, a, w, alpha, dims, out=None, early=False):

@@ -819,7 +819,7 @@ def test_validate_holds_the_gemm_and_the_fused_bits_once(monkeypatch):
         ("close", got)))
     monkeypatch.setattr(reference, "assert_fused", lambda result, raw, bias, ops, *args:
                         calls.append(("fused", result, raw, bias, ops)))
-    monkeypatch.setattr(run, "kernel", lambda s, dims, dt, dev, packed=False, ops=():
+    monkeypatch.setattr(run, "kernel", lambda s, dims, dt, dev, packed=False, ops=(), **_:
                         calls.append(("kernel", s, dt)) or "unfused")
 
     class Kern:

@@ -72,7 +72,7 @@ def exact(monkeypatch):
         w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
         return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
 
-    monkeypatch.setattr(cbind, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False:
+    monkeypatch.setattr(cbind, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False, **_:
                         type("K", (), {"out_dtype": dt})())
     monkeypatch.setattr(cbind, "_run", exact_run)
     monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))

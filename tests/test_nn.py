@@ -128,7 +128,8 @@ def fake_kernels(monkeypatch):
     fused quantization by cute_fp4.quantize (bit-identical, tests/gpu). Records calls."""
     calls = []
 
-    def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False):
+    def kernel_for(schedule, m, n, k, a_format, out_dtype, device_index, packed=False,
+                   b_format="nvfp4"):
         assert device_index == -1  # the CPU
         calls.append(("kernel", schedule, m, n, k, a_format, out_dtype))
         return types.SimpleNamespace(out_dtype=out_dtype)

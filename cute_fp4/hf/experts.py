@@ -29,6 +29,7 @@ import torch
 from transformers.core_model_loading import ConversionOps, MergeModulelist, WeightConverter
 
 from cute_fp4.errors import FormatError
+from cute_fp4.formats import MXFP4, NVFP4
 from cute_fp4.hf import tp
 from cute_fp4.layers import Experts
 from cute_fp4.moe import NVFP4MoE, expert
@@ -38,6 +39,7 @@ __all__ = ["IMPLEMENTATION", "PROJECTIONS", "SUFFIXES", "attach", "checkpoint_te
            "is_experts", "nvfp4_converters", "unsupported"]
 
 IMPLEMENTATION = "cute_fp4"  # the name registered in transformers' experts interface
+ATTRIBUTE = NVFP4.name  # the experts module's child that runs NVFP4 experts (MXFP4: "mxfp4")
 PROJECTIONS = ("gate_up_proj", "down_proj")
 # checkpoint tensor of one expert -> suffix of the fused buffer on the experts module
 SUFFIXES = {"weight": "", "weight_scale": "_weight_scale", "weight_scale_2": "_weight_scale_2",
@@ -54,7 +56,7 @@ def is_experts(module: torch.nn.Module) -> bool:
 
 def holds_nvfp4(module: torch.nn.Module) -> bool:
     """An experts module running on an ``NVFP4MoE`` (its child ``nvfp4``)."""
-    return isinstance(getattr(module, "nvfp4", None), NVFP4MoE)
+    return isinstance(getattr(module, ATTRIBUTE, None), NVFP4MoE)
 
 
 def unsupported(module: torch.nn.Module) -> str | None:
@@ -153,10 +155,10 @@ def install_placeholders(module: torch.nn.Module, input_scales: bool) -> None:
     i = module.down_proj.shape[2]
     specs = {
         "gate_up_proj": ((e, n13, h // 2), torch.uint8),
-        "gate_up_proj_weight_scale": ((e, n13, h // 16), torch.float8_e4m3fn),
+        "gate_up_proj_weight_scale": ((e, n13, NVFP4.scale_cols(h)), NVFP4.scale.torch_dtype),
         "gate_up_proj_weight_scale_2": ((e, 2), torch.float32),
         "down_proj": ((e, h, i // 2), torch.uint8),
-        "down_proj_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
+        "down_proj_weight_scale": ((e, h, NVFP4.scale_cols(i)), NVFP4.scale.torch_dtype),
         "down_proj_weight_scale_2": ((e,), torch.float32),
     }
     if input_scales:
@@ -252,9 +254,10 @@ def checkpoint_tensors(module: torch.nn.Module) -> dict[str, list[dict[str, list
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"cute_fp4"`` experts implementation: ``self.nvfp4`` (an NVFP4MoE) on the
-    routed tokens; experts left in BF16 (excluded) run transformers' grouped_mm."""
-    moe: NVFP4MoE | None = getattr(self, "nvfp4", None)
+    """The ``"cute_fp4"`` experts implementation: ``self.nvfp4`` (an NVFP4MoE), or
+    ``self.mxfp4`` (gpt-oss's ``MXFP4MoE``, ``cute_fp4.hf.mxfp4``) on the routed tokens;
+    experts left in BF16 (excluded) run transformers' grouped_mm."""
+    moe: NVFP4MoE | None = getattr(self, ATTRIBUTE, None) or getattr(self, MXFP4.name, None)
     if moe is None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 

@@ -14,6 +14,7 @@ import os
 import torch
 
 from cute_fp4.errors import DeviceError, InputError
+from cute_fp4.hf import mxfp4
 from cute_fp4.hf.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_quant_format
 from cute_fp4.hf.quantizer import MODES, register
 
@@ -25,7 +26,9 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
                     gate_up_group: int | None = None, tp_plan=None, **transformers_kwargs):
     """Load the ModelOpt NVFP4 checkpoint in directory ``path`` (config.json with a
     ``quantization_config``, or hf_quant_config.json; safetensors shards) as a transformers
-    causal LM on ``device``.
+    causal LM on ``device``; or a gpt-oss MXFP4 checkpoint (``quant_method: "mxfp4"``):
+    its experts on the grouped kernels (``cute_fp4.hf.mxfp4``; W4A16, ``fuse_mlp`` their
+    bias and clamped SwiGLU in the GEMM's epilogue), ``modules_to_not_convert`` in BF16.
 
     ``mode``: "w4a16", "w4a4" or "auto" (W4A4 where the GPU has FP4 MMA, SM12x, and the
     checkpoint has input scales; W4A16 elsewhere). ``layout``: the weight layout of the
@@ -51,12 +54,19 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     if gate_up_group not in (None, 8, 32):
         raise InputError(f"gate_up_group must be None, 8 or 32, got {gate_up_group!r}")
     path = os.fspath(path)
-    fmt = read_quant_format(path)
+    mxfp4_config = mxfp4.read_config(path) if os.path.isdir(path) else None
+    fmt = None if mxfp4_config is not None else read_quant_format(path)
     _one_checkpoint(path)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device={str(device)!r} but CUDA is not available; "
                           "device='cpu' loads the checkpoint for inspection")
+    if mxfp4_config is not None:
+        if mode == "w4a4":
+            raise InputError("gpt-oss MXFP4 checkpoints run W4A16 (bfloat16 activations): "
+                             "mode must be 'auto' or 'w4a16'")
+        return mxfp4.from_pretrained(path, mxfp4_config, dev, layout,
+                                     "auto" if fuse_mlp else False, **transformers_kwargs)
     method = register()
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -28,6 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from cute_fp4.errors import FormatError, InputError
+from cute_fp4.formats import NVFP4
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf import tp
 from cute_fp4.hf.checkpoint import (
@@ -90,8 +91,8 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         n, k = linear.out_features, linear.in_features
         self.in_features, self.out_features = k, n
-        self.weight = tp.parameter((n, k // 2), torch.uint8)
-        self.weight_scale = tp.parameter((n, k // 16), torch.float8_e4m3fn)
+        self.weight = tp.parameter((n, NVFP4.data_row_bytes(k)), torch.uint8)
+        self.weight_scale = tp.parameter((n, NVFP4.scale_cols(k)), NVFP4.scale.torch_dtype)
         for name, shape in (("weight_scale_2", ()), ("input_scale", () if input_scale else None)):
             t = None if shape is None else torch.empty(shape, dtype=torch.float32, device="meta")
             self.register_buffer(name, t)
@@ -188,7 +189,7 @@ def _check_dense(name: str, lin: torch.nn.Linear, keys, index) -> bool:
         raise FormatError(f"{name}: [{n}, {k}] cannot run on cute_fp4's kernels (in_features "
                           f"a multiple of {K_MULTIPLE}, out_features of {N_MULTIPLE}); "
                           "exclude it when quantizing")
-    expect(index, _sibling(key, "weight_scale"), torch.float8_e4m3fn, (n, k // 16),
+    expect(index, _sibling(key, "weight_scale"), NVFP4.scale.torch_dtype, (n, NVFP4.scale_cols(k)),
            near=key, what="row-major block scales")
     expect(index, _sibling(key, "weight_scale_2"), torch.float32, _SCALAR, near=key,
            what="the global scale")
@@ -229,8 +230,8 @@ def _check_expert_source(name: str, e: int, nk: tuple[int, int], template: str, 
         what = f"expert {x} of {e}, {name}"
         near = some[0] if some else None
         expect(index, key, torch.uint8, (n, k // 2), near=near, what=what)
-        expect(index, _sibling(key, "weight_scale"), torch.float8_e4m3fn, (n, k // 16),
-               near=key, what=what)
+        expect(index, _sibling(key, "weight_scale"), NVFP4.scale.torch_dtype,
+               (n, NVFP4.scale_cols(k)), near=key, what=what)
         expect(index, _sibling(key, "weight_scale_2"), torch.float32, _SCALAR, near=key,
                what=what)
         inp = _sibling(key, "input_scale")
@@ -303,28 +304,54 @@ def plan_model(model, fmt: QuantFormat, index, conversions) -> _Plan:
 
 # ----------------------------------------------------------------------------- quantizer
 
-class ModelOptNVFP4Quantizer(HfQuantizer):
-    """Loads pre-quantized ModelOpt NVFP4 checkpoints onto cute_fp4's layers (module
-    docstring). Quantizing a BF16 model is ``cute_fp4.hf.quantize_model``."""
+class PreQuantized(HfQuantizer):
+    """What cute_fp4's quantizer plugins share (ModelOpt NVFP4 here, gpt-oss MXFP4 in
+    ``cute_fp4.hf.mxfp4``): pre-quantized checkpoints only, loaded onto one device
+    (``self.device``), saved by :func:`cute_fp4.hf.save_pretrained` (``SAVED_AS``), not
+    trainable, compileable."""
 
     requires_calibration = True  # pre-quantized checkpoints only
+    FORMAT = "NVFP4"
+    SAVED_AS = "ModelOpt's per-expert NVFP4 tensors"
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.device = torch.device("cpu")
-        self.plan: _Plan | None = None
-        self.mode = "w4a16"
 
     def validate_environment(self, device_map=None, **kwargs):
         devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
         devices.discard(None)
         if len(devices) > 1 or devices & {"disk", "auto"}:
-            raise InputError(f"NVFP4 checkpoints load onto one device; device_map gives "
-                             f"{sorted(map(str, devices))}")
+            raise InputError(f"{self.FORMAT} checkpoints load onto one device; device_map "
+                             f"gives {sorted(map(str, devices))}")
         if devices:
             dev = devices.pop()
             self.device = torch.device("cuda", dev) if isinstance(dev, int) else torch.device(
                 dev)
+
+    def is_serializable(self, safe_serialization=None):
+        """transformers' ``model.save_pretrained`` asks this first: the answer is
+        :func:`cute_fp4.hf.save_pretrained`, which writes the checkpoint's form."""
+        raise InputError(f"save an {self.FORMAT} model with cute_fp4.hf.save_pretrained(model, "
+                         f"path) ({self.SAVED_AS}, bit-exact), not model.save_pretrained")
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+class ModelOptNVFP4Quantizer(PreQuantized):
+    """Loads pre-quantized ModelOpt NVFP4 checkpoints onto cute_fp4's layers (module
+    docstring). Quantizing a BF16 model is ``cute_fp4.hf.quantize_model``."""
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.plan: _Plan | None = None
+        self.mode = "w4a16"
 
     def update_weight_conversions(self, weight_conversions):
         out = []
@@ -386,22 +413,6 @@ class ModelOptNVFP4Quantizer(HfQuantizer):
         if plan:
             config.base_model_tp_plan = tp.expert_scale_plan(plan)
         return config
-
-    def is_serializable(self, safe_serialization=None):
-        """transformers' ``model.save_pretrained`` asks this first: the answer is
-        :func:`cute_fp4.hf.save_pretrained`, which writes the ModelOpt form."""
-        raise InputError("save an NVFP4 model with cute_fp4.hf.save_pretrained(model, path) "
-                         "(ModelOpt's per-expert NVFP4 tensors, bit-exact), not "
-                         "model.save_pretrained")
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
 
 def fuse_mlps(model, fuse: bool, group: int | None) -> tuple[tuple, tuple]:
     """The dense gated SiLU MLPs whose three projections are NVFP4 with one gate/up global

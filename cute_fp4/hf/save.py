@@ -4,7 +4,9 @@ hold: ``NVFP4Linear``'s own state dict (ModelOpt's names), the experts split exp
 expert under the names of the model's transformers conversion mapping (reversed: the
 names a BF16 checkpoint of the model has), everything else as transformers saves it (tied
 weights once), config.json with the ``quantization_config`` and, as ModelOpt writes it
-beside, hf_quant_config.json; both list every module left unquantized.
+beside, hf_quant_config.json; both list every module left unquantized. A gpt-oss MXFP4
+model (``cute_fp4.hf.mxfp4``) is written back in its own form: each experts module's
+``*_blocks`` and ``*_scales``, config.json's ``{"quant_method": "mxfp4", ...}``.
 
 A save replaces, never mixes: every file is written into a staging folder inside the
 directory and renamed into place at the end, so a save that fails or is interrupted while
@@ -27,7 +29,7 @@ from transformers.core_model_loading import WeightRenaming
 
 from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.hf import experts as ex
-from cute_fp4.hf import tp
+from cute_fp4.hf import mxfp4, tp
 from cute_fp4.hf.checkpoint import (
     INDEX_FILE,
     LEGACY_QUANT_FILE,
@@ -116,8 +118,9 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
         raise InputError("save_pretrained: this tensor-parallel model holds only its rank's "
                          "shards; save from a single-process load (cute_fp4.hf.from_pretrained "
                          "without tp_plan)")
-    if not any(isinstance(m, NVFP4Linear) or ex.holds_nvfp4(m) for m in model.modules()):
-        raise InputTypeError("model has no NVFP4 layers: quantize it first "
+    if not any(isinstance(m, NVFP4Linear) or ex.holds_nvfp4(m) or mxfp4.holds_mxfp4(m)
+               for m in model.modules()):
+        raise InputTypeError("model has no NVFP4 or MXFP4 layers: quantize it first "
                              "(cute_fp4.hf.quantize_model) or save it with transformers")
     path = _checkpoint_dir(path)
     rename, conversions = _renamer(model)
@@ -128,11 +131,18 @@ def save_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
             tensors[rename(key)] = t.detach().cpu().contiguous()
     for key, t in _expert_tensors(model, conversions).items():
         tensors[rename(key)] = t.contiguous()
+    for name, module in model.named_modules():  # gpt-oss's MXFP4 experts, as stored
+        if mxfp4.holds_mxfp4(module):
+            for key, t in mxfp4.checkpoint_tensors(module).items():
+                tensors[rename(f"{name}.{key}")] = t.contiguous()
     _remove_dead_stages(path)
     stage = tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-", dir=path)
     try:
         files = write_safetensors(tensors, stage, max_shard_size)
-        _write_config(model, stage, _quant_format(model, rename, tensors))
+        if getattr(model, "cute_fp4_format", None) == mxfp4.QUANT_METHOD:
+            _write_config(model, stage, model.config.quantization_config.to_dict())
+        else:
+            _write_config(model, stage, _quant_format(model, rename, tensors))
         _replace(stage, path)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -209,10 +219,13 @@ def _remove_dead_stages(path: str) -> None:
         shutil.rmtree(os.path.join(path, name), ignore_errors=True)
 
 
-def _write_config(model, path: str, fmt: QuantFormat) -> None:
+def _write_config(model, path: str, fmt: QuantFormat | dict) -> None:
+    """config.json with ``fmt``'s quantization config and ModelOpt's hf_quant_config.json
+    (a dict: written as it is, without the ModelOpt file: an MXFP4 model's own), and
+    generation_config.json."""
     config = model.config
     saved = getattr(config, "quantization_config", None)
-    config.quantization_config = fmt.to_dict()
+    config.quantization_config = fmt if isinstance(fmt, dict) else fmt.to_dict()
     # as transformers' own save does: engines pick the model class from it (vLLM runs a
     # config without it as an embedding model)
     config.architectures = [type(model).__name__]
@@ -223,8 +236,9 @@ def _write_config(model, path: str, fmt: QuantFormat) -> None:
             del config.quantization_config
         else:
             config.quantization_config = saved
-    with open(os.path.join(path, LEGACY_QUANT_FILE), "w") as f:
-        json.dump(fmt.legacy_dict(), f, indent=2)
+    if not isinstance(fmt, dict):
+        with open(os.path.join(path, LEGACY_QUANT_FILE), "w") as f:
+            json.dump(fmt.legacy_dict(), f, indent=2)
     gen = getattr(model, "generation_config", None)
     if gen is not None and getattr(model, "can_generate", lambda: False)():
         gen.save_pretrained(path)

@@ -13,10 +13,11 @@ import numbers
 
 import torch
 
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import FormatError, InputError, InputTypeError
-from cute_fp4.nvfp4 import NVFP4Tensor
+from cute_fp4.formats import NVFP4, BlockFormat
 from cute_fp4.operands import A_FORMATS
-from cute_fp4.packed import UNIT_K
+from cute_fp4.packed import UNIT_K, PackedWeight
 from cute_fp4.targets import capability_major
 
 MODES = ("auto", "w4a16", "w4a4")
@@ -32,6 +33,35 @@ def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> str
     if mode != "auto":
         return mode
     return "w4a4" if capability_major(device) == 12 and has_input_scales else "w4a16"
+
+
+def resolve_format_mode(mode: str, device: torch.device, has_input_scales: bool,
+                        fmt: BlockFormat = NVFP4, name: str = "") -> str:
+    """:func:`resolve_mode` for a weight of block format ``fmt``: a format other than NVFP4
+    runs W4A16 ("auto" is W4A16; "w4a4" a FormatError: the layers' fused activation
+    quantizer writes NVFP4 only; ``gemm(quantize(x, format=...), w)`` runs W4A4 on
+    SM12x)."""
+    if fmt is NVFP4:
+        return resolve_mode(mode, device, has_input_scales)
+    if mode not in MODES:
+        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "w4a4":
+        raise FormatError(f"{where(name)}{fmt} layers run W4A16 (bfloat16 activations): the "
+                          "fused activation quantizer writes NVFP4 only; "
+                          f"cute_fp4.gemm(cute_fp4.quantize(x, format='{fmt}'), w) runs W4A4 "
+                          "on SM12x")
+    return "w4a16"
+
+
+def check_layout_format(layout: str, fmt: BlockFormat, device: torch.device,
+                        name: str = "") -> None:
+    """A weight layout the present GPU's kernels take for ``fmt``: sm_90a decodes
+    non-NVFP4 scales (MXFP4's UE8M0) in the packed layout's kernels only (rs_packed,
+    stream)."""
+    if fmt is not NVFP4 and layout == "plain" and capability_major(device) == 9:
+        raise FormatError(f"{where(name)}{fmt} weights run on sm_90a in the packed layout "
+                          f"only (its in_features, or hidden and intermediate, must be "
+                          f"multiples of {UNIT_K}); got layout='plain'")
 
 
 def reads_packed(schedule) -> bool:
@@ -120,11 +150,10 @@ def where(name: str) -> str:
 
 
 def check_weight(weight, name: str = "") -> None:
-    """One NVFP4 weight matrix (an NVFP4Tensor or PackedNVFP4Weight), not an expert stack."""
-    from cute_fp4.packed import PackedNVFP4Weight
-
-    if not isinstance(weight, (NVFP4Tensor, PackedNVFP4Weight)):
-        raise InputTypeError(f"{where(name)}weight must be an NVFP4Tensor, got "
+    """One block-scaled weight matrix (an NVFP4Tensor or MXFP4Tensor, or its packed form),
+    not an expert stack."""
+    if not isinstance(weight, (BlockTensor, PackedWeight)):
+        raise InputTypeError(f"{where(name)}weight must be an NVFP4Tensor or MXFP4Tensor, got "
                              f"{type(weight).__name__}")
     if weight.experts is not None:
         raise InputError(f"{where(name)}weight must be one [out_features, in_features] "
@@ -139,9 +168,9 @@ def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale
     weight's fault, not its scale's): typed errors naming the layer, what it needs and
     what came. Nothing may change a layer's declared size."""
     at = f"{f'layer {name}' if name else 'the layer'} (out_features={n}, in_features={k})"
-    tensors = (("weight", weight, (torch.uint8,), (n, k // 2), "K/2"),
-               ("weight_scale", weight_scale, (torch.float8_e4m3fn, torch.uint8),
-                (n, k // 16), "K/16"))
+    tensors = (("weight", weight, (torch.uint8,), (n, NVFP4.data_row_bytes(k)), "K/2"),
+               ("weight_scale", weight_scale, (NVFP4.scale.torch_dtype, torch.uint8),
+                (n, NVFP4.scale_cols(k)), f"K/{NVFP4.block}"))
     for key, t, dtypes, shape, last in tensors:
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{at}: {key} must be a torch.Tensor, got "
@@ -156,6 +185,6 @@ def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale
                               f"{list(v.shape)}")
 
 
-__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_modelopt", "check_schedule",
-           "check_weight", "reads_packed", "resolve_layout", "resolve_mode", "scalar",
-           "scale_values", "where"]
+__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_layout_format", "check_modelopt",
+           "check_schedule", "check_weight", "reads_packed", "resolve_format_mode",
+           "resolve_layout", "resolve_mode", "scalar", "scale_values", "where"]

@@ -37,22 +37,26 @@ import torch
 
 from cute_fp4.api import gemm, mm, mm_packed, quantize_op
 from cute_fp4.bindings import Launcher
+from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.formats import MXFP4, NVFP4
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers.common import (
     ACT_FORMATS,
+    check_layout_format,
     check_modelopt,
     check_schedule,
     check_weight,
+    resolve_format_mode,
     resolve_layout,
-    resolve_mode,
     scalar,
     scale_values,
     where,
 )
+from cute_fp4.mxfp4 import MXFP4Tensor
 from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE
-from cute_fp4.packed import PackedNVFP4Weight, pack, unpack
+from cute_fp4.packed import PackedWeight, pack, packed_class, tensor_class, unpack
 from cute_fp4.quant import quantize_activation
 from cute_fp4.targets import reference_mode
 
@@ -74,23 +78,24 @@ def _gated_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> to
 # ----------------------------------------------------------------------------- the layer
 
 class Linear:
-    """``y = x @ W^T (+ bias)`` with ``W`` NVFP4 ``[out_features, in_features]``, prepared
-    (module docstring).
+    """``y = x @ W^T (+ bias)`` with ``W`` block-scaled ``[out_features, in_features]``
+    (NVFP4, or MXFP4: W4A16 with bfloat16 activations), prepared (module docstring).
 
-    ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``), or a
-    PackedNVFP4Weight (already in fragment order); ``mode``: "w4a16" or "w4a4" ("auto":
-    ``common.resolve_mode``); ``schedule``: "auto", a catalogue name (both work under
-    torch.compile) or a Schedule; ``input_scale``: W4A4's calibrated activation global scale
-    (decode form, ``amax / 2688``), None for a dynamic one; ``layout``: "auto", "plain" or
-    "packed"; ``name``: the layer's name in error messages; ``silu_group``: see the module
-    docstring. The output has the input's dtype and shape ``[..., out_features]``
-    (``[..., out_features / 2]`` with ``silu_group``). Build from a checkpoint's tensors
-    with :meth:`from_modelopt`.
+    ``weight``: an NVFP4Tensor (``cute_fp4.quantize``, ``NVFP4Tensor.from_modelopt``) or
+    MXFP4Tensor (``MXFP4Tensor.from_blocks``, :meth:`from_mxfp4`), or its packed weight
+    (already in fragment order); ``mode``: "w4a16" or "w4a4" ("auto":
+    ``common.resolve_mode``; MXFP4: "w4a16"); ``schedule``: "auto", a catalogue name (both
+    work under torch.compile) or a Schedule; ``input_scale``: W4A4's calibrated activation
+    global scale (decode form, ``amax / 2688``), None for a dynamic one; ``layout``:
+    "auto", "plain" or "packed"; ``name``: the layer's name in error messages;
+    ``silu_group``: see the module docstring. The output has the input's dtype and shape
+    ``[..., out_features]`` (``[..., out_features / 2]`` with ``silu_group``). Build from a
+    checkpoint's tensors with :meth:`from_modelopt` (NVFP4) or :meth:`from_mxfp4`.
     """
 
     __slots__ = ("out_features", "in_features", "mode", "schedule", "layout", "name",
                  "silu_group", "stored", "bias", "input_scale", "alpha", "out_scale",
-                 "launches", "prefetch_weights", "_parts")
+                 "launches", "prefetch_weights", "_parts", "_one")
 
     def __init__(self, weight, bias: torch.Tensor | None = None, mode: str = "w4a16",
                  schedule="auto", input_scale=None, layout: str = "auto", name: str = "",
@@ -99,17 +104,21 @@ class Linear:
         check_schedule(schedule)
         self.out_features, self.in_features = weight.shape
         self.name, self.silu_group, self._parts = name, silu_group, None
-        dev = weight.device
-        self.mode = resolve_mode(mode, dev, input_scale is not None)
+        dev, fmt = weight.device, weight.fmt
+        self.mode = resolve_format_mode(mode, dev, input_scale is not None, fmt, name)
         self.schedule = schedule
         self.layout = resolve_layout(layout, self.mode, self.in_features, dev, schedule)
-        if isinstance(weight, PackedNVFP4Weight) and self.layout == "plain":
+        check_layout_format(self.layout, fmt, dev, name)
+        if isinstance(weight, PackedWeight) and self.layout == "plain":
             weight = weight.unpack()
-        if not isinstance(weight, PackedNVFP4Weight) and self.layout == "packed":
-            weight = PackedNVFP4Weight(pack(weight.data.contiguous()), weight.scale,
+        if not isinstance(weight, PackedWeight) and self.layout == "packed":
+            weight = packed_class(fmt)(pack(weight.data.contiguous()), weight.scale,
                                        weight.global_scale, weight.shape)
-        gs = scalar(weight.global_scale, f"{where(name)}weight global scale", dev)
-        self.stored = _view(weight.data, weight.scale, gs, weight.shape, self.layout)
+        gs = None if not fmt.global_scale else scalar(
+            weight.global_scale, f"{where(name)}weight global scale", dev)
+        # a format without global scales: alpha 1, held so a launch binding can keep it
+        self._one = None if gs is not None else torch.ones((), dtype=torch.float32, device=dev)
+        self.stored = _view(weight.data, weight.scale, gs, weight.shape, self.layout, fmt)
         self.bias = _bias(bias, self.out_features, dev, name)
         self.input_scale = None if input_scale is None else scalar(
             input_scale, f"{where(name)}input_scale", dev)
@@ -157,6 +166,31 @@ class Linear:
         return cls(w, bias, mode, schedule, inp, layout, name)
 
     @classmethod
+    def from_mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None = None, *, mode: str = "auto",
+                   layout: str = "auto", schedule="auto", name: str = "") -> Linear:
+        """From an MXFP4 checkpoint's tensors of one layer (OCP Microscaling, as
+        transformers' ``mxfp4`` quantization stores them; any tensor-parallel shard):
+        ``blocks`` uint8 ``[N, K/32, 16]`` (each row's packed E2M1 bytes, 32 elements per
+        block), ``scales`` uint8 ``[N, K/32]`` (UE8M0 codes, row-major), ``bias`` ``[N]``.
+        W4A16 with bfloat16 activations (``mode`` "auto" or "w4a16"); on sm_90a K must be a
+        multiple of 64 (the packed layout). Bad tensors (shapes, dtypes, a NaN scale code
+        255) are a FormatError naming ``name``. :meth:`checkpoint` gives them back."""
+        for t, what in ((blocks, "blocks"), (scales, "scales")):
+            if not isinstance(t, torch.Tensor):
+                raise InputTypeError(f"{where(name)}{what} must be a torch.Tensor, got "
+                                     f"{type(t).__name__}")
+        if blocks.dim() != 3:
+            raise FormatError(f"{where(name)}blocks must be uint8 [N, K/{MXFP4.block}, "
+                              f"{MXFP4.block // 2}], got {blocks.dtype} {list(blocks.shape)}")
+        check_sizes(blocks.shape[0], blocks.shape[1] * MXFP4.block, name)
+        try:
+            w = MXFP4Tensor.from_blocks(blocks, scales)
+        except FormatError as e:
+            raise FormatError(f"{where(name)}{e}") from None
+        return cls(w, bias, mode, schedule, None, layout, name)
+
+    @classmethod
     def _sharded(cls, weight, weight_scale, gs, sizes, inp, bias, mode, layout, schedule,
                  name) -> Linear:
         """A layer of per-shard layers (their global scales differ): one GEMM each, the
@@ -184,7 +218,7 @@ class Linear:
         """W4A4 with a static input scale: alpha = input_scale * weight_scale_2, computed
         once (in place when it exists, so a captured CUDA graph reads the new value)."""
         gs = self.stored.global_scale
-        if self.mode != "w4a4" or self.input_scale is None:
+        if self.mode != "w4a4" or self.input_scale is None or gs is None:
             self.alpha = None
         elif self.alpha is None:
             self.alpha = self.input_scale * gs
@@ -198,13 +232,18 @@ class Linear:
         return self.stored.data.device
 
     @property
-    def weight(self) -> NVFP4Tensor:
-        """The weight as an NVFP4Tensor in the plain layout (a packed one unpacked: a copy,
+    def fmt(self):
+        """The weight's block format (:class:`~cute_fp4.formats.BlockFormat`)."""
+        return self.stored.fmt
+
+    @property
+    def weight(self) -> BlockTensor:
+        """The weight as a block tensor in the plain layout (a packed one unpacked: a copy,
         which a call never uses)."""
         w = self.stored
-        if isinstance(w, PackedNVFP4Weight):
-            return NVFP4Tensor._unchecked(unpack(w.data, self.out_features), w.scale,
-                                          w.global_scale, w.shape)
+        if isinstance(w, PackedWeight):
+            return w.tensor_class._unchecked(unpack(w.data, self.out_features), w.scale,
+                                             w.global_scale, w.shape)
         return w
 
     def layout_bytes(self, data: torch.Tensor) -> torch.Tensor:
@@ -215,7 +254,8 @@ class Linear:
               input_scale=None, alpha=None, out_scale=None, bias=None) -> None:
         """Hold these tensors from now on (a module moved its buffers, ``Module.to``): the
         same layout and shapes; the bindings are dropped."""
-        self.stored = _view(data, scale, global_scale, self.stored.shape, self.layout)
+        self.stored = _view(data, scale, global_scale, self.stored.shape, self.layout,
+                            self.fmt)
         self.input_scale, self.alpha, self.out_scale = input_scale, alpha, out_scale
         self.bias = bias
         self.launches = Launcher()
@@ -278,7 +318,14 @@ class Linear:
     def checkpoint(self) -> dict[str, torch.Tensor]:
         """The layer as ModelOpt's tensors (``weight``, ``weight_scale`` row-major,
         ``weight_scale_2``, ``input_scale`` when calibrated, ``bias`` when present), bit for
-        bit what it was prepared from (per-shard layers: their scales side by side)."""
+        bit what it was prepared from (per-shard layers: their scales side by side); an
+        MXFP4 layer as its checkpoint's ``blocks``, ``scales`` (and ``bias``)."""
+        if self.fmt is not NVFP4:
+            blocks, scales = self.weight.to_blocks()
+            out = {"blocks": blocks, "scales": scales}
+            if self.bias is not None:
+                out["bias"] = self.bias
+            return out
         if self._parts is not None:
             parts = [p.checkpoint() for p in self._parts]
             out = {key: torch.cat([p[key] for p in parts]) for key in ("weight", "weight_scale")}
@@ -367,7 +414,7 @@ class Linear:
                                self.alpha)
         else:
             self.launches.w4a16(x, w, self.schedule, m, dev, out, packed,
-                                self.prefetch_weights)
+                                self.prefetch_weights, self._one)
         if self.bias is not None:
             out.add_(self.bias)
         return out
@@ -442,7 +489,7 @@ class Linear:
         k, n = self.in_features, self.out_features
         x2 = x.reshape(-1, k).contiguous()
         w = self.stored
-        gs = w.global_scale
+        gs = w.global_scale if self._one is None else self._one
         if self.mode == "w4a4":
             a, a_scale, a_gs = quantize_op(x2, self.input_scale)
             alpha = self.alpha if self.alpha is not None else a_gs * gs
@@ -473,11 +520,12 @@ def check_sizes(n: int, k: int, name: str = "") -> None:
                           "keep a multiple per rank)")
 
 
-def _view(data, scale, global_scale, shape, layout: str):
-    """The stored weight over its tensors (no value checks: they were checked once)."""
+def _view(data, scale, global_scale, shape, layout: str, fmt=NVFP4):
+    """The stored weight of block format ``fmt`` over its tensors (no value checks: they
+    were checked once)."""
     if layout == "packed":
-        return PackedNVFP4Weight(data, scale, global_scale, shape)
-    return NVFP4Tensor._unchecked(data, scale, global_scale, shape)
+        return packed_class(fmt)(data, scale, global_scale, shape)
+    return tensor_class(fmt)._unchecked(data, scale, global_scale, shape)
 
 
 def _bias(bias, n: int, device: torch.device, name: str) -> torch.Tensor | None:

@@ -136,18 +136,7 @@ def test_generate_decode_logits(pair, batch, sample):
     logits on the same tokens (teacher forced): within the tolerance; greedy picks their
     argmax; the sequences are the prompt plus new tokens from the vocabulary."""
     _, bf16, model = pair
-    x = _prompts(batch, seed=3 + batch)
-    torch.manual_seed(0)
-    kw = dict(do_sample=True, top_k=20, temperature=1.0) if sample else dict(do_sample=False)
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
-                         min_new_tokens=8, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=0, **kw)
-    seq = out.sequences
-    assert seq.shape == (batch, 24) and torch.equal(seq[:, :16], x)
-    assert ((seq >= 0) & (seq < 512)).all()
-    steps = torch.stack(out.logits, dim=1).float()  # [batch, 8, vocab]
-    if not sample:
-        assert torch.equal(steps.argmax(-1), seq[:, 16:])
+    seq, steps = hf_tiny.generate_steps(model, _prompts(batch, seed=3 + batch), sample, 512)
     with torch.no_grad():
         want = bf16(seq).logits[:, 15:23].float()
     _close(steps, want, _tol(model))

@@ -1,0 +1,126 @@
+"""The routing of a prepared mixture-of-experts layer (:class:`cute_fp4.layers.Experts`):
+the (token, slot) pairs sorted by expert (:func:`route`), the gated activation
+(:func:`silu_and_mul`), the weighted combine (:func:`combine`), gpt-oss's top-k softmax
+(:func:`softmax_topk`) and a call's intermediates (:class:`Stages`). Conventions: the
+docstring of :mod:`cute_fp4.layers.experts`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from cute_fp4.blockscaled import BlockTensor
+from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.packed import PackedWeight
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- routing
+
+class Routing(NamedTuple):
+    """The (token, slot) pairs of one call sorted by expert.
+
+    ``order`` int64 ``[T*k]``: sorted row ``p`` holds pair ``order[p]`` (pair = t * k + j);
+    ``inverse`` int64 ``[T*k]``: pair ``i`` sits at sorted row ``inverse[i]``;
+    ``token`` int64 ``[T*k]``: the token of sorted row ``p`` (``order // k``);
+    ``offsets`` int32 ``[E + 1]``: expert ``e``'s rows are ``offsets[e] .. offsets[e+1]-1``.
+    """
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    token: torch.Tensor
+    offsets: torch.Tensor
+
+
+def check_ids(topk_ids, num_experts) -> tuple[int, int]:
+    """(T, top_k) of ``topk_ids``; typed errors for anything but an int ``[T, top_k]``."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise InputTypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.shape[1] == 0:
+        raise InputError(f"topk_ids must be [T, top_k] with top_k >= 1, got shape "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in _ID_DTYPES:
+        raise InputError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise InputError(f"num_experts must be a positive int, got {num_experts!r}")
+    return topk_ids.shape[0], topk_ids.shape[1]
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, *, validate: bool = False) -> Routing:
+    """Sort the (token, slot) pairs of ``topk_ids`` ``[T, top_k]`` by expert (stable).
+
+    Sync-free and CUDA-graph capturable: one sort, one scatter (the inverse), one division
+    (the tokens) and one ``searchsorted`` (the offsets), all on ``topk_ids``' device.
+    Expert ids must lie in ``[0, num_experts)``; that is not checked (it would read a GPU
+    value) unless ``validate=True`` (tests, debugging: one host sync). An id out of range
+    leaves ``offsets`` short of ``T * top_k`` (or ``offsets[0] > 0``): the layer's output is
+    then undefined.
+    """
+    _, k = check_ids(topk_ids, num_experts)
+    flat = topk_ids.reshape(-1)
+    if validate and flat.numel():
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= num_experts:
+            raise InputError(f"topk_ids hold expert ids in [{lo}, {hi}], the layer has "
+                             f"{num_experts} experts (ids 0..{num_experts - 1})")
+    sorted_ids, order = torch.sort(flat, stable=True)
+    n = flat.numel()
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(n, device=flat.device, dtype=order.dtype))
+    token = torch.div(order, k, rounding_mode="floor")
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    return Routing(order, inverse, token, offsets)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` (first half gate, second half up), in
+    ``gate_up``'s dtype."""
+    i = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :i]) * gate_up[..., i:]
+
+
+def combine(down: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * down[inverse[t*k + j]]``: ``down`` ``[T*k, H]``
+    in sorted order -> ``[T, H]``. One gather and one batched matmul (FP32 accumulation,
+    fixed order: deterministic); the weights are rounded to ``down``'s dtype."""
+    t, k = topk_weights.shape
+    pairs = down.index_select(0, routing.inverse).view(t, k, down.shape[-1])
+    return torch.bmm(topk_weights.to(down.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
+def expert(w, e: int) -> BlockTensor:
+    """Expert ``e`` of an expert stack (a block tensor or its packed weight) as a plain 2-D
+    block tensor ``[N, K]``: views of a plain stack; a packed one is unpacked (a copy, and
+    its checked constructor reads the global scale: references and loops only)."""
+    one = w.expert(e)
+    return one.unpack() if isinstance(one, PackedWeight) else one
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing (transformers' ``GptOssTopKRouter``): the ``top_k`` largest router
+    logits per token (``torch.topk``) and their softmax, in the logits' dtype: ``(topk_ids
+    [T, top_k], topk_weights [T, top_k])``, what :class:`Experts` takes."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return ids, torch.softmax(values, dim=1, dtype=values.dtype)
+
+
+class Stages(NamedTuple):
+    """Every intermediate of one call, in sorted (expert) order except ``out``."""
+
+    routing: Routing
+    x_sorted: torch.Tensor  # [T*k, H] the gathered activations
+    a13: torch.Tensor | BlockTensor  # x_sorted, or its NVFP4 quantization (w4a4)
+    gate_up: torch.Tensor  # [T*k, 2I], in w13's row order (interleaved when fused)
+    act: torch.Tensor  # [T*k, I]
+    a2: torch.Tensor | BlockTensor  # act, or its NVFP4 quantization (w4a4)
+    down: torch.Tensor  # [T*k, H]
+    out: torch.Tensor  # [T, H]
+
+
+__all__ = ["Routing", "Stages", "check_ids", "combine", "expert", "route", "silu_and_mul",
+           "softmax_topk"]
