@@ -18,6 +18,8 @@ group models $t/test_moe.py $t/test_nn.py $t/test_hf.py &
 group rest $t/test_api.py $t/test_launch_path.py $t/test_pdl.py $t/test_split_k.py \
   $t/test_dequantize.py $t/test_quantize_kernel.py $t/test_quantize_rule.py \
   $t/test_sm90_rs_wide.py $t/test_bench_peers.py &
+group mxfp4 $t/test_mxfp4.py &
+group gptoss $t/test_gpt_oss.py $t/test_shards.py &
 f=$t/test_fused_epilogue.py
 group fused90 $f -k "sm90 and not grouped" &
 group fusedgrouped $f -k "grouped" &
@@ -25,7 +27,7 @@ group fused120 $f -k "sm120 and not grouped or silu_is or checks_itself or refus
 listed=" test_kernels.py test_grouped.py test_sm120_emulated.py test_stream.py test_moe.py
   test_nn.py test_hf.py test_api.py test_launch_path.py test_pdl.py test_split_k.py
   test_dequantize.py test_quantize_kernel.py test_quantize_rule.py test_sm90_rs_wide.py
-  test_bench_peers.py test_fused_epilogue.py "
+  test_bench_peers.py test_fused_epilogue.py test_mxfp4.py test_gpt_oss.py test_shards.py "
 others=""  # test files no group above names: one more group, so nothing is left out
 for x in "$t"/test_*.py; do
   case "$listed" in *" $(basename "$x")"[[:space:]]*) ;; *) others="$others $x" ;; esac
