@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import read_floor  # noqa: E402
+from outputs import write_outputs  # noqa: E402
 
 SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (8192, 8192), (28672, 4096),
           (28672, 8192), (128256, 4096)]
@@ -337,11 +338,7 @@ def main(argv=None) -> int:
               else QUICK if args.quick else SHAPES)
     res = run(shapes, args.ms, args.variants, set(args.providers or ()))
     res["ratios"] = ratios(res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_bench.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "decode_bench.md").write_text(render_md(res))
-    print(render_md(res))
+    write_outputs(args.out, "decode_bench", res, render_md(res))
     return 0
 
 

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import read_floor  # noqa: E402
+from outputs import write_outputs  # noqa: E402
 
 SHAPES = [(2880, 2880), (8192, 8192)]
 FORMATS = ("nvfp4", "mxfp4")
@@ -150,11 +151,7 @@ def main(argv=None) -> int:
         else SHAPES
     res = run(shapes, args.ms)
     res["ratios"] = ratios(res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mxfp4_decode.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "mxfp4_decode.md").write_text(render_md(res))
-    print(render_md(res))
+    write_outputs(args.out, "mxfp4_decode", res, render_md(res))
     return 0
 
 
