@@ -417,6 +417,16 @@ def _a_operand(a) -> tuple[int, int, str]:
     return _a_format(a, "total_M", " (tokens sorted by expert)")
 
 
+def check_call(a, b, out, alpha, out_dtype: torch.dtype, ops: tuple[str, ...] = (),
+               bias=None, require_cuda: bool = True) -> tuple[int, int, int, str]:
+    """The checks of a dense call: :func:`check_operands` (``out`` there only without
+    fused ops), then with fused epilogue ``ops`` :func:`check_fused_operands`."""
+    dims = check_operands(a, b, None if ops else out, alpha, out_dtype, require_cuda)
+    if ops:
+        check_fused_operands(bias, out, dims[0], dims[1], out_dtype, ops, b.data.device)
+    return dims
+
+
 def check_grouped_operands(a, b, offsets, out, alpha, out_dtype=torch.bfloat16,
                            require_cuda: bool = True) -> GroupedDims:
     """Validate the operands of :func:`grouped_gemm` (metadata only: no GPU sync, the
@@ -582,3 +592,17 @@ def make_operands(m: int, n: int, k: int, a_format: str = Operand.NVFP4, seed: i
         return quantize(a_raw, format=fmt), b
     dt = torch.bfloat16 if a_format == "bf16" else torch.float16
     return (a_raw / a_raw.abs().max().clamp(min=1e-30)).to(dt), b
+
+
+def check_grouped_call(a, b, offsets, out, alpha, out_dtype: torch.dtype,
+                       ops: tuple[str, ...] = (), bias=None,
+                       require_cuda: bool = True) -> GroupedDims:
+    """The checks of a grouped call: :func:`check_grouped_operands` (``out`` there only
+    without fused ops), then with fused epilogue ``ops`` :func:`check_fused_operands`
+    (bias ``[E, N]``)."""
+    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, out_dtype,
+                                  require_cuda)
+    if ops:
+        check_fused_operands(bias, out, dims.total_m, dims.n, out_dtype, ops,
+                             b.data.device, dims.experts)
+    return dims

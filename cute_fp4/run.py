@@ -2,8 +2,8 @@
 ``grouped_gemm``, the custom ops, the prepared layers) and the kernel's entry, for dense,
 grouped and fused kernels alike, in the order a call takes it:
 
-1. the operand checks (``operands.check_operands``, ``check_grouped_operands``,
-   ``check_fused_operands``: host metadata, nothing read from the GPU);
+1. the operand checks (``operands.check_call``, ``check_grouped_call``: host metadata,
+   nothing read from the GPU);
 2. the schedule and its compiled kernel (:func:`kernel`, :func:`grouped_kernel`:
    ``compile.kernel_for``'s memo over ``tuning``'s resolution of a Schedule, a catalogue
    name or "auto");
@@ -39,10 +39,9 @@ from cute_fp4.operands import (
     Operands,
     alpha_tensor,
     as_scale,
-    check_fused_operands,
-    check_grouped_operands,
+    check_call,
+    check_grouped_call,
     check_offsets,
-    check_operands,
     epilogue_ops,
     format_of_scale,
     grouped_alpha,
@@ -134,10 +133,8 @@ def gemm_call(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=N
         return reference_call(a, b, out, out_dtype, alpha, bias, ops, nvfp4_out)
     packed = isinstance(b, PackedWeight)
     view = _plain_view(b) if packed else b
-    dims = check_operands(a, view, None if ops else out, alpha, out_dtype)
+    dims = check_call(a, view, out, alpha, out_dtype, ops, bias)
     m, n, k, a_format = dims
-    if ops:
-        check_fused_operands(bias, out, m, n, out_dtype, ops, b.data.device)
     if via_values(schedule, a_format, packed):
         given = None if alpha is None else alpha_tensor(a, view, alpha)
         a, alpha = w4a16_operands(a, b.global_scale, given)
@@ -204,11 +201,7 @@ def grouped_call(a, b, offsets, schedule, out, out_dtype, alpha, check: bool = F
     if reference_mode():
         return reference_grouped_call(a, b, offsets, out, dt, alpha, bias, ops, nvfp4_out,
                                       validate_offsets)
-    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, dt,
-                                  require_cuda=False)
-    if ops:
-        check_fused_operands(bias, out, dims.total_m, dims.n, dt, ops, b.data.device,
-                             dims.experts)
+    dims = check_grouped_call(a, b, offsets, out, alpha, dt, ops, bias, require_cuda=False)
     alpha_t = None
     if via_values(schedule, dims.a_format, dims.packed):
         alpha_t = grouped_alpha(a, b, alpha, dims.experts)
@@ -280,19 +273,16 @@ def run_compiled(kernel, a, b, out=None, alpha=None, bias=None, nvfp4_out=None
     elif kernel.schedule.mainloop.reads_packed and isinstance(b, BlockTensor):
         b = PackedWeight.from_tensor(b)
     ops = kernel.schedule.epilogue.ops
-    dims = check_operands(a, check_b, None if ops else out, alpha, kernel.out_dtype)
-    if ops:
-        check_fused_operands(bias, out, dims[0], dims[1], kernel.out_dtype, ops,
-                             b.data.device)
+    dims = check_call(a, check_b, out, alpha, kernel.out_dtype, ops, bias)
     return run_checked(kernel, a, b, out, alpha, dims, bias, nvfp4_out)
 
 
 def run_checked(kernel, a, b, out, alpha, dims, bias=None, nvfp4_out=None,
                 early: bool = False) -> torch.Tensor:
-    """:func:`run_compiled` after :func:`check_operands` returned ``dims`` (and, with fused
-    epilogue ops, :func:`check_fused_operands`). The plan check is remembered per kernel and
-    shape (``CompiledGemm.check_plan``). ``early``: ``Operands.early`` (the caller
-    guarantees no kernel still in flight on the stream writes ``b``)."""
+    """:func:`run_compiled` after :func:`~cute_fp4.operands.check_call` returned ``dims``.
+    The plan check is remembered per kernel and shape (``CompiledGemm.check_plan``).
+    ``early``: ``Operands.early`` (the caller guarantees no kernel still in flight on the
+    stream writes ``b``)."""
     m, n, k, a_format = dims
     s = kernel.schedule
     if s.scheduler.grouped:
@@ -344,11 +334,7 @@ def run_grouped(kernel, a, b, offsets, out=None, alpha=None, bias=None,
     for a schedule with the fused ``"bias"``; ``nvfp4_out``: the output's global scale with
     ``"nvfp4_out"`` (an ``NVFP4Tensor`` over all total_M rows is returned)."""
     ops = kernel.schedule.epilogue.ops
-    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha,
-                                  kernel.out_dtype)
-    if ops:
-        check_fused_operands(bias, out, dims.total_m, dims.n, kernel.out_dtype, ops,
-                             b.data.device, dims.experts)
+    dims = check_grouped_call(a, b, offsets, out, alpha, kernel.out_dtype, ops, bias)
     check_grouped_kernel(kernel, dims)
     return _launch_grouped(kernel, a, b, offsets, out, alpha, dims, bias, nvfp4_out)
 
@@ -466,10 +452,7 @@ def reference_call(a, b, out, out_dtype, alpha, bias=None, ops: tuple[str, ...] 
     given."""
     packed = isinstance(b, PackedWeight)
     view = _plain_view(b) if packed else b
-    m, n, _, _ = check_operands(a, view, None if ops else out, alpha, out_dtype,
-                                require_cuda=False)
-    if ops:
-        check_fused_operands(bias, out, m, n, out_dtype, ops, b.data.device)
+    check_call(a, view, out, alpha, out_dtype, ops, bias, require_cuda=False)
     w = b.unpack() if packed else b
     if not ops:
         return _into(out, reference.gemm(a, w, alpha, out_dtype=out_dtype))
@@ -482,11 +465,7 @@ def reference_grouped_call(a, b, offsets, out, dt: torch.dtype, alpha, bias,
     """A grouped call under ``targets.reference_mode``: the same checks on any device,
     then the exact reference (``reference.grouped_gemm``; the fused ops by their
     definition), written into ``out`` when given (the experts' rows)."""
-    dims = check_grouped_operands(a, b, offsets, None if ops else out, alpha, dt,
-                                  require_cuda=False)
-    if ops:
-        check_fused_operands(bias, out, dims.total_m, dims.n, dt, ops, b.data.device,
-                             dims.experts)
+    dims = check_grouped_call(a, b, offsets, out, alpha, dt, ops, bias, require_cuda=False)
     if validate_offsets:
         check_offsets(offsets, dims.total_m)
     if not ops:

@@ -52,6 +52,11 @@ def check(a, b, out=None, alpha=None):
     return operands.check_operands(a, b, out, alpha, torch.bfloat16, require_cuda=False)
 
 
+def on_any_device(*args, **kwargs):
+    """``operands.check_call`` without its device-type check (the CPU stands in)."""
+    return operands.check_call(*args, **{**kwargs, "require_cuda": False})
+
+
 # ----------------------------------------------------------------------------- arguments
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -387,8 +392,7 @@ def test_gemm_on_the_stubbed_path_still_checks(monkeypatch, kernel):
 
     h200 = targets.Device(0, "H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"), 4800.)
     monkeypatch.setattr(targets, "require_device", lambda family=None: h200)
-    monkeypatch.setattr(run, "check_operands", lambda a, b, out, alpha, dt: check(
-        a, b, out, alpha))
+    monkeypatch.setattr(run, "check_call", on_any_device)
     rec = Recorder()
     monkeypatch.setattr(host, "_build", lambda s, sig, k=None, tag="": compiled_gemm(
         host._make_kernel(s, Problem(a_format=sig.a_format)), rec))
@@ -560,8 +564,7 @@ def stub_gemm_path(stub_layer_path, monkeypatch):
     checks without the device-type check)."""
     from cute_fp4 import run
 
-    monkeypatch.setattr(run, "check_operands", lambda a, b, out, alpha, dt: operands.
-                        check_operands(a, b, out, alpha, dt, require_cuda=False))
+    monkeypatch.setattr(run, "check_call", on_any_device)
     bindings._GEMM_BOUND.clear()
     yield stub_layer_path
     bindings._GEMM_BOUND.clear()
