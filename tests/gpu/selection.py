@@ -20,6 +20,20 @@ from cute_fp4.plan import plan
 from cute_fp4.schedule import Problem, Schedule
 from cute_fp4.targets import Target
 
+
+def bindings_available() -> bool:
+    """Whether launches are bound (``bindings.bind``): the DSL's TVM-FFI entry is on."""
+    from cute_fp4.compile import tvm_ffi_enabled
+
+    return tvm_ffi_enabled()
+
+
+# bound launches (``bindings.bind``) take the DSL's TVM-FFI entry: without apache-tvm-ffi
+# every call takes the full path, correct but not bound (a GPU host without the wheel)
+needs_bindings = pytest.mark.skipif(
+    not bindings_available(),
+    reason="bound launches need the DSL's TVM-FFI entry (apache-tvm-ffi is not installed)")
+
 NO_GPU_TARGET = "sm_120a"  # what collection plans for without a supported GPU
 FORMATS = ("nvfp4", "bf16", "fp16")
 

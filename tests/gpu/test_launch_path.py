@@ -144,6 +144,7 @@ def test_no_call_syncs_with_the_gpu():
     torch.cuda.synchronize()
 
 
+@selection.needs_bindings
 def test_bound_gemm_calls_follow_new_inputs_and_weights():
     """W4A16 calls after the first on a weight launch through its binding: each call's new
     activations (new tensors, new values), given or allocated outputs, several M, a weight
