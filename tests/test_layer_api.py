@@ -223,3 +223,18 @@ def test_experts_errors_name_the_layer():
         Experts.from_modelopt((w13[0], w13[1][:, :, :2], w13[2]), w2, name="mlp.experts")
     with pytest.raises(InputError, match=r"experts: w13 must be an expert stack \[E, N, K\]"):
         Experts.from_float(torch.randn(64, 128), torch.randn(64, 32), name="experts")
+
+
+def test_experts_an_sm90_gpu_cannot_run_are_refused_with_the_sizes(monkeypatch):
+    """On sm_90a every grouped kernel reads the packed layout (intermediate a multiple of
+    64): Qwen3-30B-A3B's experts at TP 8 (I = 96 per rank) are a FormatError naming the
+    layer and the sizes there, before anything runs; the exact reference runs them."""
+    from cute_fp4.layers import stacks
+
+    w13, w2 = _experts_modelopt(2, 128, 96)
+    monkeypatch.setattr(stacks, "capability_major", lambda dev: 9)
+    with pytest.raises(FormatError, match=r"experts\.0: sm_90a's grouped kernels read the "
+                       r"packed layout only, .*intermediate \(96\) multiples of 64"):
+        Experts.from_modelopt(w13, w2, mode="w4a16", name="experts.0")
+    with reference_execution():
+        assert Experts.from_modelopt(w13, w2, mode="w4a16").layout == "plain"

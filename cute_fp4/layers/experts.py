@@ -148,7 +148,7 @@ class Experts:
         self.mode = resolve_format_mode(mode, dev, all(s is not None for s in input_scales),
                                         w13.fmt, name)
         self.layout = pick_layout(layout, w13, w2, self.hidden, self.intermediate, dev,
-                                  self.mode)
+                                  self.mode, name)
         check_layout_format(self.layout, w13.fmt, dev, name)
         if up_ratio is not None:
             fused = False  # the up rows' own scales apply between the GEMM and the activation
@@ -224,7 +224,7 @@ class Experts:
                        for s in input_scales)
         dev = stacks[0].device
         mode = resolve_mode(mode, dev, all(s is not None for s in scales))
-        resolved = pick_layout(layout, *stacks, h, i, dev, mode)
+        resolved = pick_layout(layout, *stacks, h, i, dev, mode, name)
         group = None if ratio is not None else pick_group(fused, resolved, dev, i)
         if resolved == "packed":
             stacks = [pack_by_expert(stacks[0], group), pack_by_expert(stacks[1])]

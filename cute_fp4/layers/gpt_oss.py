@@ -83,7 +83,7 @@ def gpt_oss_experts(cls, gate_up: tuple, down: tuple, layout: str, fused, schedu
     w2 = mxfp4_stack(f"{where(name)}down_proj", *down[:2])
     e, h, i = check_stacks(w13, w2, name)
     dev = w13.device
-    resolved = pick_layout(layout, w13, w2, h, i, dev, "w4a16")
+    resolved = pick_layout(layout, w13, w2, h, i, dev, "w4a16", name)
     group = oai_group(fused, resolved, dev, i)
     b13, b2 = gate_up[2], down[2]
     for b, shape, what in ((b13, (e, 2 * i), "gate_up_proj_bias"),

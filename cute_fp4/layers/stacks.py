@@ -17,7 +17,7 @@ from cute_fp4.layers.common import scale_values, where
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
 from cute_fp4.operands import K_MULTIPLE
 from cute_fp4.packed import UNIT_K, PackedWeight, pack, packed_class, packed_rows, tensor_class
-from cute_fp4.targets import capability_major
+from cute_fp4.targets import capability_major, reference_mode
 
 
 def check_stacks(w13, w2, name: str = "") -> tuple[int, int, int]:
@@ -123,9 +123,11 @@ def pick_group(fused, layout: str, dev: torch.device, i: int) -> int | None:
 
 
 def pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
-                mode: str = "w4a4") -> str:
+                mode: str = "w4a4", name: str | None = None) -> str:
     """"auto": packed on sm_90a (its grouped kernels read it) and for W4A16 on SM12x (the
-    grouped stream kernel, its only W4A16 one), when H and I allow it; else plain."""
+    grouped stream kernel, its only W4A16 one), when H and I allow it; else plain. On
+    sm_90a, where every grouped kernel reads the packed layout, a stack that cannot be
+    packed is a FormatError (unless the products run on the exact reference)."""
     packed_in = [isinstance(w, PackedWeight) for w in (w13, w2)]
     if any(packed_in):
         if not all(packed_in) or layout == "plain":
@@ -137,8 +139,13 @@ def pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
         wants = major == 9 or (major == 12 and mode == "w4a16")
         layout = "packed" if wants and h % UNIT_K == 0 and i % UNIT_K == 0 else "plain"
     if layout == "packed" and (h % UNIT_K or i % UNIT_K):
-        raise FormatError(f"the packed layout needs hidden ({h}) and intermediate ({i}) "
-                          f"multiples of {UNIT_K}")
+        raise FormatError(f"{where(name)}the packed layout needs hidden ({h}) and "
+                          f"intermediate ({i}) multiples of {UNIT_K}")
+    if layout == "plain" and capability_major(dev) == 9 and not reference_mode():
+        raise FormatError(f"{where(name)}sm_90a's grouped kernels read the packed layout "
+                          f"only, which needs hidden ({h}) and intermediate ({i}) multiples "
+                          f"of {UNIT_K} (a tensor-parallel shard of the experts must keep "
+                          f"that per rank: use a smaller TP size, or expert parallelism)")
     return layout
 
 
