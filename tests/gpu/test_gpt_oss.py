@@ -135,16 +135,20 @@ def test_grouped_w4a4_sm120_route():
 
 
 def test_linear_from_mxfp4():
-    """The prepared layer (its launch binding from the second call), bias added."""
+    """The prepared layer (its launch binding from the second call): the product against
+    the exact reference; with a bias, that product plus the bias in the output dtype (as
+    an eager layer adds it), bit for bit."""
     w = _weight(2880, 2880, seed=5)
     blocks, scales = w.to_blocks()
-    bias = torch.randn(2880, device="cuda")
+    bias = torch.randn(2880, device="cuda").bfloat16()
+    plain = Linear.from_mxfp4(blocks, scales, name="o_proj")
     lin = Linear.from_mxfp4(blocks, scales, bias, name="o_proj")
     for m in (1, 5, 5):
         x = _act(m, 2880, m)
-        y = lin(x)
-        res = reference.check((y.float() - bias).bfloat16(), x, w)
+        y0 = plain(x)
+        res = reference.check(y0, x, w)
         assert res.passed, res
+        assert torch.equal(lin(x), y0 + bias)
     assert torch.equal(lin.checkpoint()["scales"], scales)
 
 
