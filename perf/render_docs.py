@@ -502,6 +502,76 @@ def render_host(data: dict, path: Path) -> list[str]:
             ""] + table(["M", *names], rows)
 
 
+def render_mxfp4_decode(data: dict, path: Path) -> list[str]:
+    out = ["MXFP4 W4A16 against NVFP4 on the same shape, same kernel family (the stream "
+           "kernel \"auto\" picks), device time in us, 8 weight copies per graph, L2 "
+           f"flushed; weight bytes {data['formulas']['weight_bytes']}; floor: a plain read of "
+           "them.", ""]
+    rows = [[f"{r['N']} x {r['K']}", r["M"], us(r["nvfp4_us"]), us(r["mxfp4_us"]),
+             f"{r['mxfp4_over_nvfp4']:.3f}"] for r in data["ratios"]]
+    floors = {(r["N"], r["K"], r["M"]): r for r in data["rows"] if r["format"] == "mxfp4"}
+    for row, r in zip(rows, data["ratios"]):
+        f = floors.get((r["N"], r["K"], r["M"]))
+        row.append(None if f is None else f"{f['floor_over_time']:.2f}")
+    return out + table(["N x K", "M", "NVFP4", "MXFP4", "MXFP4 / NVFP4", "MXFP4 floor / time"],
+                       rows)
+
+
+def render_gpt_oss(data: dict, path: Path) -> list[str]:
+    out = ["gpt-oss-like MoE layers (hidden = expert width = 2880, top-4), MXFP4 W4A16 "
+           "experts against torch `_grouped_mm` on their BF16 values, same routing; "
+           "\"layer\": routing, both GEMMs, bias, clamped SwiGLU, combine. Floor: "
+           f"{data['formulas']['floor']}.", ""]
+    rows = [[g["experts"], g["tokens"], us(g["ours_layer"]), us(g["torch_layer"]),
+             x(g["torch_layer"], g["ours_layer"]), us(g["ours_gemms"]),
+             x(g["torch_gemms"], g["ours_gemms"]), us(g["floor_us"]), g["auto_schedule"]]
+            for g in data["grouped"]]
+    out += table(["experts", "tokens", "layer", "torch layer", "x torch", "GEMMs",
+                  "GEMMs x torch", "floor", "auto"], rows)
+    rows = [[f"{d['n']} x {d['k']}", d["m"], us(d["nvfp4"]), us(d["mxfp4"]),
+             f"{d['mxfp4_over_nvfp4']:.3f}", us(d["bf16"])] for d in data["dense"]]
+    out += ["Dense, M = 1: MXFP4 against NVFP4 and BF16 (us).", ""]
+    out += table(["N x K", "M", "NVFP4", "MXFP4", "MXFP4 / NVFP4", "BF16"], rows)
+    dec = data.get("decode")
+    if dec:
+        ratio = x(dec["transformers_us"], dec["ours_us"])
+        how = dec["ours_how"].split(" (")[0]
+        err = dec["logits_rel_err_vs_transformers"]
+        out += [f"Batch-1 decode of a {dec['layers']}-layer gpt-oss-20b-like checkpoint: "
+                f"{us(dec['ours_us'])} us/token through cute_fp4, "
+                f"{us(dec['transformers_us'])} through transformers' own load of it "
+                f"({ratio}), timed {how} (the step's CUDA-graph capture failed in the model "
+                f"for both). Logits {err:.3f} (relative) from transformers' on the "
+                "dequantized weights; random weights, so this says how closely the model "
+                "follows its weights' exact MXFP4 values, not a trained checkpoint's quality.",
+                ""]
+    return out
+
+
+def render_shards(data: dict, path: Path) -> list[str]:
+    out = ["What one rank of a tensor-parallel group runs, on one GPU: each layer's shard "
+           "through `cute_fp4.layers` (W4A16, \"auto\") against torch BF16 at the same "
+           "shard (experts: `_grouped_mm` on BF16 experts), us; no collective. Sum over "
+           "each model's layers:", ""]
+    sums: dict[tuple, list[float]] = {}
+    refused: set = set()
+    for r in data["rows"]:
+        key = (r["model"], r["m"])
+        if "error" in r:
+            refused.add((r["model"], r["tp"]))
+            continue
+        t = sums.setdefault(key, {}).setdefault(r["tp"], [0.0, 0.0])
+        t[0] += r["nvfp4_us"]
+        t[1] += r["bf16_us"]
+    tps = sorted({r["tp"] for r in data["rows"]})
+    rows = []
+    for (model, m), by_tp in sorted(sums.items()):
+        rows.append([model, m, *("refused" if (model, tp) in refused else
+                                 x(by_tp[tp][1], by_tp[tp][0]) if tp in by_tp else None
+                                 for tp in tps)])
+    return out + table(["model", "M", *(f"TP {tp}" for tp in tps)], rows)
+
+
 def _has(*keys):
     return lambda data: isinstance(data, dict) and all(k in data for k in keys)
 
@@ -543,6 +613,12 @@ SECTIONS: list[Section] = [
             render_quantize_values, "perf/quantize_bench.py", _values),
     Section("Host time per call", "**/host_overhead*.json", render_host,
             "perf/host_overhead.py", lambda d: d.get("mode") == "gpu"),
+    Section("MXFP4 against NVFP4: dense decode", "**/mxfp4_decode.json", render_mxfp4_decode,
+            "perf/mxfp4_decode.py", _has("rows", "ratios")),
+    Section("gpt-oss (MXFP4): MoE layers, dense, decode", "**/gpt_oss.json", render_gpt_oss,
+            "perf/gpt_oss.py", _has("grouped", "dense")),
+    Section("The layer API per tensor-parallel shard", "**/shards.json", render_shards,
+            "perf/shards.py", _has("rows", "env")),
 ]
 
 NOT_HERE = [
