@@ -64,10 +64,11 @@ KLOOP_CEILING = {"sm120_default": 1.6, "sm120_epi64x32": 1.6, "sm120_nonpersiste
                  "sm120_k64_deep": 2.0, "sm120_128x64": 2.85, "sm120_decode_64x128": 2.6,
                  "sm120_decode_splitk4": 2.6, "sm120_pingpong": 0.95, "sm120_grouped": 1.65,
                  "sm120_grouped_decode": 4.8,
-                 # MXFP4 (2026-12-06): 2.125 / 2.19; a row's 2 scale bytes per MMA K block
-                 # are an LDS.U16 each (24 per K tile, against NVFP4's 8 LDS + 8 LDS.128)
-                 # plus their packing: loading both K blocks' 4 bytes at once is open
-                 "sm120_mxfp4": 2.2, "sm120_mxfp4_grouped": 2.25}
+                 # MXFP4 (2026-12-06): 1.34 both (2.125 / 2.19 before): a row's scales of
+                 # two MMA K blocks are one 32-bit word (2 LDS + 2 LDS.128 per K tile,
+                 # against 12 LDS.U16, 2 LDS.128 and 12 masks), both MMAs take it whole,
+                 # byte-id 0 / 2 selecting the half (Sm120Mainloop._paired_scales)
+                 "sm120_mxfp4": 1.4, "sm120_mxfp4_grouped": 1.4}
 
 
 def check_sm120_kloop(s, row, fmt):
