@@ -93,10 +93,11 @@ def check_sm120_kloop(s, row, fmt):
 # 3), for ~20 more address instructions per two units. Update it with the figure a change
 # reaches, measured with `cute-fp4 compile sm90_stream_decode --json`
 # (kloop.instructions / (stages * 128)).
-# MXFP4 weights, 2026-12-06: 3.125 on sm_90a (3.04 grouped), 3.10 on sm_120a: per unit and
-# lane 8 more VIADD (UE8M0's +1 per byte) and ~6 SHF (the unit's half of each scale word,
-# a word per two units), plus uniform address work.
-STREAM_LOOP_CEILING = {"nvfp4": 3.0, "mxfp4": 3.2}
+# MXFP4 weights, 2026-12-06: 3.01 on sm_90a (2.91 grouped), 2.97 on sm_120a (3.125 / 3.04
+# / 3.10 before): each K block's scale is its byte of the word (a word per two units, the
+# unit's parity picking the byte), one PRMT and one shift-add (scale_byte_half) in place
+# of a shift and UE8M0's +1 per word and a shift and mask per half.
+STREAM_LOOP_CEILING = {"nvfp4": 3.0, "mxfp4": 3.05}
 
 
 def check_stream_kloop(s, row, fmt):
