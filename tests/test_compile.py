@@ -131,6 +131,32 @@ def test_catalogue_compiles(s, target, fmt):
         check_sm120_kloop(s, row, problem.fmt)
 
 
+@pytest.mark.parametrize("name", ["sm120_mxfp4", "sm120_mxfp4_grouped"])
+def test_mxfp4_omma_selectors_reach_the_sass(name, tmp_path):
+    """MXFP4's paired scale words (``Sm120Mainloop._paired_scales``): in the K loop, every
+    OMMA's scale operands are whole words and half the OMMAs (each pair's second K block)
+    carry the selector byte-id 2 (ptxas: the last operand a uniform register holding a
+    non-zero constant, URZ for the other half), so the selector is not lost between the
+    inline PTX and the SASS."""
+    from pathlib import Path
+
+    from cute_fp4.inspect import find_kloop, parse_sass
+
+    s = catalogue.get(name)
+    row = compile_report(s, "sm_120a", problem_of("mxfp4"), dump_dir=tmp_path)
+    assert row["ok"], row.get("reason")
+    sass = next(Path(tmp_path).glob("*.sass")).read_text()
+    k = find_kloop(sass)
+    (ins,) = [ins for ins in parse_sass(sass).values() if any(i.addr == k.tail for i in ins)]
+    omma = [i for i in ins if k.head <= i.addr <= k.tail and i.opcode.startswith("OMMA.SF")]
+    sel = [i.operands[-1] for i in omma]
+    assert len(omma) == k.mma > 0 and sel.count("URZ") == len(omma) // 2, sel
+    (ur,) = {x for x in sel if x != "URZ"}
+    # the last write of that register before the loop: a non-zero constant
+    (last,) = [i for i in ins if i.addr < k.head and i.operands[:1] == (ur,)][-1:]
+    assert last.opcode == "UMOV" and int(last.operands[1], 16) != 0, last
+
+
 def test_cli_compile_json(capsys):
     assert main(["compile", "sm120_default", "--target", "sm_121a", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
