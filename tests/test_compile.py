@@ -64,10 +64,11 @@ KLOOP_CEILING = {"sm120_default": 1.6, "sm120_epi64x32": 1.6, "sm120_nonpersiste
                  "sm120_k64_deep": 2.0, "sm120_128x64": 2.85, "sm120_decode_64x128": 2.6,
                  "sm120_decode_splitk4": 2.6, "sm120_pingpong": 0.95, "sm120_grouped": 1.65,
                  "sm120_grouped_decode": 4.8,
-                 # MXFP4 (2026-12-06): 2.125 / 2.19; a row's 2 scale bytes per MMA K block
-                 # are an LDS.U16 each (24 per K tile, against NVFP4's 8 LDS + 8 LDS.128)
-                 # plus their packing: loading both K blocks' 4 bytes at once is open
-                 "sm120_mxfp4": 2.2, "sm120_mxfp4_grouped": 2.25}
+                 # MXFP4 (2026-12-06): 1.34 both (2.125 / 2.19 before): a row's scales of
+                 # two MMA K blocks are one 32-bit word (2 LDS + 2 LDS.128 per K tile,
+                 # against 12 LDS.U16, 2 LDS.128 and 12 masks), both MMAs take it whole,
+                 # byte-id 0 / 2 selecting the half (Sm120Mainloop._paired_scales)
+                 "sm120_mxfp4": 1.4, "sm120_mxfp4_grouped": 1.4}
 
 
 def check_sm120_kloop(s, row, fmt):
@@ -92,10 +93,11 @@ def check_sm120_kloop(s, row, fmt):
 # 3), for ~20 more address instructions per two units. Update it with the figure a change
 # reaches, measured with `cute-fp4 compile sm90_stream_decode --json`
 # (kloop.instructions / (stages * 128)).
-# MXFP4 weights, 2026-12-06: 3.125 on sm_90a (3.04 grouped), 3.10 on sm_120a: per unit and
-# lane 8 more VIADD (UE8M0's +1 per byte) and ~6 SHF (the unit's half of each scale word,
-# a word per two units), plus uniform address work.
-STREAM_LOOP_CEILING = {"nvfp4": 3.0, "mxfp4": 3.2}
+# MXFP4 weights, 2026-12-06: 3.01 on sm_90a (2.91 grouped), 2.97 on sm_120a (3.125 / 3.04
+# / 3.10 before): each K block's scale is its byte of the word (a word per two units, the
+# unit's parity picking the byte), one PRMT and one shift-add (scale_byte_half) in place
+# of a shift and UE8M0's +1 per word and a shift and mask per half.
+STREAM_LOOP_CEILING = {"nvfp4": 3.0, "mxfp4": 3.05}
 
 
 def check_stream_kloop(s, row, fmt):
@@ -127,6 +129,32 @@ def test_catalogue_compiles(s, target, fmt):
         check_stream_kloop(s, row, problem.fmt)
     elif TARGETS[target].family == "sm120":
         check_sm120_kloop(s, row, problem.fmt)
+
+
+@pytest.mark.parametrize("name", ["sm120_mxfp4", "sm120_mxfp4_grouped"])
+def test_mxfp4_omma_selectors_reach_the_sass(name, tmp_path):
+    """MXFP4's paired scale words (``Sm120Mainloop._paired_scales``): in the K loop, every
+    OMMA's scale operands are whole words and half the OMMAs (each pair's second K block)
+    carry the selector byte-id 2 (ptxas: the last operand a uniform register holding a
+    non-zero constant, URZ for the other half), so the selector is not lost between the
+    inline PTX and the SASS."""
+    from pathlib import Path
+
+    from cute_fp4.inspect import find_kloop, parse_sass
+
+    s = catalogue.get(name)
+    row = compile_report(s, "sm_120a", problem_of("mxfp4"), dump_dir=tmp_path)
+    assert row["ok"], row.get("reason")
+    sass = next(Path(tmp_path).glob("*.sass")).read_text()
+    k = find_kloop(sass)
+    (ins,) = [ins for ins in parse_sass(sass).values() if any(i.addr == k.tail for i in ins)]
+    omma = [i for i in ins if k.head <= i.addr <= k.tail and i.opcode.startswith("OMMA.SF")]
+    sel = [i.operands[-1] for i in omma]
+    assert len(omma) == k.mma > 0 and sel.count("URZ") == len(omma) // 2, sel
+    (ur,) = {x for x in sel if x != "URZ"}
+    # the last write of that register before the loop: a non-zero constant
+    (last,) = [i for i in ins if i.addr < k.head and i.operands[:1] == (ur,)][-1:]
+    assert last.opcode == "UMOV" and int(last.operands[1], 16) != 0, last
 
 
 def test_cli_compile_json(capsys):

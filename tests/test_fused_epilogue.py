@@ -153,11 +153,50 @@ def test_every_sm120_thread_holds_its_gate_and_up(name):
     assert _sm120_pairs_hold(catalogue.get(name)) == []
 
 
+@pytest.mark.compile
+def test_gated_view_is_the_gate_columns_formula():
+    """``epilogue.gated_view``: the layout the gated stores write through puts GEMM tile
+    coordinate (r, c) (N coordinate n, of either mode) at the output element ``n // (2
+    group) * group + n % group`` of the half-wide tile, a gate and its up at the same one,
+    for the tiles and groups the kernels store (D^T 64-row units with groups of 8, SM120's
+    128 x 128 with 32, a 64 x 32 tile with 8)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_fp4.kernels.epilogue import gated_view
+
+    cases = [((64, 128), 0, 8), ((128, 128), 1, 32), ((64, 32), 1, 8), ((128, 64), 0, 16)]
+    got = {}
+
+    def walk():
+        for tile, nm, group in cases:
+            out = tuple(v // 2 if m == nm else v for m, v in enumerate(tile))
+            ptr = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.gmem)
+            gD = cute.make_tensor(ptr, cute.make_layout(out, stride=(1000, 1)))
+            lay = gated_view(gD, tile, nm, group).layout
+            got[tile, nm, group] = {(r, c): lay((r, c)) for r in range(tile[0])
+                                    for c in range(tile[1])}
+
+    @cute.jit
+    def probe():
+        walk()
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    for (tile, nm, group), offsets in got.items():
+        for (r, c), off in offsets.items():
+            n = (r, c)[nm]
+            o = n // (2 * group) * group + n % group
+            want = (o * 1000 + c) if nm == 0 else (r * 1000 + o)
+            assert off == want, (tile, nm, group, r, c)
+
+
 # one per family, CI's time being short: sm_90a's D^T split-K store (the stream kernel) and
 # SM120's grouped OMMA store, for sm_121a (GB10; the nvfp4_out compile below is sm_120a's;
 # the other flavours compile in the GPU runs)
 # swiglu_oai (gpt-oss's experts): MXFP4's grouped kernels, the stream decode and SM120's MMA
+# and sm90_rs_packed's D^T store through epilogue.gated_view (86 spills before it)
 FUSED_COMPILES = [("sm90_stream_decode", "bf16", "sm_90a", "silu_mul"),
+                  ("sm90_rs_packed", "bf16", "sm_90a", "silu_mul"),
                   ("sm120_grouped_decode", "nvfp4", "sm_121a", "silu_mul"),
                   ("sm90_mxfp4_stream_grouped_decode", "bf16", "sm_90a", "swiglu_oai"),
                   ("sm90_mxfp4_grouped", "bf16", "sm_90a", "swiglu_oai"),

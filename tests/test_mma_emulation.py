@@ -248,3 +248,20 @@ def test_emulation_check_catches_slips(slip):
     rng, a, b, sfa, sfb = _random_mma(7)
     lanes = _lane_registers(rng, a, b, sfa, sfb)
     assert emulated_mma(lanes, source, byte) != reference_mma(a, b, sfa, sfb)
+
+
+def test_mxfp4_paired_scale_word_halves():
+    """The SM120 mainloop hands MXFP4's MMAs a whole 32-bit scale word per row, two MMA K
+    blocks' scales (bytes 0, 1 and 2, 3), with the selector ``byte-id`` 0 or 2 (PTX ISA,
+    "Block Scaling for mma.sync": for ``.scale_vec::2X`` 2 selects the upper two bytes);
+    the emulation reads byte ``byte_id + sf_byte``: the upper half must give the MMA of
+    the scales there, whatever the lower half holds, and the lower half does not."""
+    rng, a, b, sfa, sfb = _random_mma(11, MXFP4)
+    lanes = _lane_registers(rng, a, b, sfa, sfb)
+    # the MMA's scales moved to bytes 2, 3; bytes 0, 1 another K block's
+    upper = [(ra, rb, (sa & 0xFFFF) << 16 | rng.getrandbits(16),
+              (sb & 0xFFFF) << 16 | rng.getrandbits(16)) for ra, rb, sa, sb in lanes]
+    want = reference_mma(a, b, sfa, sfb, MXFP4)
+    assert emulated_mma(upper, byte=lambda lane, op, r, block: 2 + emu.sf_byte(
+        lane, op, r, block), fmt=MXFP4) == want
+    assert emulated_mma(upper, fmt=MXFP4) != want

@@ -87,6 +87,64 @@ def test_smem_layout_is_a_copy_of_global_atoms():
                 assert got == want, (rows, tk, sub, s, m, kb)
 
 
+MXFP4_TILES = [((128, 128, 128), (4, 2), False), ((128, 128, 256), (4, 2), False),
+               ((128, 128, 128), (2, 2), True), ((64, 128, 128), (2, 4), False),
+               ((32, 128, 128), (2, 4), False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile, warps, pingpong", MXFP4_TILES)
+def test_mxfp4_scale_words_are_the_byte_copies_pairs(tile, warps, pingpong):
+    """MXFP4 (``scale_vec::2X``): the SM120 mainloop loads a row's scales of two MMA K
+    blocks as one 32-bit word (``Sm120Mainloop._paired_scales``) where the byte copies
+    loaded two 16-bit halves. ``sf_word_offsets`` is the proof, per thread, MMA row and
+    pair: the registers the MMAs read (values 0 and 32 of K blocks ``2p``, ``2p + 1``) are
+    one aligned word and the byte copy fills them from four consecutive shared bytes, the
+    word's. Here: it holds for the threads of the MXFP4 tiles, each MMA row or column has
+    its own word, and it refuses a fragment whose K blocks are not paired so (lanes of the
+    first and the last MMA warp)."""
+    import cutlass.cute as cute
+    from sm120_mainloop_trace import _Storage
+
+    from cute_fp4.kernels.sm120 import Sm120Gemm
+    from cute_fp4.schedule import Problem, Schedule, Tile, WarpRoles, Warps
+
+    roles = WarpRoles.PINGPONG if pingpong else WarpRoles.COOPERATIVE
+    k = Sm120Gemm(Schedule(target="sm_120a", tile=Tile(*tile), warps=Warps(roles=roles,
+                                                                            mma=warps)),
+                  Problem(a_format="mxfp4", b_format="mxfp4"))
+    found, refused = {}, []
+
+    def walk():  # plain Python (a loop in a @cute.jit body would be staged)
+        k._setup()
+        assert k._paired_scales()
+        nt = k.group_threads
+        lanes = [*range(5), *range(28, 32)]  # every lane % 4, quads 0, 1 and 7
+        for t in sorted({w + lane for w in (0, nt - 32) for lane in lanes}):
+            f = k._mma_fragments(_Storage(), t)
+            sf = k._sf_sources(f, 0, 0)
+            for op, frag, src, dst in (("A", f.tCrSFA, sf[0], sf[1]),
+                                       ("B", f.tCrSFB, sf[2], sf[3])):
+                for kb in range(0, tile[2] // 64, 2):
+                    found[t, op, kb] = k.sf_word_offsets(frag, src, dst, kb)
+                if t == 0:  # K blocks 1 and 2 are not one word
+                    try:
+                        k.sf_word_offsets(frag, src, dst, 1)
+                    except AssertionError:
+                        refused.append(op)
+
+    @cute.jit
+    def probe():
+        walk()
+
+    cute.compile(probe, options="--gpu-arch sm_120a")
+    rows = {"A": tile[0] // (16 * warps[0]), "B": tile[1] // (8 * warps[1])}  # per warp
+    for (t, op, kb), offs in found.items():
+        assert len(offs) == rows[op] and all(w % 4 == 0 for w in offs), (t, op, kb)
+        assert len(set(offs)) == len(offs), (t, op, kb, offs)
+    assert refused == ["A", "B"]
+
+
 def test_stage_bytes_agree_with_plan():
     from cute_fp4.plan import stage_bytes
     from cute_fp4.schedule import Problem, Schedule, Tile

@@ -335,6 +335,37 @@ def test_scale_halves_are_the_raw_scales_of_each_byte(bf16):
             assert got == want, (hex(word), kq)
 
 
+def test_mxfp4_byte_scale_is_the_prepared_half_for_every_code():
+    """The stream kernel's MXFP4 scales (``scale_byte_half``: the PRMT string the kernel
+    inlines, run by tests/ptx_model.py, then ``byte_scale``) equal the half the decode read
+    before (``prepare_scale_word`` of the word shifted to the unit's half, then
+    ``scale_halves``) and the raw scale, for every UE8M0 code the kernels take (0..252,
+    code 0 being 2^-127, not zero) at every byte of the word, the other bytes arbitrary;
+    the high half is zero (the decode reads half 0)."""
+    from cute_fp4.kernels.sm90_rs_wide import (
+        BYTE_SELECT_PTX,
+        byte_scale,
+        byte_selector,
+        raw_scale_word,
+    )
+    from cute_fp4.mxfp4 import MAX_KERNEL_CODE
+
+    rng = random.Random(7)
+    for code in range(MAX_KERNEL_CODE + 1):
+        for parity, odd in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            pos = 2 * parity + odd
+            rest = [rng.randrange(MAX_KERNEL_CODE + 1) for _ in range(4)]
+            rest[pos] = code
+            word = sum(b << 8 * i for i, b in enumerate(rest))
+            (b,) = run_ptx(BYTE_SELECT_PTX, [word, byte_selector(pos)], 1)
+            got = byte_scale(b, True, MXFP4)
+            before = scale_halves(prepare_scale_word(word >> 16 * parity, True, MXFP4),
+                                  bool(odd), True, MXFP4)
+            assert got == before & 0xFFFF == raw_scale_word(code, True, MXFP4) & 0xFFFF, \
+                (code, pos)
+            assert got >> 16 == 0
+
+
 def test_scale_select_reads_the_right_byte():
     # NVFP4: K block kq reads byte kq of its unit's word; MXFP4: byte 2 p + kq // 2
     assert [scale_select(NVFP4, kq) for kq in range(4)] == [(False, 0), (True, 0),

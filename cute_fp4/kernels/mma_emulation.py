@@ -209,45 +209,61 @@ def _scale_word(sf, block: cutlass.Constexpr):
     return word
 
 
-@cute.jit
-def _operand_words(frag, sf, lane, operand: cutlass.Constexpr, fmt: cutlass.Constexpr):
-    """BF16 registers of the 4 sub-MMAs, ``[s][r]``, from one MMA's FP4 fragment ``frag``
-    (32 or 16 values) and scale fragment ``sf`` (64 values) of this lane."""
-    # value i of the fragment must be nibble i % 8 of register i // 8, as the OMMA reads it
+def fp4_registers(frag, operand: str):
+    """One MMA's FP4 fragment ``frag`` (A: 32 values, B: 16) as the 32-bit registers the
+    block-scaled MMA reads: value ``i`` must be nibble ``i % 8`` of register ``i // 8``."""
     flat = cute.coalesce(frag.layout)
     regs = REGS[operand]
-    if cutlass.const_expr(flat.shape != 8 * regs or flat.stride != 1):
+    if flat.shape != 8 * regs or flat.stride != 1:
         raise AssertionError(f"{operand} fragment {frag.layout}: expected {8 * regs} "
                              f"consecutive values")
-    q = cute.recast_tensor(frag, cutlass.Uint32)
-    word = _scale_word(sf, fmt.block)
+    return cute.recast_tensor(frag, cutlass.Uint32)
+
+
+@cute.jit
+def _operand_words(frag, sf, lane, operand: cutlass.Constexpr, fmt: cutlass.Constexpr,
+                   word=None, byte_id: cutlass.Constexpr = 0):
+    """BF16 registers of the 4 sub-MMAs, ``[s][r]``, from one MMA's FP4 fragment ``frag``
+    (32 or 16 values) and scale fragment ``sf`` (64 values) of this lane; or, with ``word``
+    (paired scales, ``Sm120Mainloop._paired_scales``), from that whole scale word with the
+    MMA's selector ``byte_id``: bytes ``byte_id``, ``byte_id + 1`` are the K block's."""
+    regs = REGS[operand]
+    q = fp4_registers(frag, operand)
+    if cutlass.const_expr(word is None):
+        word = _scale_word(sf, fmt.block)
     # one shuffle per distinct source lane: A registers r and r + 2 share row g + 8 (r % 2)
     sources = [cute.arch.shuffle_sync(word, sf_source(lane, operand, r))
                for r in range(2 if operand == "A" else 1)]
     out = [[None] * regs for _ in range(SUB_MMAS)]
     for r in cutlass.range_constexpr(regs):
         ws = _convert(q[r], sources[r % len(sources)],
-                      cutlass.Uint32(sf_byte(lane, operand, r, fmt.block)), fmt)
+                      cutlass.Uint32(byte_id + sf_byte(lane, operand, r, fmt.block)), fmt)
         for s in cutlass.range_constexpr(SUB_MMAS):
             out[s][r] = ws[s]
     return out
 
 
 @cute.jit
-def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc, fmt: cutlass.Constexpr):
+def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc, fmt: cutlass.Constexpr, words=None,
+                byte_id: cutlass.Constexpr = 0):
     """The MMAs of one 64-wide K block, emulated: ``acc += A x B`` block-scaled.
 
     ``tCrA`` (values, MMA rows), ``tCrB`` (values, MMA columns), ``tCrSFA``/``tCrSFB``
     (64 values, rows / columns) are one K block of the kernel's fragments (``MmaFragments``
-    sliced at ``kb``), ``acc`` (4, rows, columns) the FP32 accumulator. Must be issued by
-    the whole warp (shuffles and ``mma.sync``)."""
+    sliced at ``kb``), ``acc`` (4, rows, columns) the FP32 accumulator. Paired scales
+    (``Sm120Mainloop._paired_scales``): ``words`` the scale words ``(per row, per column)``
+    and ``byte_id`` the selector the native MMA is issued with, in place of the scale
+    fragments. Must be issued by the whole warp (shuffles and ``mma.sync``)."""
     lane = cute.arch.lane_idx()
     n_m = cute.size(tCrA, mode=[1])
     n_n = cute.size(tCrB, mode=[1])
+    paired = words is not None
     for mi in cutlass.range_constexpr(n_m):
-        a = _operand_words(tCrA[None, mi], tCrSFA[None, mi], lane, "A", fmt)
+        a = _operand_words(tCrA[None, mi], None if paired else tCrSFA[None, mi], lane, "A",
+                           fmt, words[0][mi] if paired else None, byte_id)
         for ni in cutlass.range_constexpr(n_n):
-            b = _operand_words(tCrB[None, ni], tCrSFB[None, ni], lane, "B", fmt)
+            b = _operand_words(tCrB[None, ni], None if paired else tCrSFB[None, ni], lane,
+                               "B", fmt, words[1][ni] if paired else None, byte_id)
             c = [acc[i, mi, ni] for i in range(4)]
             for s in cutlass.range_constexpr(SUB_MMAS):
                 c = _hmma(a[s], b[s], c)
@@ -256,5 +272,6 @@ def mma_k_block(tCrA, tCrSFA, tCrB, tCrSFB, acc, fmt: cutlass.Constexpr):
 
 
 __all__ = ["CONVERTS", "CONVERT_PTX", "CONVERT_UE8M0_PTX", "HMMA_PTX", "LayoutMXF4NVF4Op",
+           "fp4_registers",
            "LayoutMXF4Op", "REGS", "SUB_MMAS", "mma_k_block",
            "sf_byte", "sf_source"]

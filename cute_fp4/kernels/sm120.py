@@ -22,7 +22,10 @@ Constraints
   NVFP4's UE4M3, one per 16 K elements), in the cuBLAS 128x4 blocked layout, padded to
   rows -> multiple of 128 and K / block -> multiple of 4, padding zero-filled (or at least
   not NaN: padded scales multiply zero-filled data). Passed flat as uint8. The MMA is the
-  format's (``fmt.mma_kind``, :func:`mma_op`).
+  format's (``fmt.mma_kind``, :func:`mma_op`). ``scale_vec::2X`` formats (MXFP4) need
+  tile K a multiple of 128: a row's scales of two MMA K blocks are one 32-bit word that
+  both MMAs take, issued by inline PTX with byte-id 0 / 2
+  (``Sm120Mainloop._paired_scales``); ``scale_vec::4X`` ones go through ``cute.gemm``.
 * K a multiple of 32 (16-byte rows for TMA); M, N arbitrary >= 1 with N % 8 == 0
   (16-byte output rows). Partial tiles: TMA zero-fills loads and clips stores.
 * Tile: M, N in {32, 64, 128} (dividing the 128-row scale atom), M a multiple of 16 x

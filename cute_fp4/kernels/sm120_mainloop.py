@@ -20,6 +20,41 @@ from cutlass.cute.nvgpu import warp
 from cute_fp4.kernels import mma_emulation, sf_layout
 
 
+def _mma_ptx(fmt, byte_id: int) -> str:
+    """``mma.sync`` of ``fmt``'s block-scaled kind with scale selectors ``{byte_id, 0}``:
+    ``{$w0..3}`` D, ``{$r0..3}`` A, ``{$r4, $r5}`` B, ``{$r6..9}`` C, ``{$r10}`` / ``{$r11}``
+    the A / B scale words (thread-id 0, as ``cute.gemm`` issues it)."""
+    def regs(p, first, n):
+        return "{" + ", ".join(f"{{${p}{i}}}" for i in range(first, first + n)) + "}"
+
+    return (f"mma.sync.aligned.kind::{fmt.mma_kind}.block_scale.scale_vec::{fmt.scale_vec}"
+            f".m16n8k64.row.col.f32.e2m1.e2m1.f32.{fmt.scale.name} {regs('w', 0, 4)}, "
+            f"{regs('r', 0, 4)}, {regs('r', 4, 2)}, {regs('r', 6, 4)}, {{$r10}}, "
+            f"{{{byte_id}, 0}}, {{$r11}}, {{{byte_id}, 0}};")
+
+
+@cute.jit
+def mma_selected(tCrA, tCrB, acc, words, byte_id: cutlass.Constexpr, fmt: cutlass.Constexpr):
+    """The block-scaled MMAs of one K block with whole scale words and ``byte-id``
+    ``byte_id`` (:meth:`Sm120Mainloop._paired_scales`): ``tCrA`` (values, MMA rows) and
+    ``tCrB`` (values, MMA columns) the K block's E2M1 fragments, ``words`` the scale words
+    ``(per MMA row, per MMA column)``, ``acc`` (4, rows, columns) the accumulator. The same
+    instruction ``cute.gemm`` issues (its A / B registers are the fragments' 32-bit words,
+    value ``i`` nibble ``i % 8`` of register ``i // 8``), with the selector set."""
+    ptx = _mma_ptx(fmt, byte_id)
+    for mi in cutlass.range_constexpr(cute.size(tCrA, mode=[1])):
+        a = mma_emulation.fp4_registers(tCrA[None, mi], "A")
+        for ni in cutlass.range_constexpr(cute.size(tCrB, mode=[1])):
+            b = mma_emulation.fp4_registers(tCrB[None, ni], "B")
+            d = cute.arch.inline_ptx(
+                ptx, write_only_types=[cutlass.Float32] * 4,
+                read_only_args=[*(a[r] for r in range(4)), b[0], b[1],
+                                *(acc[i, mi, ni] for i in range(4)),
+                                words[0][mi], words[1][ni]])
+            for i in cutlass.range_constexpr(4):
+                acc[i, mi, ni] = d[i]
+
+
 class MmaFragments(NamedTuple):
     """What an MMA warp holds for the mainloop: register fragments, the smem -> register
     copies feeding them, and the accumulator. The stable seam the CPU traces read."""
@@ -178,23 +213,99 @@ class Sm120Mainloop:
                  tCsSFA[None, None, kb, None], tCsSFB[None, None, kb, None])
                 for kb in range(n_kb)]
 
+    def _paired_scales(self) -> bool:
+        """Whether two consecutive MMA K blocks share one 32-bit scale word per row: the
+        ``scale_vec::2X`` formats (MXFP4), whose MMA reads two scale bytes. A row's four
+        bytes of one atom column group are then K blocks ``2p`` (bytes 0, 1) and ``2p + 1``
+        (bytes 2, 3), in shared memory and in the byte copies' register fragments alike
+        (slot stride 2 bytes, row stride 4): the word is loaded once, at the pair's first K
+        block (:meth:`_sf_words`, in place of the byte copies), and both MMAs take it whole,
+        the selector ``byte-id`` 0 or 2 picking the half (PTX ISA, "Block Scaling for
+        mma.sync": for ``.scale_vec::2X`` the value 0 selects the lower two bytes, 2 the
+        upper two; the MMA issued by :func:`mma_selected`). The K tile is a multiple of 128
+        (``fmt.atom_k``), so a tile holds whole pairs. MXFP4 128x128x128: 75 instead of
+        100 SASS instructions per K tile (sm_120a, 2026-12-06)."""
+        return self.fmt.scales_per_mma == 2
+
     @cute.jit
     def _load_k_block(self, f: MmaFragments, sf, srcs, s, kb, slot):
-        """K block ``kb`` of stage ``s`` into register K block ``slot``."""
+        """K block ``kb`` of stage ``s`` into register K block ``slot`` (paired scales:
+        A and B only, the scale words load per pair, :meth:`_sf_words`)."""
         _, tCrSFA_v, _, tCrSFB_v = sf
         src = srcs[kb]
         cute.copy(f.copy_a, src[0][None, None, s], f.tCrA_v[None, None, slot])
         cute.copy(f.copy_b, src[1][None, None, s], f.tCrB_v[None, None, slot])
-        cute.copy(f.copy_sfa, src[2][None, None, s], tCrSFA_v[None, None, slot])
-        cute.copy(f.copy_sfb, src[3][None, None, s], tCrSFB_v[None, None, slot])
+        if not self._paired_scales():  # static (the CPU trace runs this with stand-ins)
+            cute.copy(f.copy_sfa, src[2][None, None, s], tCrSFA_v[None, None, slot])
+            cute.copy(f.copy_sfb, src[3][None, None, s], tCrSFB_v[None, None, slot])
 
-    def mma_k_block(self, f: MmaFragments, slot):
+    @staticmethod
+    def sf_word_offsets(frag, src, dst_v, slot):
+        """Paired scales, at trace time: per MMA row (column) of ``frag`` (``tCrSFA`` /
+        ``tCrSFB``), the shared-memory offset of its scale word of register K blocks
+        ``slot`` (even) and ``slot + 1`` in ``src``, the byte copy's filtered source
+        partition ``(V, rows, K block, stage)``, at stage 0 (``dst_v``: the retiled
+        fragment it copies into). The proof that the word holds what the byte copy of
+        those two K blocks put into the registers the MMA reads (bytes ``2 j``, ``2 j + 1``
+        of the word: values 0 and 32 of K block ``slot + j``): the four fragment bytes
+        are ``o .. o + 3`` (``o`` a multiple of 4) and the copy takes them from shared
+        bytes ``w .. w + 3``; AssertionError otherwise."""
+        def offsets(layout, k):  # absolute offsets of K block k's flat elements
+            tail = (0,) * (cute.rank(layout) - 3)  # the stage of src
+            sub = cute.slice_(layout, (None, None, k) + tail)
+            return [layout((0, 0, k) + tail) + sub(e) for e in range(cute.size(sub))]
+
+        out = []
+        for r in range(cute.size(frag, mode=[1])):
+            offs = [frag.layout((v, r, slot + j)) for j in range(2) for v in (0, 32)]
+            src_bytes = []
+            for b, o in enumerate(offs):
+                dst = offsets(dst_v.layout, slot + b // 2)
+                if o in dst:
+                    src_bytes.append(offsets(src.layout, slot + b // 2)[dst.index(o)])
+            w = src_bytes[0] if src_bytes else -1
+            if (offs[0] % 4 or offs != [offs[0] + b for b in range(4)]
+                    or src_bytes != [w + b for b in range(4)] or w % 4):
+                raise AssertionError(f"scale fragment {frag.layout}: K blocks {slot}, "
+                                     f"{slot + 1} of row {r} are not one 32-bit word")
+            out.append(w)
+        return out
+
+    def _sf_words(self, f: MmaFragments, sf, s, kb):
+        """Paired scales: the scale words of K blocks ``kb`` (even) and ``kb + 1`` of stage
+        ``s``, one 32-bit shared-memory load each (:meth:`sf_word_offsets`), as values
+        ``(A rows, B columns)``. They live from their pair's first MMAs to its last, never
+        across the loop's back edge (loaded a K tile ahead into a register fragment, ptxas
+        copied the next tile's words over those the last MMAs read: 10 MOVs per K tile, and
+        128x128x256 spilled 8 registers around the loop; sm_120a, 2026-12-06)."""
+        out = []
+        for frag, i, dst_v in ((f.tCrSFA, 0, sf[1]), (f.tCrSFB, 2, sf[3])):
+            src_s = sf[i][None, None, None, s]  # (V, rows, K block) of stage s
+            words = []
+            for w in self.sf_word_offsets(frag, sf[i], dst_v, kb):
+                ptr = cute.recast_ptr(src_s.iterator + w, dtype=cutlass.Uint32)
+                words.append(cute.make_tensor(ptr, cute.make_layout(1))[0])
+            out.append(words)
+        return tuple(out)
+
+    def mma_k_block(self, f: MmaFragments, slot, words=None):
         """The MMAs of one 64-wide K block (register K block ``slot``): OMMA.SF, or its
-        exact emulation (SM90 runs).
+        exact emulation (SM90 runs). Paired scales (:meth:`_paired_scales`): ``words``,
+        the pair's scale words ``(A rows, B columns)`` loaded at its first K block, and
+        byte-id ``2 (slot % 2)``; the emulation reads the same words and bytes.
 
         Plain Python, run while tracing (``emulate`` is a static choice), so the CPU trace
         records the ``cute.gemm`` of the shipping build through its stand-ins."""
-        if self.emulate:
+        if words is not None:
+            byte_id = 2 * (slot % 2)
+            if self.emulate:
+                mma_emulation.mma_k_block(f.tCrA[None, None, slot], None,
+                                          f.tCrB[None, None, slot], None, f.acc, self.fmt,
+                                          words, byte_id)
+            else:
+                mma_selected(f.tCrA[None, None, slot], f.tCrB[None, None, slot], f.acc,
+                             words, byte_id, self.fmt)
+        elif self.emulate:
             mma_emulation.mma_k_block(f.tCrA[None, None, slot], f.tCrSFA[None, None, slot],
                                       f.tCrB[None, None, slot], f.tCrSFB[None, None, slot],
                                       f.acc, self.fmt)
@@ -210,7 +321,10 @@ class Sm120Mainloop:
         for and its first K block loaded before the last MMAs (which use registers loaded
         before that wait). Plain Python (static control flow); returns the state."""
         n_kb = len(srcs)
+        words = None  # paired scales: the words of K blocks kb, kb + 1 (kb even)
         for kb in range(n_kb):
+            if self._paired_scales() and kb % 2 == 0:
+                words = self._sf_words(f, sf, state.index, kb)
             if kb + 1 < n_kb:
                 self._load_k_block(f, sf, srcs, state.index, kb + 1, kb + 1)
             else:
@@ -219,7 +333,7 @@ class Sm120Mainloop:
                 if more:
                     mainloop.consumer_wait(state)
                     self._load_k_block(f, sf, srcs, state.index, 0, 0)
-            self.mma_k_block(f, kb)
+            self.mma_k_block(f, kb, words)
         return state
 
     def _tile_buffered(self, mainloop, state, f, sf, srcs, slot, more):
@@ -253,18 +367,23 @@ class Sm120Mainloop:
         """
         sf = self._sf_sources(f, cm, cn)
         n_kb = self.tile_mnk[2] // sf_layout.MMA_K
+        if cutlass.const_expr(self._paired_scales() and n_kb % 2):
+            raise AssertionError(f"paired scales need an even number of K blocks, not {n_kb}")
         srcs = self._kb_sources(f, sf, n_kb)
         if cutlass.const_expr(self.pingpong):
             for _ in cutlass.range(k_count, unroll=1):
                 mainloop.consumer_wait(state)
                 s = state.index
                 self._load_k_block(f, sf, srcs, s, 0, 0)
+                words = None
                 for kb in cutlass.range_constexpr(n_kb):
+                    if cutlass.const_expr(self._paired_scales() and kb % 2 == 0):
+                        words = self._sf_words(f, sf, s, kb)
                     if cutlass.const_expr(kb + 1 < n_kb):
                         self._load_k_block(f, sf, srcs, s, kb + 1, kb + 1)
                     else:
                         mainloop.consumer_release(state)
-                    self.mma_k_block(f, kb)
+                    self.mma_k_block(f, kb, words)
                 state.advance()
         elif cutlass.const_expr(n_kb == 1):
             if k_count > 0:
@@ -302,4 +421,4 @@ class Sm120Mainloop:
         return state
 
 
-__all__ = ["MmaFragments", "Sm120Mainloop"]
+__all__ = ["MmaFragments", "Sm120Mainloop", "mma_selected"]

@@ -113,9 +113,10 @@ from cute_fp4.kernels.scheduler import (
     this_unit,
 )
 from cute_fp4.kernels.sm90_rs_wide import (
+    byte_selector,
     decode_fragment,
     decode_tables,
-    prepare_scale_word,
+    scale_byte_half,
     scale_halves,
     scale_select,
 )
@@ -480,11 +481,12 @@ class StreamGemm(GemmLaunch):
         bf16 = self.mma_dtype is cutlass.BFloat16
         sw = cute.make_rmem_tensor((2 * PAIRS,), cutlass.Uint32)
         cute.autovec_copy(sS[(None, None, lane // 4, i, slot)], sw)
+        sel = None
         if cutlass.const_expr(self.units_per_atom > 1):  # MXFP4: this unit's half of the word
-            # a warp's units are k_begin + warp + 4 t: one parity per warp and block
-            shift = cutlass.Uint32((blk.k_begin + warp) & 1) << 4
-            for w in cutlass.range_constexpr(2 * PAIRS):
-                sw[w] = prepare_scale_word(sw[w] >> shift, bf16, self.fmt)
+            # a warp's units are k_begin + warp + 4 t: one parity per warp and block; K
+            # blocks 0, 1 take byte 2 parity, 2, 3 the next (scale_select's odd)
+            parity = cutlass.Uint32((blk.k_begin + warp) & 1)
+            sel = [byte_selector(2 * parity + odd) for odd in range(2)]
         a32 = cute.recast_tensor(frA, cutlass.Uint32)
         col = ku * (UNIT_K // 2) + lane % 4  # the pair at K 2c of this unit, in words
         frBs = []  # act_hoist: each K block's B fragment, all loaded before any decode
@@ -507,8 +509,12 @@ class StreamGemm(GemmLaunch):
                     b32[2 * nb], b32[2 * nb + 1] = activation_pair(p.mA32, x_rows[nb], col,
                                                                    kb)
             odd, half = scale_select(self.fmt, kb)
-            s_lo = scale_halves(sw[scale_word_of(j, 0)], odd, bf16, self.fmt)
-            s_hi = scale_halves(sw[scale_word_of(j, 1)], odd, bf16, self.fmt)
+            if cutlass.const_expr(sel is None):
+                s_lo = scale_halves(sw[scale_word_of(j, 0)], odd, bf16, self.fmt)
+                s_hi = scale_halves(sw[scale_word_of(j, 1)], odd, bf16, self.fmt)
+            else:  # half 0 (scale_select): the unit's byte, picked at run time
+                s_lo = scale_byte_half(sw[scale_word_of(j, 0)], sel[odd], bf16, self.fmt)
+                s_hi = scale_byte_half(sw[scale_word_of(j, 1)], sel[odd], bf16, self.fmt)
             o = decode_fragment(word, s_lo, s_hi, half, tables, bf16, self.fmt)
             for r in cutlass.range_constexpr(4):
                 a32[r] = o[r]
