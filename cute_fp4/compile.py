@@ -64,6 +64,14 @@ def _options(target: str, dump_dir: str | None) -> str:
     return opts
 
 
+def default_problem(schedule: Schedule) -> Problem:
+    """The problem a schedule compiles for when none is given: the operand formats of its
+    catalogue file (``catalogue.formats_of``: ``PROBLEM``), else NVFP4 (``Problem()``)."""
+    from cute_fp4.catalogue import formats_of
+
+    return formats_of(schedule) or Problem()
+
+
 def cross_compile(schedule: Schedule, problem: Problem | None = None,
                   dump_dir: str | None = None):
     """Compile for ``schedule.target`` (no GPU needed). Returns (compiled, kernel, seconds).
@@ -73,8 +81,10 @@ def cross_compile(schedule: Schedule, problem: Problem | None = None,
     compiled again: its files are copied, ``compiled`` is None and the kernel object holds
     what tracing set (``smem_bytes``).
     Raises ScheduleError (with the plan's reasons) before the DSL sees an invalid schedule.
+    Without ``problem``: the operand formats the schedule's catalogue file names, as
+    ``plan()`` takes them (:func:`default_problem`).
     """
-    problem = problem or Problem()
+    problem = problem or default_problem(schedule)
     kernel = _make_kernel(schedule, problem)
     compiled, secs = cross_build(kernel, lambda opts: _dsl_compile(kernel, schedule, opts),
                                  schedule.target, dump_dir, schedule.key(), repr(problem))
@@ -637,7 +647,7 @@ def cross_compile_emulated(schedule: Schedule, problem: Problem | None = None,
                            dump_dir: str | None = None):
     """:func:`cross_compile` of the emulated build for sm_90a (no GPU needed).
     Returns (compiled, kernel, seconds)."""
-    problem = problem or Problem()
+    problem = problem or default_problem(schedule)
     kernel = emulated_kernel(schedule, problem)
     compiled, secs = cross_build(kernel, lambda opts: _dsl_compile(kernel, schedule, opts),
                                  EMULATION_TARGET, dump_dir, schedule.key(), repr(problem),

@@ -46,15 +46,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--small", action="store_true", help="E 4, H = I = 256 (a CPU check)")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 200])
-    args = ap.parse_args(argv)
-    dev = torch.device(args.device)
-    e, h, i, k = (4, 256, 256, 2) if args.small else (32, 2880, 2880, 4)
+def measure(dev: torch.device, small: bool = False, tokens=(1, 16, 200)) -> dict:
+    """The relative errors of one experts layer (module docstring) at each token count."""
+    e, h, i, k = (4, 256, 256, 2) if small else (32, 2880, 2880, 4)
     g = torch.Generator(device=dev).manual_seed(0)
     q13 = cf.quantize(torch.randn(e, 2 * i, h, generator=g, device=dev) * 0.02,
                       format="mxfp4")
@@ -66,7 +60,7 @@ def main(argv=None) -> int:
     mods = {dt: tf_experts(e, h, i, w13, w2, b13, b2, dt)
             for dt in (torch.bfloat16, torch.float32)}
     rows = []
-    for t in args.tokens:
+    for t in tokens:
         x = torch.randn(t, h, generator=g, device=dev).bfloat16()
         ids, wts = softmax_topk(torch.randn(t, e, generator=g, device=dev).bfloat16(), k)
         with torch.no_grad():
@@ -80,10 +74,21 @@ def main(argv=None) -> int:
         rows.append({"tokens": t, "ours_vs_fp32": rel(ours, want),
                      "tf_bf16_vs_fp32": rel(bf16, want), "ours_vs_tf_bf16": rel(ours, bf16),
                      "layout": ex.layout})
-        print(json.dumps(rows[-1]), flush=True)
+    return {"e": e, "h": h, "i": i, "top_k": k, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="E 4, H = I = 256 (a CPU check)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 200])
+    args = ap.parse_args(argv)
+    res = measure(torch.device(args.device), args.small, args.tokens)
+    for row in res["rows"]:
+        print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"e": e, "h": h, "i": i, "top_k": k, "rows": rows},
-                                       indent=1))
+        args.out.write_text(json.dumps(res, indent=1))
     return 0
 
 
