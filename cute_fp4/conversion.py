@@ -17,9 +17,9 @@ import torch
 
 from cute_fp4 import mlp as mlp_mod
 from cute_fp4.errors import CuteFp4Warning, FormatError, InputError, InputTypeError
-from cute_fp4.layers.common import check_modelopt, check_schedule
+from cute_fp4.layers.common import Layout, check_modelopt, check_schedule, mode_of
 from cute_fp4.layers.linear import K_MULTIPLE, N_MULTIPLE
-from cute_fp4.nn import CHECKPOINT_KEYS, LAYOUTS, MODES, NVFP4Linear
+from cute_fp4.nn import CHECKPOINT_KEYS, MODES, NVFP4Linear
 
 __all__ = ["ConvertReport", "convert"]
 
@@ -151,10 +151,7 @@ def convert(model: torch.nn.Module, mode: str = "w4a16", skip=None, *, schedule=
     NVFP4Linear layers, never requantized. The report lists the fused MLPs and why others
     were not.
     """
-    if mode not in MODES:
-        raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
-    if layout not in LAYOUTS:
-        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    mode, layout = mode_of(mode, MODES), Layout.of(layout, "layout")
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if gate_up_group not in (None, 8, 32):

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cute_fp4.errors import InputError
 from cute_fp4.fused import deinterleave_gate_up
+from cute_fp4.layers.common import LAYOUTS, Mode, mode_of
 from cute_fp4.layers.experts import (
     Experts,
     Routing,
@@ -36,8 +36,7 @@ __all__ = ["LAYOUTS", "MODES", "MXFP4MoE", "MoEStages", "NVFP4MoE", "Routing", "
            "check_stages", "combine", "expert", "moe_bf16", "moe_reference", "route",
            "silu_and_mul"]
 
-MODES = ("w4a16", "w4a4")
-LAYOUTS = ("auto", "plain", "packed")
+MODES = (Mode.W4A16, Mode.W4A4)  # a module's mode is explicit ("auto": cute_fp4.layers)
 MoEStages = Stages  # every intermediate of one call (cute_fp4.layers.Stages)
 _FORMAT_BUFFERS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
                    "w13_alpha", "w2_weight", "w2_weight_scale", "w2_weight_scale_2",
@@ -60,8 +59,7 @@ class NVFP4MoE(torch.nn.Module):
                  experts: Experts | None = None):
         super().__init__()
         if experts is None:
-            if mode not in MODES:
-                raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
+            mode = mode_of(mode, MODES)
             experts = Experts(w13, w2, mode, schedule, input_scales, layout, fused)
         self.experts = experts
         for i, name in enumerate(_GEMMS):

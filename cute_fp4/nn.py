@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from cute_fp4.errors import InputError
 from cute_fp4.formats import NVFP4
 from cute_fp4.layers import Linear
+from cute_fp4.layers.common import LAYOUTS, Mode, mode_of
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedNVFP4Weight
 
 __all__ = ["CHECKPOINT_KEYS", "LAYOUTS", "MODES", "NVFP4Linear", "keep_format_dtypes"]
 
-MODES = ("w4a16", "w4a4")
-LAYOUTS = ("auto", "plain", "packed")
+MODES = (Mode.W4A16, Mode.W4A4)  # a module's mode is explicit ("auto": cute_fp4.layers)
 # buffers that hold the NVFP4 encoding: their dtypes never follow module.to(dtype)/half()
 _FORMAT_BUFFERS = ("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "alpha",
                    "out_scale")
@@ -75,8 +74,7 @@ class NVFP4Linear(torch.nn.Module):
                  *, layer: Linear | None = None):
         super().__init__()
         if layer is None:
-            if mode not in MODES:
-                raise InputError(f"mode must be 'w4a4' or 'w4a16', got {mode!r}")
+            mode = mode_of(mode, MODES)
             layer = Linear(weight, bias, mode, schedule, input_scale, layout)
         self.layer = layer
         w = layer.stored

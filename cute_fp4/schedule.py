@@ -17,6 +17,7 @@ construction, so a value string can never reach a kernel (which tests with ``is`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 
 from cute_fp4.errors import InputError, InputTypeError
@@ -101,16 +102,33 @@ class OutDtype(enum.Enum):
 def as_enum(cls: type[enum.Enum], value: object, field: str) -> enum.Enum:
     """``value`` as a member of ``cls``: a member, its value string (``"pingpong"``) or its
     name in any case (``"PINGPONG"``). Otherwise an InputError naming the field, the bad
-    value and the allowed values."""
+    value, the allowed values and the closest of them."""
     if isinstance(value, cls):
         return value
     if isinstance(value, str):
         for member in cls:
             if value.lower() in (str(member.value).lower(), member.name.lower()):
                 return member
-    allowed = ", ".join(repr(m.value) for m in cls)
-    raise InputError(f"{field} = {value!r} is not allowed: use one of {allowed} "
-                     f"(or {cls.__name__}.<NAME>)")
+    values = [str(m.value) for m in cls]
+    close = difflib.get_close_matches(str(value).lower(), values, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise InputError(f"{field} must be one of {', '.join(map(repr, values))} (or "
+                     f"{cls.__name__}.<NAME>), got {value!r}{hint}")
+
+
+class Choice(enum.StrEnum):
+    """A named choice of the API (a mode, a layout, a fused operation): a ``str`` enum, so
+    a member equals, hashes and prints as its string and ``repr`` is the string's (keys and
+    messages read as before); :meth:`of` takes a member or its string at the API edge."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def of(cls, value: object, field: str):
+        """``value`` as a member (:func:`as_enum`: a member, its string or name, any case);
+        an InputError naming ``field``, the allowed values and the closest one otherwise."""
+        return as_enum(cls, value, field)
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -209,8 +227,18 @@ class Scheduler:
 #   the output type (after bias and the gated activation), then nvfp4's quantize rule
 #   (``quantize(x, global_scale)``): the same codes and blocked scales, padding included,
 #   bit for bit.
-EPILOGUE_OPS = ("bias", "silu_mul", "swiglu_oai", "nvfp4_out")
-GATED_OPS = ("silu_mul", "swiglu_oai")  # activations of gate/up pairs: N / 2 output columns
+class EpilogueOp(Choice):
+    """An operation fused into a GEMM's epilogue (in this order of application)."""
+
+    BIAS = "bias"
+    SILU_MUL = "silu_mul"
+    SWIGLU_OAI = "swiglu_oai"
+    NVFP4_OUT = "nvfp4_out"
+
+
+EPILOGUE_OPS = tuple(EpilogueOp)
+# activations of gate/up pairs: N / 2 output columns
+GATED_OPS = (EpilogueOp.SILU_MUL, EpilogueOp.SWIGLU_OAI)
 SWIGLU_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: sigmoid(alpha g) ...
 SWIGLU_LIMIT = 7.0  # ... of the gate clamped above, the up clamped to [-limit, limit]
 
@@ -228,7 +256,7 @@ class Epilogue:
 
     out_dtype: OutDtype = OutDtype.BF16
     tile: tuple[int, int] | None = None
-    ops: tuple[str, ...] = ()
+    ops: tuple[EpilogueOp, ...] = ()
 
     def __post_init__(self) -> None:
         _set(self, "out_dtype", OutDtype.of(self.out_dtype, "Epilogue.out_dtype"))
@@ -240,16 +268,14 @@ class Epilogue:
         return op in self.ops
 
 
-def _ops(ops: object) -> tuple[str, ...]:
+def _ops(ops: object) -> tuple[EpilogueOp, ...]:
     """``ops`` as a tuple of known operations in their order of application."""
     if isinstance(ops, str):
         ops = tuple(o for o in ops.replace("+", ",").split(",") if o)
     if not isinstance(ops, (tuple, list)) or not all(isinstance(o, str) for o in ops):
         raise InputTypeError(f"Epilogue.ops must be a tuple of operation names, got {ops!r}")
-    unknown = [o for o in ops if o not in EPILOGUE_OPS]
-    if unknown:
-        raise InputError(f"Epilogue.ops: unknown operation(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(EPILOGUE_OPS)}")
+    for o in ops:  # an unknown name: the allowed ones and the closest
+        EpilogueOp.of(o, "each of Epilogue.ops")
     if len(set(ops)) != len(ops):
         raise InputError(f"Epilogue.ops names an operation twice: {tuple(ops)}")
     if sum(o in GATED_OPS for o in ops) > 1:

@@ -191,7 +191,9 @@ def test_cpu_operands_are_a_device_error():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: cf.NVFP4Linear(fp4(64, 64), mode="w8a8"), "mode must be 'w4a4' or 'w4a16'"),
+    (lambda: cf.NVFP4Linear(fp4(64, 64), mode="w8a8"),
+     "mode must be one of 'w4a16', 'w4a4', got 'w8a8'"),
+    (lambda: cf.NVFP4Linear(fp4(64, 64), mode="w4a61"), "got 'w4a61'; did you mean 'w4a16'"),
     (lambda: cf.NVFP4Linear(fp4(64, 64), bias=torch.zeros(3)), r"bias must have shape \(64,\)"),
     (lambda: cf.NVFP4Linear(fp4(64, 64), bias=torch.zeros(64, dtype=torch.int64)),
      "bias must be a floating-point tensor .*got torch.int64"),

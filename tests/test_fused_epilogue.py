@@ -25,14 +25,18 @@ from cute_fp4.fused import (
 from cute_fp4.nvfp4 import quantize
 from cute_fp4.plan import plan
 from cute_fp4.planning.common import silu_group
-from cute_fp4.schedule import Epilogue, Problem, gated_op
+from cute_fp4.schedule import Epilogue, EpilogueOp, Problem, gated_op
 
 
 def test_ops_are_validated_and_put_in_order():
     assert Epilogue(ops=("silu_mul", "bias")).ops == ("bias", "silu_mul")
     assert Epilogue(ops="bias+silu_mul").ops == ("bias", "silu_mul")
-    with pytest.raises(InputError, match="unknown operation.*gelu"):
+    with pytest.raises(InputError, match="each of Epilogue.ops must be one of 'bias', "
+                       "'silu_mul', 'swiglu_oai', 'nvfp4_out' .*got 'gelu'"):
         Epilogue(ops=("gelu",))
+    with pytest.raises(InputError, match="got 'silu_mull'; did you mean 'silu_mul'"):
+        Epilogue(ops="bias+silu_mull")
+    assert all(isinstance(o, EpilogueOp) for o in Epilogue(ops="bias+silu_mul").ops)
     with pytest.raises(InputError, match="twice"):
         Epilogue(ops=("bias", "bias"))
     with pytest.raises(InputTypeError):

@@ -238,3 +238,18 @@ def test_experts_an_sm90_gpu_cannot_run_are_refused_with_the_sizes(monkeypatch):
         Experts.from_modelopt(w13, w2, mode="w4a16", name="experts.0")
     with reference_execution():
         assert Experts.from_modelopt(w13, w2, mode="w4a16").layout == "plain"
+
+
+def test_modes_and_layouts_are_enums_that_read_as_their_strings():
+    """A layer's mode and layout are ``Mode`` / ``Layout`` members (str enums: equal to,
+    hashed and printed as their strings); strings, names in any case and members are taken
+    at the edge, a typo names the closest."""
+    from cute_fp4.layers import Layout, Mode
+
+    w = cf.quantize(torch.randn(64, 128))
+    lin = Linear.from_modelopt(w.data, w.scale_linear(), w.global_scale, mode="W4A16",
+                               layout=Layout.PLAIN)
+    assert lin.mode is Mode.W4A16 and lin.mode == "w4a16" and f"{lin.mode}" == "w4a16"
+    assert lin.layout is Layout.PLAIN and {lin.layout: 1}["plain"] == 1
+    with pytest.raises(InputError, match="did you mean 'plain'"):
+        Linear.from_modelopt(w.data, w.scale_linear(), w.global_scale, layout="plian")

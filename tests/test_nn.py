@@ -78,7 +78,9 @@ def test_skip_patterns_and_callables():
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    ({"mode": "w8a8"}, InputError, "mode must be 'w4a4' or 'w4a16', got 'w8a8'"),
+    ({"mode": "w8a8"}, InputError, "mode must be one of 'w4a16', 'w4a4', got 'w8a8'"),
+    ({"layout": "pakced"}, InputError, "layout must be one of 'auto', 'plain', 'packed' "
+     r"\(or Layout.<NAME>\), got 'pakced'; did you mean 'packed'"),
     ({"skip": 3}, InputTypeError, "skip must be a name pattern"),
     ({"skip": ["q", 3]}, InputTypeError, "skip entries must be name patterns"),
 ])

@@ -16,7 +16,8 @@ import torch
 from cute_fp4.errors import DeviceError, InputError
 from cute_fp4.hf import mxfp4
 from cute_fp4.hf.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointError, read_quant_format
-from cute_fp4.hf.quantizer import MODES, register
+from cute_fp4.hf.quantizer import register
+from cute_fp4.layers.common import mode_of
 
 __all__ = ["from_pretrained"]
 
@@ -49,8 +50,7 @@ def from_pretrained(path: str | os.PathLike, *, device: str | torch.device = "cu
     does not hold what its config promises raises ``CheckpointError`` (file, key,
     expectation) before anything is loaded.
     """
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = mode_of(mode)
     if gate_up_group not in (None, 8, 32):
         raise InputError(f"gate_up_group must be None, 8 or 32, got {gate_up_group!r}")
     path = os.fspath(path)

@@ -24,13 +24,13 @@ from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf.checkpoint import excluded
 from cute_fp4.hf.quantizer import (
-    MODES,
     ModelOptNVFP4Config,
     ModelOptNVFP4Quantizer,
     fuse_mlps,
     register,
     resolve_mode,
 )
+from cute_fp4.layers.common import mode_of
 from cute_fp4.mlp import GateUpLinear, NVFP4GatedMLP
 from cute_fp4.moe import NVFP4MoE, expert, route, silu_and_mul
 from cute_fp4.nn import NVFP4Linear
@@ -192,8 +192,7 @@ def quantize_model(model: torch.nn.Module, *, exclude: Iterable[str] = ("lm_head
     ``fuse_mlp``: on a GPU, such an MLP then runs as ``NVFP4GatedMLP``
     (``model.cute_fp4_mlps`` says which). The model can run, and
     :func:`cute_fp4.hf.save_pretrained` write it."""
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = mode_of(mode)
     if isinstance(exclude, str):
         exclude = (exclude,)
     exclude = tuple(exclude)

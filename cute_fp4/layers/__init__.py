@@ -12,7 +12,7 @@ nothing, is CUDA-graph capturable and traces under ``torch.compile``. With
 the exact reference on any device, the CPU included (``targets.reference_mode``).
 """
 
-from cute_fp4.layers.common import LAYOUTS, MODES, resolve_mode
+from cute_fp4.layers.common import LAYOUTS, MODES, Layout, Mode, resolve_mode
 from cute_fp4.layers.experts import (
     Experts,
     Routing,
@@ -25,6 +25,6 @@ from cute_fp4.layers.experts import (
 from cute_fp4.layers.linear import Linear
 from cute_fp4.targets import REFERENCE_ENV, reference_execution, reference_mode
 
-__all__ = ["LAYOUTS", "MODES", "REFERENCE_ENV", "Experts", "Linear", "Routing", "Stages",
-           "combine", "reference_execution", "reference_mode", "resolve_mode", "route",
+__all__ = ["LAYOUTS", "MODES", "REFERENCE_ENV", "Experts", "Layout", "Linear", "Mode", "Routing",
+           "Stages", "combine", "reference_execution", "reference_mode", "resolve_mode", "route",
            "silu_and_mul", "softmax_topk"]

@@ -8,6 +8,7 @@ bytes), "packed" (WGMMA fragment order, ``cute_fp4.packed``) or "auto"
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 
@@ -18,39 +19,72 @@ from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.formats import NVFP4, BlockFormat
 from cute_fp4.operands import A_FORMATS
 from cute_fp4.packed import UNIT_K, PackedWeight
+from cute_fp4.schedule import Choice
 from cute_fp4.targets import capability_major
 
-MODES = ("auto", "w4a16", "w4a4")
-LAYOUTS = ("auto", "plain", "packed")
+
+class Mode(Choice):
+    """How a layer computes: W4A16 (16-bit activations on the 4-bit weight), W4A4 (the
+    activations quantized to NVFP4 per call), or "auto" (:func:`resolve_mode`)."""
+
+    AUTO = "auto"
+    W4A16 = "w4a16"
+    W4A4 = "w4a4"
+
+
+class Layout(Choice):
+    """Where a layer keeps its weight: the plain (cuBLAS) layout, the fragment-order packed
+    one (``cute_fp4.packed``), or "auto" (what the GPU's kernels read)."""
+
+    AUTO = "auto"
+    PLAIN = "plain"
+    PACKED = "packed"
+
+
+MODES = tuple(Mode)
+LAYOUTS = tuple(Layout)
+
+
+def mode_of(mode: object, allowed: tuple[Mode, ...] = MODES, field: str = "mode") -> Mode:
+    """``mode`` (a :class:`Mode` or its string) as a Mode of ``allowed``; an InputError
+    naming ``field``, the allowed modes and the closest one otherwise."""
+    try:
+        got = Mode.of(mode, field)
+    except InputError:
+        got = None
+    if got not in allowed:
+        values = [m.value for m in allowed]
+        close = difflib.get_close_matches(str(mode).lower(), values, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InputError(f"{field} must be one of {', '.join(map(repr, values))}, got "
+                         f"{mode!r}{hint}")
+    return got
 ACT_FORMATS = A_FORMATS  # 16-bit activations: their format names
 
 
-def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> str:
+def resolve_mode(mode: str, device: torch.device, has_input_scales: bool) -> Mode:
     """"auto": W4A4 where the GPU has FP4 MMA (SM12x) and the checkpoint has input scales,
-    else W4A16; "w4a16" and "w4a4" as given."""
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode != "auto":
+    else W4A16; "w4a16" and "w4a4" as given (a :class:`Mode` or its string)."""
+    mode = mode_of(mode)
+    if mode is not Mode.AUTO:
         return mode
-    return "w4a4" if capability_major(device) == 12 and has_input_scales else "w4a16"
+    return Mode.W4A4 if capability_major(device) == 12 and has_input_scales else Mode.W4A16
 
 
 def resolve_format_mode(mode: str, device: torch.device, has_input_scales: bool,
-                        fmt: BlockFormat = NVFP4, name: str = "") -> str:
+                        fmt: BlockFormat = NVFP4, name: str = "") -> Mode:
     """:func:`resolve_mode` for a weight of block format ``fmt``: a format other than NVFP4
     runs W4A16 ("auto" is W4A16; "w4a4" a FormatError: the layers' fused activation
     quantizer writes NVFP4 only; ``gemm(quantize(x, format=...), w)`` runs W4A4 on
     SM12x)."""
     if fmt is NVFP4:
         return resolve_mode(mode, device, has_input_scales)
-    if mode not in MODES:
-        raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "w4a4":
+    if mode_of(mode) is Mode.W4A4:
         raise FormatError(f"{where(name)}{fmt} layers run W4A16 (bfloat16 activations): the "
                           "fused activation quantizer writes NVFP4 only; "
                           f"cute_fp4.gemm(cute_fp4.quantize(x, format='{fmt}'), w) runs W4A4 "
                           "on SM12x")
-    return "w4a16"
+    return Mode.W4A16
 
 
 def check_layout_format(layout: str, fmt: BlockFormat, device: torch.device,
@@ -80,21 +114,21 @@ def reads_packed(schedule) -> bool:
 
 
 def resolve_layout(layout: str, mode: str, k: int, device: torch.device,
-                   schedule="auto") -> str:
+                   schedule="auto") -> Layout:
     """"auto" -> "packed" when K allows it and the schedule reads that layout ("auto" or an
     rs_packed or stream schedule): on an SM90 GPU (W4A4 then decodes the activation once
     and runs the W4A16 kernel) and for W4A16 on SM12x (the stream kernel, its W4A16
     kernel); else "plain" (SM12x W4A4: the block-scaled MMA)."""
-    if layout not in LAYOUTS:
-        raise InputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    layout = Layout.of(layout, "layout")
     if layout == "packed" and k % UNIT_K:
         raise FormatError(f"layout='packed' needs in_features to be a multiple of {UNIT_K}, "
                           f"got {k}: use layout='plain'")
-    if layout != "auto":
+    if layout is not Layout.AUTO:
         return layout
     major = capability_major(device)
-    wants = major == 9 or (mode == "w4a16" and major == 12)
-    return "packed" if wants and k % UNIT_K == 0 and reads_packed(schedule) else "plain"
+    wants = major == 9 or (mode == Mode.W4A16 and major == 12)
+    packs = wants and k % UNIT_K == 0 and reads_packed(schedule)
+    return Layout.PACKED if packs else Layout.PLAIN
 
 
 def check_schedule(schedule) -> None:
@@ -185,6 +219,7 @@ def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale
                               f"{list(v.shape)}")
 
 
-__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "check_layout_format", "check_modelopt",
-           "check_schedule", "check_weight", "reads_packed", "resolve_format_mode",
-           "resolve_layout", "resolve_mode", "scalar", "scale_values", "where"]
+__all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "Layout", "Mode", "check_layout_format",
+           "check_modelopt", "check_schedule", "check_weight", "mode_of", "reads_packed",
+           "resolve_format_mode", "resolve_layout", "resolve_mode", "scalar", "scale_values",
+           "where"]

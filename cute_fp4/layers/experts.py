@@ -48,7 +48,7 @@ from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.fused import interleave_gate_up, natural_gate_up, regroup_gate_up, silu_mul_unfused
 from cute_fp4.grouped import grouped_gemm
 from cute_fp4.layers.common import (
-    LAYOUTS,
+    Layout,
     check_layout_format,
     resolve_format_mode,
     resolve_mode,
@@ -131,8 +131,7 @@ class Experts:
                  name: str = "", *, gate_up_group: int | None = None,
                  up_ratio: torch.Tensor | None = None, activation: str = "silu",
                  biases: tuple = (None, None)):
-        if layout not in LAYOUTS:
-            raise InputError(f"{where(name)}layout must be one of {LAYOUTS}, got {layout!r}")
+        layout = Layout.of(layout, f"{where(name)}layout")
         if not isinstance(input_scales, (tuple, list)) or len(input_scales) != 2:
             raise InputError(f"{where(name)}input_scales must be a pair (gate_up, down) of "
                              "scales or None")
@@ -218,8 +217,7 @@ class Experts:
         stacks = [modelopt_stack(f"{where(name)}w13", w13[0], w13[1], gate),
                   modelopt_stack(f"{where(name)}w2", *w2)]
         ex, h, i = check_stacks(*stacks, name)
-        if layout not in LAYOUTS:
-            raise InputError(f"{where(name)}layout must be one of {LAYOUTS}, got {layout!r}")
+        layout = Layout.of(layout, f"{where(name)}layout")
         scales = tuple(None if s is None else scale_values(s, f"{where(name)}input_scales").max()
                        for s in input_scales)
         dev = stacks[0].device
