@@ -164,16 +164,23 @@ def _global_scales(global_scale, lead, who: str) -> torch.Tensor:
         if not torch.isfinite(gs).all() or (gs <= 0).any():
             raise FormatError(f"global_scale must be finite and > 0, got {float(gs):g}")
         return gs.reshape(())
-    e = lead[0]
+    return per_expert_scales(gs, lead[0], FormatError)
+
+
+def per_expert_scales(gs: torch.Tensor, e: int, error: type[Exception] = FormatError
+                      ) -> torch.Tensor:
+    """Global scales ``gs`` of ``e`` experts (one value, or one per expert) as a float32
+    ``[e]``, every value finite and > 0 (reads the values); ``error`` naming the count or
+    the first bad expert otherwise."""
     if gs.numel() not in (1, e):
-        raise FormatError(f"global_scale of {e} experts must have {e} elements (one per "
-                          f"expert) or 1, got {gs.numel()}")
+        raise error(f"global_scale for {e} experts must be a scalar or hold {e} values, got "
+                    f"{gs.numel()}")
     gs = gs.reshape(-1).expand(e).contiguous()
     bad = ~torch.isfinite(gs) | (gs <= 0)
     if bad.any():
         i = int(bad.nonzero()[0, 0])
-        raise FormatError(f"global_scale must be finite and > 0, got {float(gs[i]):g} "
-                          f"for expert {i}")
+        raise error(f"global_scale must be finite and > 0, got {float(gs[i]):g} for "
+                    f"expert {i}")
     return gs
 
 

@@ -39,6 +39,7 @@ from cute_fp4.blockscaled import (
     e2m1_table,
     expert_index,
     pack_e2m1,
+    per_expert_scales,
     scale_offset,
     scale_shape,
     swizzle_scales,
@@ -191,16 +192,8 @@ def _quantize_experts(x: torch.Tensor, global_scale) -> NVFP4Tensor:
     check_finite(x, bad)
     if global_scale is None:
         global_scale = [_amax_scale(x[e].float()) for e in range(n_exp)]
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    if gs.numel() not in (1, n_exp):
-        raise InputError(f"global_scale for {n_exp} experts must be a scalar or hold "
-                         f"{n_exp} values, got {gs.numel()}")
-    gs = gs.reshape(-1).expand(n_exp).contiguous()
-    wrong = ~torch.isfinite(gs) | (gs <= 0)
-    if wrong.any():
-        e = int(wrong.nonzero()[0, 0])
-        raise InputError(f"global_scale must be finite and > 0, got {float(gs[e]):g} for "
-                         f"expert {e}")
+    gs = per_expert_scales(torch.as_tensor(global_scale, dtype=torch.float32,
+                                           device=x.device), n_exp, InputError)
     rp, cp = NVFP4.scale_shape(rows, k)
     data = torch.empty((n_exp, rows, k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((n_exp, rp, cp), dtype=NVFP4.scale.torch_dtype, device=x.device)

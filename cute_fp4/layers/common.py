@@ -87,6 +87,28 @@ def resolve_format_mode(mode: str, device: torch.device, has_input_scales: bool,
     return Mode.W4A16
 
 
+def mxfp4_tensor(blocks, scales, lead: tuple[str, ...], prefix: str, context: str = ""):
+    """An MXFP4 weight (``lead`` ``("N",)``) or expert stack (``("E", "N")``) from a
+    checkpoint's ``*_blocks`` ``[*lead, K/32, 16]`` and ``*_scales`` ``[*lead, K/32]``
+    (:meth:`~cute_fp4.mxfp4.MXFP4Tensor.from_blocks`). Errors name ``<prefix>blocks`` /
+    ``<prefix>scales``; those of the values are prefixed with ``context``."""
+    from cute_fp4.formats import MXFP4
+    from cute_fp4.mxfp4 import MXFP4Tensor
+
+    for t, key in ((blocks, "blocks"), (scales, "scales")):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{prefix}{key} must be a torch.Tensor, got "
+                                 f"{type(t).__name__}")
+    if blocks.dim() != len(lead) + 2:
+        raise FormatError(f"{prefix}blocks must be uint8 [{', '.join(lead)}, "
+                          f"K/{MXFP4.block}, {MXFP4.block // 2}], got {blocks.dtype} "
+                          f"{list(blocks.shape)}")
+    try:
+        return MXFP4Tensor.from_blocks(blocks, scales)
+    except FormatError as e:
+        raise FormatError(f"{context}{e}") from None
+
+
 def check_layout_format(layout: str, fmt: BlockFormat, device: torch.device,
                         name: str = "") -> None:
     """A weight layout the present GPU's kernels take for ``fmt``: sm_90a decodes
@@ -220,6 +242,6 @@ def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale
 
 
 __all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "Layout", "Mode", "check_layout_format",
-           "check_modelopt", "check_schedule", "check_weight", "mode_of", "reads_packed",
-           "resolve_format_mode", "resolve_layout", "resolve_mode", "scalar", "scale_values",
-           "where"]
+           "check_modelopt", "check_schedule", "check_weight", "mode_of", "mxfp4_tensor",
+           "reads_packed", "resolve_format_mode", "resolve_layout", "resolve_mode", "scalar",
+           "scale_values", "where"]

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from cute_fp4.errors import FormatError, InputError, InputTypeError
+from cute_fp4.errors import FormatError, InputError
 from cute_fp4.formats import MXFP4
 from cute_fp4.fused import device_group, regroup_gate_up, swiglu_oai_unfused
 from cute_fp4.grouped import grouped_gemm
-from cute_fp4.layers.common import where
+from cute_fp4.layers.common import mxfp4_tensor, where
 from cute_fp4.layers.routing import Stages, combine, expert, route
 from cute_fp4.layers.stacks import check_stacks, pack_by_expert, pick_layout
 from cute_fp4.mxfp4 import MXFP4Tensor
@@ -45,18 +45,7 @@ __all__ = ["gpt_oss_checkpoint", "gpt_oss_experts", "oai_forward", "oai_group", 
 def mxfp4_stack(what: str, blocks, scales) -> MXFP4Tensor:
     """An expert stack from a checkpoint's ``*_blocks`` ``[E, N, K/32, 16]`` and
     ``*_scales`` ``[E, N, K/32]``; a FormatError naming ``what`` otherwise."""
-    for t, key in ((blocks, "blocks"), (scales, "scales")):
-        if not isinstance(t, torch.Tensor):
-            raise InputTypeError(f"{what}_{key} must be a torch.Tensor, got "
-                                 f"{type(t).__name__}")
-    if blocks.dim() != 4:
-        raise FormatError(f"{what}_blocks must be uint8 [E, N, K/{MXFP4.block}, "
-                          f"{MXFP4.block // 2}] (an expert stack), got {blocks.dtype} "
-                          f"{list(blocks.shape)}")
-    try:
-        return MXFP4Tensor.from_blocks(blocks, scales)
-    except FormatError as e:
-        raise FormatError(f"{what}: {e}") from None
+    return mxfp4_tensor(blocks, scales, ("E", "N"), f"{what}_", f"{what}: ")
 
 
 def oai_group(fused, layout: str, dev: torch.device, i: int) -> int:

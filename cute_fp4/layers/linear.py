@@ -39,7 +39,7 @@ from cute_fp4.api import gemm, mm, mm_packed, quantize_op
 from cute_fp4.bindings import Launcher
 from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import FormatError, InputError, InputTypeError
-from cute_fp4.formats import MXFP4, NVFP4
+from cute_fp4.formats import NVFP4
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers.common import (
     ACT_FORMATS,
@@ -47,13 +47,13 @@ from cute_fp4.layers.common import (
     check_modelopt,
     check_schedule,
     check_weight,
+    mxfp4_tensor,
     resolve_format_mode,
     resolve_layout,
     scalar,
     scale_values,
     where,
 )
-from cute_fp4.mxfp4 import MXFP4Tensor
 from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE
 from cute_fp4.packed import PackedWeight, pack, packed_class, tensor_class, unpack
@@ -176,18 +176,8 @@ class Linear:
         W4A16 with bfloat16 activations (``mode`` "auto" or "w4a16"); on sm_90a K must be a
         multiple of 64 (the packed layout). Bad tensors (shapes, dtypes, a NaN scale code
         255) are a FormatError naming ``name``. :meth:`checkpoint` gives them back."""
-        for t, what in ((blocks, "blocks"), (scales, "scales")):
-            if not isinstance(t, torch.Tensor):
-                raise InputTypeError(f"{where(name)}{what} must be a torch.Tensor, got "
-                                     f"{type(t).__name__}")
-        if blocks.dim() != 3:
-            raise FormatError(f"{where(name)}blocks must be uint8 [N, K/{MXFP4.block}, "
-                              f"{MXFP4.block // 2}], got {blocks.dtype} {list(blocks.shape)}")
-        check_sizes(blocks.shape[0], blocks.shape[1] * MXFP4.block, name)
-        try:
-            w = MXFP4Tensor.from_blocks(blocks, scales)
-        except FormatError as e:
-            raise FormatError(f"{where(name)}{e}") from None
+        w = mxfp4_tensor(blocks, scales, ("N",), where(name), where(name))
+        check_sizes(*w.shape, name)
         return cls(w, bias, mode, schedule, None, layout, name)
 
     @classmethod
