@@ -91,11 +91,6 @@ def as_scale(scale: torch.Tensor, fmt: BlockFormat = NVFP4) -> torch.Tensor:
     return scale.view(fmt.scale.torch_dtype) if scale.dtype == torch.uint8 else scale
 
 
-def as_e4m3(scale: torch.Tensor) -> torch.Tensor:
-    """Scales as float8_e4m3fn (NVFP4's; :func:`as_scale`)."""
-    return as_scale(scale, NVFP4)
-
-
 def _a_format(a, rows: str = "M", note: str = "") -> tuple[int, int, Operand]:
     """(rows, K, format) of the A operand; raises on anything but a 2-D block tensor
     (NVFP4Tensor, MXFP4Tensor) or a 2-D bf16/fp16 tensor (``rows``, ``note``: how the
@@ -116,6 +111,17 @@ def _a_format(a, rows: str = "M", note: str = "") -> tuple[int, int, Operand]:
         raise InputError(f"a must be {_TENSOR_NAMES} (W4A4) or bfloat16/float16 (W4A16), "
                          f"got {a.dtype}")
     return *a.shape, fmt
+
+
+def _check_a_against_b(a_dims: tuple[int, int, Operand], fmt: BlockFormat, k: int,
+                       b_dims: str) -> None:
+    """A (``(rows, K, format)`` from :func:`_a_format`) against the weight: one block format
+    or a 16-bit one it decodes to (:func:`check_formats`), and the same K (``b_dims``: how
+    the message shows B's shape)."""
+    rows, ka, a_format = a_dims
+    check_formats(a_format, fmt)
+    if ka != k:
+        raise InputError(f"K mismatch: a is [{rows}, {ka}] and b is [{b_dims}]")
 
 
 def check_formats(a_format: Operand, fmt: BlockFormat) -> None:
@@ -212,11 +218,9 @@ def check_all(a, b, out, alpha, out_dtype: torch.dtype,
     dev = b.device
     if require_cuda and dev.type != "cuda":
         raise DeviceError(f"operands must be on a CUDA device, b is on {dev}")
-    m, ka, a_format = _a_format(a)
+    m, _, a_format = a_dims = _a_format(a)
     fmt = b.fmt
-    check_formats(a_format, fmt)
-    if ka != k:
-        raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n}, {k}]")
+    _check_a_against_b(a_dims, fmt, k, f"{n}, {k}")
     if m == 0 or n == 0 or k == 0:
         raise InputError(f"empty GEMM: M = {m}, N = {n}, K = {k}; all must be > 0")
     if k % K_MULTIPLE:
@@ -433,11 +437,9 @@ def check_grouped_operands(a, b, offsets, out, alpha, out_dtype=torch.bfloat16,
     offsets' values are not read). Shapes, dtypes, layouts and alignment first, then
     whether everything is on one device, then (``require_cuda``) whether that is a GPU."""
     n_exp, n, k, packed = b_stack(b)
-    m, ka, a_format = _a_operand(a)
+    m, _, a_format = a_dims = _a_operand(a)
     fmt = b.fmt
-    check_formats(a_format, fmt)
-    if ka != k:
-        raise InputError(f"K mismatch: a is [{m}, {ka}] and b is [{n_exp}, {n}, {k}]")
+    _check_a_against_b(a_dims, fmt, k, f"{n_exp}, {n}, {k}")
     if n_exp == 0 or n == 0 or k == 0:
         raise InputError(f"empty grouped GEMM: E = {n_exp}, N = {n}, K = {k}; all must be > 0 "
                          "(total_M = 0 is fine)")
