@@ -192,13 +192,15 @@ def resolve(schedule: Schedule | str,
     elif not isinstance(schedule, Schedule):
         raise InputTypeError(f"a schedule must be a Schedule or a catalogue name, got "
                              f"{type(schedule).__name__}")
-    meant = formats_of(schedule)
-    if meant is not None and problem is None:
-        return schedule, meant
     given = Problem.of(problem)
-    if meant is not None and isinstance(problem, (tuple, list)) and len(problem) == 3:
-        given = dataclasses.replace(given, a_format=meant.a_format, b_format=meant.b_format)
-    return schedule, given
+    bare = problem is None or isinstance(problem, (tuple, list)) and len(problem) == 3
+    meant = formats_of(schedule) if bare else None  # a Problem or formats given: as given
+    if meant is None:
+        return schedule, given
+    if given is None:
+        return schedule, meant
+    return schedule, dataclasses.replace(given, a_format=meant.a_format,
+                                         b_format=meant.b_format)
 
 
 def formats_of(schedule: Schedule) -> Problem | None:
