@@ -18,7 +18,7 @@ from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.formats import NVFP4, BlockFormat
 from cute_fp4.operands import A_FORMATS
-from cute_fp4.packed import UNIT_K, PackedWeight
+from cute_fp4.packed import UNIT_K, PackedWeight, packed_class, tensor_class
 from cute_fp4.schedule import Choice
 from cute_fp4.targets import capability_major
 
@@ -107,6 +107,15 @@ def mxfp4_tensor(blocks, scales, lead: tuple[str, ...], prefix: str, context: st
         return MXFP4Tensor.from_blocks(blocks, scales)
     except FormatError as e:
         raise FormatError(f"{context}{e}") from None
+
+
+def stored_view(data, scale, global_scale, shape, layout: str, fmt: BlockFormat = NVFP4):
+    """The stored weight (``[N, K]``) or expert stack (``[E, N, K]``) of block format ``fmt``
+    over its tensors, plain or packed by ``layout`` (no value checks: they were checked
+    once)."""
+    if layout == "packed":
+        return packed_class(fmt)(data, scale, global_scale, shape)
+    return tensor_class(fmt)._unchecked(data, scale, global_scale, shape)
 
 
 def check_layout_format(layout: str, fmt: BlockFormat, device: torch.device,
@@ -244,4 +253,4 @@ def check_modelopt(name: str, n: int, k: int, weight, weight_scale, weight_scale
 __all__ = ["ACT_FORMATS", "LAYOUTS", "MODES", "Layout", "Mode", "check_layout_format",
            "check_modelopt", "check_schedule", "check_weight", "mode_of", "mxfp4_tensor",
            "reads_packed", "resolve_format_mode", "resolve_layout", "resolve_mode", "scalar",
-           "scale_values", "where"]
+           "scale_values", "stored_view", "where"]

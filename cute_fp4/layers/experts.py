@@ -54,6 +54,7 @@ from cute_fp4.layers.common import (
     resolve_mode,
     scalar,
     scale_values,
+    stored_view,
     where,
 )
 from cute_fp4.layers.routing import (
@@ -73,7 +74,6 @@ from cute_fp4.layers.stacks import (
     pack_by_expert,
     pick_group,
     pick_layout,
-    stack_view,
 )
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize
 from cute_fp4.packed import PackedWeight, repack
@@ -163,8 +163,8 @@ class Experts:
         self.schedule = schedule
         gs = [None if w.global_scale is None else
               w.global_scale.to(dev, torch.float32).reshape(-1) for w in (w13, w2)]
-        self.w13 = stack_view(w13.data, w13.scale, gs[0], w13.shape, self.layout, w13.fmt)
-        self.w2 = stack_view(w2.data, w2.scale, gs[1], w2.shape, self.layout, w2.fmt)
+        self.w13 = stored_view(w13.data, w13.scale, gs[0], w13.shape, self.layout, w13.fmt)
+        self.w2 = stored_view(w2.data, w2.scale, gs[1], w2.shape, self.layout, w2.fmt)
         self.biases = check_biases(biases, self.num_experts, self.hidden, self.intermediate, dev,
                               name)
         self.input_scales = tuple(None if s is None else scalar(s, f"{where(name)}{w} input "
@@ -279,8 +279,8 @@ class Experts:
         """Hold these tensors from now on (a module moved its buffers, ``Module.to``):
         ``w13``/``w2`` = (data, scale, global scale) in the same layout and shapes;
         ``biases``: the float32 (gate_up, down) biases (None: kept)."""
-        self.w13 = stack_view(*w13, self.w13.shape, self.layout, self.w13.fmt)
-        self.w2 = stack_view(*w2, self.w2.shape, self.layout, self.w2.fmt)
+        self.w13 = stored_view(*w13, self.w13.shape, self.layout, self.w13.fmt)
+        self.w2 = stored_view(*w2, self.w2.shape, self.layout, self.w2.fmt)
         self.input_scales, self.alphas, self.up_ratio = tuple(input_scales), tuple(alphas), \
             up_ratio
         if biases is not None:

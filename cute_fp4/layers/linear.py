@@ -52,11 +52,12 @@ from cute_fp4.layers.common import (
     resolve_layout,
     scalar,
     scale_values,
+    stored_view,
     where,
 )
 from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE
-from cute_fp4.packed import PackedWeight, pack, packed_class, tensor_class, unpack
+from cute_fp4.packed import PackedWeight, pack, packed_class, unpack
 from cute_fp4.quant import quantize_activation
 from cute_fp4.targets import reference_mode
 
@@ -118,7 +119,7 @@ class Linear:
             weight.global_scale, f"{where(name)}weight global scale", dev)
         # a format without global scales: alpha 1, held so a launch binding can keep it
         self._one = None if gs is not None else torch.ones((), dtype=torch.float32, device=dev)
-        self.stored = _view(weight.data, weight.scale, gs, weight.shape, self.layout, fmt)
+        self.stored = stored_view(weight.data, weight.scale, gs, weight.shape, self.layout, fmt)
         self.bias = _bias(bias, self.out_features, dev, name)
         self.input_scale = None if input_scale is None else scalar(
             input_scale, f"{where(name)}input_scale", dev)
@@ -244,7 +245,7 @@ class Linear:
               input_scale=None, alpha=None, out_scale=None, bias=None) -> None:
         """Hold these tensors from now on (a module moved its buffers, ``Module.to``): the
         same layout and shapes; the bindings are dropped."""
-        self.stored = _view(data, scale, global_scale, self.stored.shape, self.layout,
+        self.stored = stored_view(data, scale, global_scale, self.stored.shape, self.layout,
                             self.fmt)
         self.input_scale, self.alpha, self.out_scale = input_scale, alpha, out_scale
         self.bias = bias
@@ -508,14 +509,6 @@ def check_sizes(n: int, k: int, name: str = "") -> None:
         raise FormatError(f"{where(name)}out_features {n} is not a multiple of {N_MULTIPLE}: "
                           "the kernels write 16-byte output rows (a column-parallel shard must "
                           "keep a multiple per rank)")
-
-
-def _view(data, scale, global_scale, shape, layout: str, fmt=NVFP4):
-    """The stored weight of block format ``fmt`` over its tensors (no value checks: they
-    were checked once)."""
-    if layout == "packed":
-        return packed_class(fmt)(data, scale, global_scale, shape)
-    return tensor_class(fmt)._unchecked(data, scale, global_scale, shape)
 
 
 def _bias(bias, n: int, device: torch.device, name: str) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from cute_fp4.fused import device_group, interleave_gate_up
 from cute_fp4.layers.common import scale_values, where
 from cute_fp4.nvfp4 import NVFP4Tensor, swizzle_scales
 from cute_fp4.operands import K_MULTIPLE
-from cute_fp4.packed import UNIT_K, PackedWeight, pack, packed_class, packed_rows, tensor_class
+from cute_fp4.packed import UNIT_K, PackedWeight, pack, packed_class, packed_rows
 from cute_fp4.targets import capability_major, reference_mode
 
 
@@ -149,14 +149,6 @@ def pick_layout(layout: str, w13, w2, h: int, i: int, dev: torch.device,
     return layout
 
 
-def stack_view(data, scale, global_scale, shape, layout: str, fmt=NVFP4):
-    """The stored stack of block format ``fmt`` over its tensors (no value checks: they
-    were checked once)."""
-    if layout == "packed":
-        return packed_class(fmt)(data, scale, global_scale, shape)
-    return tensor_class(fmt)._unchecked(data, scale, global_scale, shape)
-
-
 def check_biases(biases, e: int, h: int, i: int, dev: torch.device, name: str) -> tuple:
     """The experts' biases ``(gate_up [E, 2I], down [E, H])`` as float32 on ``dev`` (what
     the fused bias reads), or (None, None)."""
@@ -180,4 +172,4 @@ def check_biases(biases, e: int, h: int, i: int, dev: torch.device, name: str) -
 
 
 __all__ = ["check_biases", "check_stacks", "modelopt_stack", "pack_by_expert", "pick_group",
-           "pick_layout", "stack_view"]
+           "pick_layout"]
