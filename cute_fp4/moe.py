@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cute_fp4.fused import deinterleave_gate_up
-from cute_fp4.layers.common import LAYOUTS, Mode, mode_of
+from cute_fp4.layers.common import LAYOUTS, mode_of
 from cute_fp4.layers.experts import (
     Experts,
     Routing,
@@ -29,14 +29,13 @@ from cute_fp4.layers.experts import (
     route,
     silu_and_mul,
 )
-from cute_fp4.nn import keep_format_dtypes
+from cute_fp4.nn import MODES, keep_format_dtypes
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, swizzle_scales
 
 __all__ = ["LAYOUTS", "MODES", "MXFP4MoE", "MoEStages", "NVFP4MoE", "Routing", "StageCheck",
            "check_stages", "combine", "expert", "moe_bf16", "moe_reference", "route",
            "silu_and_mul"]
 
-MODES = (Mode.W4A16, Mode.W4A4)  # a module's mode is explicit ("auto": cute_fp4.layers)
 MoEStages = Stages  # every intermediate of one call (cute_fp4.layers.Stages)
 _FORMAT_BUFFERS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
                    "w13_alpha", "w2_weight", "w2_weight_scale", "w2_weight_scale_2",
