@@ -4,18 +4,23 @@
 #      perf/tools/gpt_oss_experts_error.py (one experts layer against float32);
 #   2. Nsight Compute of the experts' two grouped GEMMs at each of NCU_TOKENS (default
 #      "1 4", 32 experts: perf/tools/profile_gpt_oss.py), on an idle GPU;
-#   3. perf/gpt_oss.py (GPTOSS_ARGS, default the grouped and dense sections, --quick).
-# $OUT gets val/ (validation.tgz, log.txt), experts_error.json, ncu_T*.txt, perf/ and log.txt.
+#   3. perf/tools/gpt_oss_sweep.py (candidate schedules and ring depths; its kernels are
+#      compiled into the disk cache during step 1 by a one-replay pass);
+#   4. perf/gpt_oss.py (GPTOSS_ARGS, default the grouped section, --quick).
+# $OUT gets val/ (validation.tgz, log.txt), experts_error.json, ncu_T*.txt, sweep.json,
+# perf/ and log.txt.
 set -u
 cd "$(dirname "$0")/../.."
 R=$OUT
 mkdir -p "$R/val" "$R/perf"
-( OUT=$R/val BUDGET_S=${BUDGET_S:-280} bash perf/tools/h200_validate.sh > "$R/val.txt" 2>&1 ) &
+( OUT=$R/val BUDGET_S=${BUDGET_S:-250} bash perf/tools/h200_validate.sh > "$R/val.txt" 2>&1 ) &
 (
-  OUT=$(mktemp -d); budget=${BUDGET_S:-280}
+  OUT=$(mktemp -d); budget=${BUDGET_S:-250}
   source perf/tools/h200_common.sh
   timeout "$budget" python3 perf/tools/gpt_oss_experts_error.py --out "$R/experts_error.json" \
     > "$R/experts_error.txt" 2>&1; echo "rc=$?" >> "$R/experts_error.txt"
+  timeout "$budget" python3 perf/tools/gpt_oss_sweep.py --out "$R/sweep_warm.json" \
+    --experts 32 --tokens 1 --iters 1 --reps 1 > "$R/sweep_warm.txt" 2>&1
 ) &
 wait
 (
@@ -29,8 +34,14 @@ wait
     echo "rc=$?" >> "$R/ncu_T$t.txt"
   done
 )
-OUT=$R/perf JOBS=gptoss GPTOSS_S=${GPTOSS_S:-150} \
-  GPTOSS_ARGS="${GPTOSS_ARGS:---sections grouped,dense --quick}" bash perf/tools/h200_perf.sh \
+(
+  OUT=$(mktemp -d); budget=120
+  source perf/tools/h200_common.sh
+  timeout "${SWEEP_S:-100}" python3 perf/tools/gpt_oss_sweep.py --out "$R/sweep.json" \
+    > "$R/sweep.txt" 2>&1; echo "rc=$?" >> "$R/sweep.txt"
+)
+OUT=$R/perf JOBS=gptoss GPTOSS_S=${GPTOSS_S:-110} \
+  GPTOSS_ARGS="${GPTOSS_ARGS:---sections grouped --quick}" bash perf/tools/h200_perf.sh \
   > "$R/perf.txt" 2>&1
-{ cat "$R/val/log.txt"; tail -3 "$R/experts_error.txt"; grep -h "rc=\|Duration\|Memory Th\|DRAM Th\|Achieved Occ\|Grid Size\|Registers Per\|Waves Per" "$R"/ncu_T*.txt; cat "$R/perf/log.txt"; } > "$R/log.txt" 2>&1
+{ cat "$R/val/log.txt"; tail -3 "$R/experts_error.txt"; grep -h "rc=\|Duration\|Memory Th\|DRAM Th\|Achieved Occ\|Grid Size\|Registers Per\|Waves Per" "$R"/ncu_T*.txt; cat "$R/sweep.txt"; cat "$R/perf/log.txt"; } > "$R/log.txt" 2>&1
 cat "$R/log.txt"
