@@ -115,8 +115,8 @@ class NVFP4Linear(torch.nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
-        if (name in _FORMAT_BUFFERS or name == "bias") and "layer" in self.__dict__ \
-                and "out_scale" in self._buffers:
+        if ((name in _FORMAT_BUFFERS or name == "bias") and "layer" in self.__dict__
+                and "out_scale" in self._buffers):
             self._give_layer()  # a buffer replaced by assignment: the layer runs on it
 
     def _give_layer(self) -> None:
