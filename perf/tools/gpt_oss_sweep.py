@@ -5,6 +5,7 @@ tokens, against torch ``_grouped_mm`` on the BF16 experts in the same run. Timin
 perf/gpt_oss.py's (CUDA-graph replays of calls cycling eight routings).
 
     python3 perf/tools/gpt_oss_sweep.py --out FILE.json [--experts 32 128] [--tokens 1 4 16]
+        [--stages 4 6 8] [--per-gemm]
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from cute_fp4.layers import Experts  # noqa: E402
 STREAM = "sm90_mxfp4_stream_grouped_decode"
 
 
+STAGES = (4, 6, 8)
+
+
 def candidates():
     s = catalogue.get(STREAM)
-    out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in (4, 6, 8)}
+    out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in STAGES}
     return {STREAM: STREAM, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
 
 
@@ -66,6 +70,15 @@ def point(experts: int, tokens: int, st: dict, ex: Experts, args) -> dict:
             fn = bench._cycle([lambda c=c, s=s: ours(c, s) for c in cases])
             us = bench.graph_us(fn, args.iters, args.reps)
             row[name] = {"us": us, "x_torch": row["torch_us"] / us, "max_diff_vs_auto": diff}
+            if args.per_gemm:  # each GEMM alone
+                row[name]["gate_up_us"] = bench.graph_us(bench._cycle([
+                    lambda c=c, s=s: grouped_gemm(c["xs"], ex.w13, c["r"].offsets, bias=b13,
+                                                  swiglu_oai=True, schedule=s)
+                    for c in cases]), args.iters, args.reps)
+                row[name]["down_us"] = bench.graph_us(bench._cycle([
+                    lambda c=c, s=s: grouped_gemm(c["act"], ex.w2, c["r"].offsets, bias=b2,
+                                                  schedule=s)
+                    for c in cases]), args.iters, args.reps)
         except Exception as e:  # a refused or failing candidate: say which and why
             row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(experts, tokens, name, row[name], flush=True)
@@ -79,7 +92,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--iters", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--per-gemm", action="store_true", help="also each GEMM alone")
+    p.add_argument("--stages", type=int, nargs="*", default=[4, 6, 8],
+                   help="ring depths to try beside the catalogue's")
     args = p.parse_args()
+    global STAGES
+    STAGES = tuple(args.stages)
     rows = []
     for experts in args.experts:
         st = bench._stacks(experts, experts)
