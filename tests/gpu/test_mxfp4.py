@@ -127,7 +127,8 @@ def test_stream_dense(variant):
 ROUTINGS = [[0, 1, 1, 3, 3, 4], [0, 0, 0, 16, 16, 16], [0, 5, 5, 5, 9, 13], [0, 1, 2, 3, 4, 5]]
 
 
-@pytest.mark.parametrize("name", ["sm90_mxfp4_stream_grouped_decode", "sm90_mxfp4_grouped"])
+@pytest.mark.parametrize("name", ["sm90_mxfp4_stream_grouped_decode",
+                                  "sm90_mxfp4_stream_grouped_decode_deep", "sm90_mxfp4_grouped"])
 def test_grouped_sm90_kernels(name):
     if _family() != "sm90" and "stream" not in name:
         pytest.skip("an sm_90a schedule")
