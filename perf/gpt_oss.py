@@ -16,8 +16,9 @@
   ``Mxfp4HfQuantizer`` dequantizes the experts to BF16 at load, then runs its default
   experts implementation, ``grouped_mm`` where available; what it did is recorded) and
   against BF16 with the eager experts loop. Per token: one decode step (the same cache
-  position each time) captured in a CUDA graph and replayed, else timed eagerly (recorded
-  which). Bar: faster than both.
+  position each time; its attention masks made once, as ``generate`` does, since
+  transformers' eager masks cannot be captured) captured in a CUDA graph and replayed, else
+  timed eagerly (recorded which). Bar: faster than both.
 
 Times: CUDA events around CUDA-graph replays of ``--iters`` calls (median of ``--reps``),
 never host wall-clock per call; the calls of a graph read other weights (dense: copies of
@@ -300,6 +301,22 @@ def prefill_logits(model, vocab: int) -> torch.Tensor:
         return model(x).logits[:, -1].float().cpu()
 
 
+def step_masks(model, tok: torch.Tensor, cache, pos: torch.Tensor) -> dict:
+    """A decode step's attention masks, made once by transformers' own functions and passed
+    to every timed step (as ``generate`` passes prepared ones): made inside the step,
+    its eager masks copy a CPU scalar to the GPU (``masking_utils.eager_mask``), which no
+    CUDA graph can capture (perf/tools/gpt_oss_step_syncs.py, 2026-12-06)."""
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_sliding_window_causal_mask,
+    )
+
+    kw = {"config": model.config, "inputs_embeds": model.get_input_embeddings()(tok),
+          "attention_mask": None, "past_key_values": cache, "position_ids": pos}
+    return {"full_attention": create_causal_mask(**kw),
+            "sliding_attention": create_sliding_window_causal_mask(**kw)}
+
+
 def decode_us(model, args, prompt_len: int = 32) -> tuple[float, str]:
     """One batch-1 decode step on a static cache (module docstring)."""
     from transformers import StaticCache
@@ -311,11 +328,12 @@ def decode_us(model, args, prompt_len: int = 32) -> tuple[float, str]:
         model(input_ids=prompt, past_key_values=cache, use_cache=True,
               cache_position=torch.arange(prompt_len, device="cuda"))
         tok = prompt[:, -1:].clone()
-        pos = torch.tensor([prompt_len], device="cuda")
+        pos = torch.tensor([[prompt_len]], device="cuda")
+        masks = step_masks(model, tok, cache, pos)
 
         def step():
-            return model(input_ids=tok, past_key_values=cache, cache_position=pos,
-                         use_cache=True).logits
+            return model(input_ids=tok, past_key_values=cache, attention_mask=masks,
+                         position_ids=pos, use_cache=True).logits
 
         return best_us(step, max(args.iters // 4, 2), args.reps)
 

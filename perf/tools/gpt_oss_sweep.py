@@ -36,7 +36,8 @@ STAGES = (4, 6, 8)
 def candidates():
     s = catalogue.get(STREAM)
     out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in STAGES}
-    return {STREAM: STREAM, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
+    deep = f"{STREAM}_deep"
+    return {STREAM: STREAM, deep: deep, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
 
 
 def point(experts: int, tokens: int, st: dict, ex: Experts, args) -> dict:
