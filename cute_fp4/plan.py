@@ -215,8 +215,9 @@ def _plan(s: Schedule, p: Problem) -> Plan:
         return _unplanned(s, p)
     fit = rules.auto_stages(s, p) if rules.auto_stages else max_stages(s, p)
     stages = s.stages or fit
-    # shared memory first: it is the refusal users of SM100-sized tiles need to see
-    reasons = _smem_reasons(s, p, stages, fit)
+    # shared memory first: it is the refusal users of SM100-sized tiles need to see; its
+    # hint names the most stages that fit (a family's own auto count may be fewer, or not fit)
+    reasons = _smem_reasons(s, p, stages, max_stages(s, p) if rules.auto_stages else fit)
     reasons += [r for check in (*rules.checks, *COMMON_CHECKS) for r in check(s, p)]
     return Plan(schedule=s, problem=p, target=s.arch, stages=stages,
                 epi_stages=epi_stages(s), epi_tile=epilogue_tile(s),

@@ -40,6 +40,22 @@ def test_plan_accepts_stream_on_every_family(target, fmt):
             assert pl.smem_bytes == 2 * 4 * pl.stages * (2048 + 256)
 
 
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_plan_counts_eight_warps_over_the_k_units(target):
+    for stages in (1, 2, 4):
+        s = stream_schedule(target, 8, 1, stages, grouped=True, warps=8)
+        pl = plan(s, Problem(4, 2880, 2880, "bf16", groups=4))
+        if stages == 4 and target != "sm_90a":  # 147,456 B: past SM12x's 99 KiB
+            assert pl.reasons[0].endswith("use stages <= 2"), pl.reasons
+            continue
+        assert pl.ok, pl.reasons
+        assert pl.threads == 256
+        assert pl.smem_bytes == 2 * 8 * stages * (2048 + 256)
+    for warps in (2, 6, 16):
+        pl = plan(stream_schedule(target, 8, warps=warps), Problem(1, 4096, 4096, "bf16"))
+        assert not pl.ok and any("Warps(mma=(8, 1))" in r for r in pl.reasons), pl.reasons
+
 @pytest.mark.parametrize("change, words", [
     (dict(tile=(32, 64, 64)), "tile (M, N, K)"),
     (dict(tile=(16, 128, 64)), "tile (M, N, K)"),

@@ -122,7 +122,7 @@ from cute_fp4.kernels.sm90_rs_wide import (
 )
 from cute_fp4.packed import UNIT_BYTES, UNIT_K, UNIT_ROWS
 from cute_fp4.plan import plan
-from cute_fp4.planning.stream import RING, WARPS
+from cute_fp4.planning.stream import RING, k_warps
 from cute_fp4.schedule import Problem, Schedule
 
 LANE_WORDS = 4  # 32-bit weight words per lane, row group and K unit (four K blocks of 16)
@@ -214,10 +214,11 @@ class StreamGemm(GemmLaunch):
         self.out_dtype = out_dtype(schedule)
         self.sm_count = schedule.arch.sm_count
         self.threads = pl.threads
+        self.k_warps = k_warps(schedule)  # warps over the K units; the first GROUPS store
         self.plan_smem_bytes = pl.smem_bytes
         self.smem_bytes = None  # set while tracing
         # split-K: one counter per output tile and thread; 4 FP32 values per N block
-        self.split_slots = self.threads
+        self.split_slots = GROUPS * 32  # the storing warps' threads
         self.split_values = 4 * self.n_blocks
         self.ptr_types = PointerTypes(self.mma_dtype, self.out_dtype)
 
@@ -236,10 +237,10 @@ class StreamGemm(GemmLaunch):
         """The rings' shared storage: per warp, ``RING`` batches of ``batch`` units of
         (4 words, 32 lanes, 4 row groups) weight words and (2 words, 4 pairs, 8 quads)
         scale words. After the K loop the weight region holds the warps' partial sums."""
-        self.sQ_layout = cute.make_layout((LANE_WORDS, 32, GROUPS, self.batch, self.ring,
-                                           WARPS))
-        self.sS_layout = cute.make_layout((2, PAIRS, 8, self.batch, self.ring, WARPS))
-        self.red_layout = cute.make_layout((4 * self.n_blocks, 32, GROUPS, WARPS))
+        w = self.k_warps
+        self.sQ_layout = cute.make_layout((LANE_WORDS, 32, GROUPS, self.batch, self.ring, w))
+        self.sS_layout = cute.make_layout((2, PAIRS, 8, self.batch, self.ring, w))
+        self.red_layout = cute.make_layout((4 * self.n_blocks, 32, GROUPS, w))
         assert cute.cosize(self.red_layout) <= cute.cosize(self.sQ_layout)
 
         @cute.struct
@@ -257,7 +258,7 @@ class StreamGemm(GemmLaunch):
 
     def _tiled_mma(self):
         op = cute.nvgpu.warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16))
-        return cute.make_tiled_mma(op, (WARPS, 1, 1))
+        return cute.make_tiled_mma(op, (GROUPS, 1, 1))  # the storing warps
 
     # ------------------------------------------------------------------ host launcher
     @cute.jit
@@ -359,7 +360,8 @@ class StreamGemm(GemmLaunch):
         tables = decode_tables(self.mma_dtype is cutlass.BFloat16, self.fmt)
         k_units = p.units.k_tiles
         # this warp's units of the CTA's range: k_begin + warp + 4 t, t < mine
-        mine = (blk.k_count - warp + WARPS - 1) // WARPS
+        w = self.k_warps
+        mine = (blk.k_count - warp + w - 1) // w
         x_rows = []  # each N block's activation row (rows past the block's read its last)
         for nb in cutlass.range_constexpr(self.n_blocks):
             x_rows.append(blk.row0 + cutlass.min(nb * 8 + lane // 4, blk.rows - 1))
@@ -387,7 +389,7 @@ class StreamGemm(GemmLaunch):
                 t = b * self.batch + i
                 if t < mine:
                     mine_accs = accs[GROUPS * (i % sets): GROUPS * (i % sets + 1)]
-                    self._unit(p, ring, b % self.ring, i, blk.k_begin + warp + WARPS * t,
+                    self._unit(p, ring, b % self.ring, i, blk.k_begin + warp + w * t,
                                x_rows, tables, mma1, frA, frB, mine_accs)
             cute.arch.sync_warp()  # every lane is done with slot b % ring: refill it
             if b + self.ring < n_batches:
@@ -400,9 +402,15 @@ class StreamGemm(GemmLaunch):
             for j in cutlass.range_constexpr(GROUPS):
                 for v in cutlass.range_constexpr(cute.size(accs[j])):
                     accs[j][v] = accs[j][v] + accs[GROUPS + j][v]
-        acc = self._reduce(sQ_all, accs, warp, lane)
+        red = self._share(sQ_all, accs, warp, lane)
         tiled_mma = self._tiled_mma()
-        self._store(p, tiled_mma.get_slice(tidx), acc, blk, tidx)
+        if cutlass.const_expr(self.k_warps == GROUPS):
+            self._store(p, tiled_mma.get_slice(tidx), self._sum(red, accs, warp, lane), blk,
+                        tidx)
+        else:  # warp w < GROUPS sums and stores row group w
+            if warp < GROUPS:
+                self._store(p, tiled_mma.get_slice(tidx), self._sum(red, accs, warp, lane),
+                            blk, tidx)
 
     def _warp_mma(self):
         op = cute.nvgpu.warp.MmaF16BF16Op(self.mma_dtype, cutlass.Float32, (16, 8, 16))
@@ -422,7 +430,7 @@ class StreamGemm(GemmLaunch):
         for i in cutlass.range_constexpr(self.batch):
             t = b * self.batch + i
             if t < mine:
-                ku = blk.k_begin + warp + WARPS * t
+                ku = blk.k_begin + warp + self.k_warps * t
                 base = unit_word_index(blk.blk, ku, k_units) + lane * LANE_WORDS
                 for j in cutlass.range_constexpr(GROUPS):
                     at = cute.assume(base + j * CHUNK_WORDS, divby=LANE_WORDS)
@@ -454,12 +462,12 @@ class StreamGemm(GemmLaunch):
     @cute.jit
     def _prefetch_l2(self, blk: Block, k_units, tidx, first, last):
         """``l2_ahead``: thread 0 asks L2 for the CTA's K units of batches ``[first, last)``
-        (a batch of the four warps is ``WARPS * batch`` consecutive units of the block's
+        (a batch of the warps is ``k_warps * batch`` consecutive units of the block's
         range: one contiguous run of weight bytes and one of scale atoms, which the row
         block shares with its neighbour) with ``cp.async.bulk.prefetch.L2``, clamped to the
         CTA's range. Nothing is written; the ring's cp.async then finds the lines in L2."""
         if cutlass.const_expr(self.l2_ahead > 0):
-            per = WARPS * self.batch
+            per = self.k_warps * self.batch
             u0 = cutlass.min(first * per, blk.k_count)
             u1 = cutlass.min(last * per, blk.k_count)
             if tidx == 0 and u1 > u0:
@@ -539,20 +547,26 @@ class StreamGemm(GemmLaunch):
                     mma(j, kb, q[j][kb])
 
     @cute.jit
-    def _reduce(self, sQ_all, accs, warp, lane):
-        """The four warps' partial sums of the block -> warp ``w`` holds row group ``w``'s
-        sum (added in warp order: the same bits on every run), in the accumulator layout
-        of the four-warp MMA the epilogue stores."""
+    def _share(self, sQ_all, accs, warp, lane):
+        """Every warp's partial sums of the block into shared memory (the rings' space, once
+        every warp is done with them): ``red[(value, lane, group, warp)]``."""
         red = cute.make_tensor(cute.recast_ptr(sQ_all.iterator, dtype=cutlass.Float32),
                                self.red_layout)
         cute.arch.barrier()  # every warp is done with the rings
         for j in cutlass.range_constexpr(GROUPS):
             cute.autovec_copy(accs[j], red[(None, lane, j, warp)])
         cute.arch.barrier()
+        return red
+
+    @cute.jit
+    def _sum(self, red, accs, warp, lane):
+        """Row group ``warp``'s sum over the warps' partials (added in warp order: the same
+        bits on every run), in the accumulator layout of the four-warp MMA the epilogue
+        stores (warps below GROUPS only)."""
         acc = cute.make_rmem_tensor(accs[0].shape, cutlass.Float32)
         part = cute.make_rmem_tensor(accs[0].shape, cutlass.Float32)
         acc.fill(0.0)
-        for src in cutlass.range_constexpr(WARPS):
+        for src in cutlass.range_constexpr(self.k_warps):
             cute.autovec_copy(red[(None, lane, warp, src)], part)
             for v in cutlass.range_constexpr(cute.size(acc)):
                 acc[v] = acc[v] + part[v]

@@ -109,7 +109,8 @@ def _grouped(kern, a, w, offsets, bias=None, ops_n=None):
 STREAM_SHAPES = [(1, 8, 64), (1, 136, 192), (2, 72, 4160), (5, 1000, 832), (8, 2880, 2880),
                  (16, 520, 1024), (17, 136, 2048), (33, 1000, 320)]
 STREAM_VARIANTS = [dict(tile_m=8), dict(tile_m=16, split_k=4), dict(tile_m=8, split_k=3,
-                                                                   stages=3)]
+                                                                   stages=3),
+                   dict(tile_m=8, warps=8, split_k=2)]
 
 
 @pytest.mark.parametrize("variant", STREAM_VARIANTS, ids=lambda v: "-".join(
@@ -128,7 +129,8 @@ ROUTINGS = [[0, 1, 1, 3, 3, 4], [0, 0, 0, 16, 16, 16], [0, 5, 5, 5, 9, 13], [0, 
 
 
 @pytest.mark.parametrize("name", ["sm90_mxfp4_stream_grouped_decode",
-                                  "sm90_mxfp4_stream_grouped_decode_deep", "sm90_mxfp4_grouped"])
+                                  "sm90_mxfp4_stream_grouped_decode_deep",
+                                  "sm90_mxfp4_stream_grouped_decode_w8", "sm90_mxfp4_grouped"])
 def test_grouped_sm90_kernels(name):
     if _family() != "sm90" and "stream" not in name:
         pytest.skip("an sm_90a schedule")
@@ -228,7 +230,7 @@ def _grouped_fp32(kern, a, w, offs):
     return out
 
 
-SWIGLU = [("stream", False), ("stream", True), ("sm90_mxfp4_grouped", True),
+SWIGLU = [("stream", False), ("stream", True), ("stream_w8", True), ("sm90_mxfp4_grouped", True),
           ("sm120_mxfp4", False), ("sm120_mxfp4_grouped", True)]
 
 
@@ -236,8 +238,9 @@ SWIGLU = [("stream", False), ("stream", True), ("sm90_mxfp4_grouped", True),
 def test_swiglu_oai_is_the_unfused_pipeline(name, grouped):
     """bias + gpt-oss's clamped SwiGLU fused: the bits of the unfused pipeline (the same
     GEMM to FP32, + bias, rounded to BF16, transformers' _apply_gate on BF16)."""
-    if name == "stream":
-        s, problem = stream_schedule(_target(), tile_m=16, grouped=grouped), W4A16
+    if name.startswith("stream"):
+        warps = 8 if name == "stream_w8" else 4
+        s, problem = stream_schedule(_target(), tile_m=16, grouped=grouped, warps=warps), W4A16
     else:
         s = catalogue.get(name)
         if s.arch.family.value == "sm90" and _family() != "sm90":

@@ -46,7 +46,8 @@ SHAPES = [(1, 8, 64), (1, 136, 192), (2, 72, 4160), (5, 1000, 832), (8, 4096, 40
           (9, 264, 16384), (16, 520, 1024), (17, 136, 2048), (33, 1000, 320)]
 VARIANTS = [dict(tile_m=16), dict(tile_m=8), dict(tile_m=16, stages=1),
             dict(tile_m=16, stages=4), dict(tile_m=8, split_k=3, stages=3),
-            dict(tile_m=16, split_k=4), dict(tile_m=8, split_k=16, stages=1)]
+            dict(tile_m=16, split_k=4), dict(tile_m=8, split_k=16, stages=1),
+            dict(tile_m=8, warps=8), dict(tile_m=16, split_k=3, warps=8, stages=3)]
 
 
 def _schedule(**kw):

@@ -1,0 +1,17 @@
+"""Hopper MoE experts at decode on MXFP4 weights with eight warps per CTA over the K units
+(an experiment for grids of few CTAs, e.g. gpt-oss's down projection at one token: 4
+experts x 45 weight blocks = 180 CTAs, 1.4 per SM).
+
+The grouped stream kernel of schedules/sm90_mxfp4_stream_grouped_decode.py with eight warps
+taking a block's K units in turn instead of four (the first four sum the eight partials
+and store): twice the decode work and loads in flight per CTA at the same registers per
+thread. Profile on the H200 (perf/results/2026-12-06-h200-gpt-oss.md): at one token the
+four-warp kernel keeps 5.6 warps per SM busy on the down GEMM and reads at 23% of the DRAM
+peak. Not taken by "auto" until timed.
+"""
+
+from cute_fp4.planning.stream import stream_schedule
+from cute_fp4.schedule import Problem
+
+SCHEDULE = stream_schedule("sm_90a", tile_m=8, grouped=True, warps=8)
+PROBLEM = Problem(a_format="bf16", b_format="mxfp4")  # W4A16: BF16 activations
