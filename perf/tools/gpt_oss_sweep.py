@@ -36,8 +36,8 @@ STAGES = (4, 6, 8)
 def candidates():
     s = catalogue.get(STREAM)
     out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in STAGES}
-    deep = f"{STREAM}_deep"
-    return {STREAM: STREAM, deep: deep, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
+    named = {n: n for n in (f"{STREAM}_deep", f"{STREAM}_w8")}
+    return {STREAM: STREAM, **named, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
 
 
 def point(experts: int, tokens: int, st: dict, ex: Experts, args) -> dict:
