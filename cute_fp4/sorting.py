@@ -52,10 +52,11 @@ def kernel_applies(ids: torch.Tensor, num_experts: int) -> bool:
     """Whether ``route`` sorts the int ``ids`` (any shape; T * top_k elements) by the
     kernel: a CUDA tensor on the current device (the launch takes its stream) of a GPU with
     kernels here, within :func:`fits`, outside ``targets.reference_mode`` and outside
-    ``torch.compile`` tracing (which keeps torch's ops). Host facts only."""
-    if ids.device.type != "cuda" or not fits(ids.numel(), num_experts):
+    ``torch.compile`` tracing (which keeps torch's ops; checked first, so that dynamo
+    traces nothing else here). Host facts only."""
+    if torch.compiler.is_compiling():
         return False
-    if reference_mode() or torch.compiler.is_compiling():
+    if ids.device.type != "cuda" or not fits(ids.numel(), num_experts) or reference_mode():
         return False
     index = ids.device.index
     return index == torch.cuda.current_device() and _target_of(index) is not None

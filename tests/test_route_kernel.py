@@ -182,7 +182,12 @@ def test_kernel_applies_within_the_limits(fake_gpu, monkeypatch):
     with reference_execution():
         assert not sorting.kernel_applies(_cuda_ids(8), 8)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(sorting, "reference_mode", _untraceable)  # never reached then
     assert not sorting.kernel_applies(_cuda_ids(8), 8)
+
+
+def _untraceable():
+    raise AssertionError("kernel_applies read more than is_compiling under torch.compile")
 
 
 def test_kernel_applies_only_on_the_current_device_of_a_known_gpu(fake_gpu, monkeypatch):
