@@ -18,8 +18,9 @@ Conventions:
   before the activation (unfused).
 * **routing** (:func:`route`): the ``T * top_k`` (token, slot) pairs, flattened as
   ``pair = t * top_k + j``, sorted by expert with a *stable* sort; ``offsets`` int32
-  ``[E + 1]`` on the device. Only torch ops that never read a GPU value on the host, so a
-  call is CUDA-graph capturable and traces into one ``torch.compile`` graph.
+  ``[E + 1]`` on the device. Nothing reads a GPU value on the host, so a call is
+  CUDA-graph capturable: one CTA of ``cute_fp4.sorting`` at decode sizes (the same bits),
+  torch ops otherwise and under ``torch.compile``, which traces them into one graph.
 * **combine**: the down projection's rows put back in pair order and reduced per token by
   one batched matmul ``[1, top_k] @ [top_k, H]`` (FP32 accumulation, one rounding to the
   activation dtype): deterministic. The top-k weights are rounded to that dtype first.

@@ -12,8 +12,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from cute_fp4 import sorting
 from cute_fp4.blockscaled import BlockTensor
-from cute_fp4.errors import InputError, InputTypeError
+from cute_fp4.errors import DeviceError, InputError, InputTypeError
 from cute_fp4.packed import PackedWeight
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -50,23 +51,42 @@ def check_ids(topk_ids, num_experts) -> tuple[int, int]:
     return topk_ids.shape[0], topk_ids.shape[1]
 
 
-def route(topk_ids: torch.Tensor, num_experts: int, *, validate: bool = False) -> Routing:
+ROUTE_METHODS = ("auto", "torch", "kernel")
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, *, validate: bool = False,
+          method: str = "auto") -> Routing:
     """Sort the (token, slot) pairs of ``topk_ids`` ``[T, top_k]`` by expert (stable).
 
-    Sync-free and CUDA-graph capturable: one sort, one scatter (the inverse), one division
-    (the tokens) and one ``searchsorted`` (the offsets), all on ``topk_ids``' device.
+    Sync-free and CUDA-graph capturable, on ``topk_ids``' device. ``method``: "torch" (one
+    sort, one scatter (the inverse), one division (the tokens) and one ``searchsorted``
+    (the offsets): eight small kernels on a GPU), "kernel" (one CTA of
+    ``cute_fp4.sorting``, bit for bit the same; an error where it does not apply) or
+    "auto": the kernel where :func:`cute_fp4.sorting.kernel_applies` (a CUDA call of at
+    most ``sorting.MAX_PAIRS`` pairs and ``sorting.MAX_EXPERTS`` experts, outside reference
+    mode and ``torch.compile`` tracing), torch otherwise.
     Expert ids must lie in ``[0, num_experts)``; that is not checked (it would read a GPU
     value) unless ``validate=True`` (tests, debugging: one host sync). An id out of range
     leaves ``offsets`` short of ``T * top_k`` (or ``offsets[0] > 0``): the layer's output is
-    then undefined.
+    then undefined (the kernel writes only inside its outputs too).
     """
     _, k = check_ids(topk_ids, num_experts)
+    if method not in ROUTE_METHODS:
+        raise InputError(f"method must be one of {ROUTE_METHODS}, got {method!r}")
     flat = topk_ids.reshape(-1)
     if validate and flat.numel():
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi >= num_experts:
             raise InputError(f"topk_ids hold expert ids in [{lo}, {hi}], the layer has "
                              f"{num_experts} experts (ids 0..{num_experts - 1})")
+    if method != "torch" and sorting.kernel_applies(flat, num_experts):
+        return Routing(*sorting.sort_pairs(flat, k, num_experts))
+    if method == "kernel":
+        raise DeviceError(f"the routing kernel does not apply to {flat.numel()} pairs on "
+                          f"{flat.device} over {num_experts} experts (sorting.kernel_applies: "
+                          f"the current CUDA device, 1..{sorting.MAX_PAIRS} pairs, "
+                          f"1..{sorting.MAX_EXPERTS} experts, no reference mode or "
+                          f"torch.compile)")
     sorted_ids, order = torch.sort(flat, stable=True)
     n = flat.numel()
     inverse = torch.empty_like(order).scatter_(
@@ -122,5 +142,5 @@ class Stages(NamedTuple):
     out: torch.Tensor  # [T, H]
 
 
-__all__ = ["Routing", "Stages", "check_ids", "combine", "expert", "route", "silu_and_mul",
-           "softmax_topk"]
+__all__ = ["ROUTE_METHODS", "Routing", "Stages", "check_ids", "combine", "expert", "route",
+           "silu_and_mul", "softmax_topk"]
