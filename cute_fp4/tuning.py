@@ -466,8 +466,8 @@ class GroupedAuto(NamedTuple):
     ``stream[1]`` rows take the grouped weight-streaming kernel ``stream[0]`` while its CTAs
     (routed experts, at most min(E, total_M), x N / 64) number at most ``stream_max_units``
     with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it; of those, the
-    deeper-ring one ``stream_deep[0]`` while its CTAs number at most ``stream_deep[1]`` per SM
-    (few CTAs: more bytes in flight per warp beat more resident CTAs)."""
+    few-CTA variant ``stream_few[0]`` while its CTAs number at most ``stream_few[1]`` per SM
+    (more warps or more bytes in flight per CTA beat more resident CTAs there)."""
 
     default: str
     decode: tuple[str, int]
@@ -476,7 +476,7 @@ class GroupedAuto(NamedTuple):
     stream_max_units: float = float("inf")
     stream_max_k: float = float("inf")
     stream_long_k_units: float = 0
-    stream_deep: tuple[str, float] | None = None
+    stream_few: tuple[str, float] | None = None
 
 
 # sm_90a. Decode: measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows
@@ -515,7 +515,7 @@ def grouped_auto_name(family: str, dims=None) -> str:
 
     per_expert = dims.total_m / max(dims.experts, 1)
     if _stream_fits(g, dims):
-        return g.stream_deep[0] if _stream_deep(g, dims) else g.stream[0]
+        return g.stream_few[0] if _stream_few(g, dims) else g.stream[0]
     decode, few = g.decode
     large, many = g.large or (None, float("inf"))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
@@ -532,14 +532,14 @@ def _stream_units(dims) -> int:
     return min(dims.experts, dims.total_m) * -(-dims.n // 64)
 
 
-def _stream_deep(g: GroupedAuto, dims) -> bool:
-    """Whether the grouped stream kernel of ``g`` for ``dims`` is its deeper-ring one."""
-    if g.stream_deep is None:
+def _stream_few(g: GroupedAuto, dims) -> bool:
+    """Whether the grouped stream kernel of ``g`` for ``dims`` is its few-CTA variant."""
+    if g.stream_few is None:
         return False
     from cute_fp4 import catalogue
 
-    sms = catalogue.get(g.stream_deep[0]).arch.sm_count
-    return _stream_units(dims) <= g.stream_deep[1] * sms
+    sms = catalogue.get(g.stream_few[0]).arch.sm_count
+    return _stream_units(dims) <= g.stream_few[1] * sms
 
 
 def resolve_grouped(schedule, out_dtype="bf16", dims=None) -> Schedule:
@@ -621,8 +621,8 @@ def grouped_regime(schedule, dims) -> tuple | None:
     few = tuple(dims.total_m <= g.decode[1] * experts for g in rows)
     many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
     stream = tuple(_stream_fits(g, dims) for g in rows)
-    deep = tuple(_stream_deep(g, dims) for g in rows)
-    return few, many, stream, deep, dims.a_format
+    few_ctas = tuple(_stream_few(g, dims) for g in rows)
+    return few, many, stream, few_ctas, dims.a_format
 
 
 # ----------------------------------------------------------------------------- the table
@@ -654,12 +654,14 @@ def _sm90_mxfp4_packed(m: int, n: int, k: int, a_format: str = Operand.BF16,
 # the stream kernel's own limits. H200, 2026-12-06 (perf/results/2026-12-06-h200-gpt-oss.md,
 # perf/tools/gpt_oss_sweep.py: both GEMMs of a gpt-oss layer, H = I = 2880, top-4): the stream
 # kernel against the rs_packed decode tile 0.98x at 1 token (360 and 180 CTAs), 0.87-0.92x at
-# 4 (~1,300), 0.95x at 16 (~2,500-4,500 CTAs; the bound of 128 experts: 5,760). A ring batch
-# of 4 units (sm90_mxfp4_stream_grouped_decode_deep) 0.89-0.90x the default's time at 1
-# token, 1.06-1.14x at 4 and 16; 6 and 8 slower everywhere (fewer CTAs resident)
+# 4 (~1,300), 0.95x at 16 (~2,500-4,500 CTAs; the bound of 128 experts: 5,760); a four-unit
+# ring 0.89-0.90x the default's time at 1 token, 1.06-1.14x at 4 and 16. At one token on an
+# H100 (perf/results/2026-12-06-h100-gpt-oss.md, same run): eight warps per CTA
+# (sm90_mxfp4_stream_grouped_decode_w8) 0.86-0.90x the default's time, the four-unit ring
+# 0.94-0.96x; eight warps were not timed on the H200
 _SM90_MXFP4_GROUPED = _SM90_GROUPED._replace(
     default="sm90_mxfp4_grouped", large=None, stream=("sm90_mxfp4_stream_grouped_decode", 4),
-    stream_max_units=6000, stream_deep=("sm90_mxfp4_stream_grouped_decode_deep", 3))
+    stream_max_units=6000, stream_few=("sm90_mxfp4_stream_grouped_decode_w8", 3))
 _SM120_MXFP4_GROUPED = _SM120_GROUPED._replace(default="sm120_mxfp4_grouped")
 
 
