@@ -532,20 +532,37 @@ def render_gpt_oss(data: dict, path: Path) -> list[str]:
              f"{d['mxfp4_over_nvfp4']:.3f}", us(d["bf16"])] for d in data["dense"]]
     out += ["Dense, M = 1: MXFP4 against NVFP4 and BF16 (us).", ""]
     out += table(["N x K", "M", "NVFP4", "MXFP4", "MXFP4 / NVFP4", "BF16"], rows)
-    dec = data.get("decode")
-    if dec:
-        ratio = x(dec["transformers_us"], dec["ours_us"])
-        how = dec["ours_how"].split(" (")[0]
-        err = dec["logits_rel_err_vs_transformers"]
-        out += [f"Batch-1 decode of a {dec['layers']}-layer gpt-oss-20b-like checkpoint: "
-                f"{us(dec['ours_us'])} us/token through cute_fp4, "
-                f"{us(dec['transformers_us'])} through transformers' own load of it "
-                f"({ratio}), timed {how} (the step's CUDA-graph capture failed in the model "
-                f"for both). Logits {err:.3f} (relative) from transformers' on the "
-                "dequantized weights; random weights, so this says how closely the model "
-                "follows its weights' exact MXFP4 values, not a trained checkpoint's quality.",
-                ""]
     return out
+
+
+def render_gpt_oss_decode(data: dict, path: Path) -> list[str]:
+    dec = data["decode"]
+
+    def how(key: str) -> str:
+        return "a CUDA graph" if dec[key].startswith("graph") else "eager: no graph captured"
+
+    err = dec["logits_rel_err_vs_transformers"]
+    return [f"Batch-1 decode of a {dec['layers']}-layer gpt-oss-20b-like checkpoint "
+            f"({dec['experts']} experts, top-{dec['top_k']}, vocabulary {dec['vocab']}): "
+            f"{us(dec['ours_us'])} us/token through cute_fp4 ({how('ours_how')}); "
+            f"transformers' own load of it {us(dec['transformers_us'])} "
+            f"({how('transformers_how')}), "
+            f"{x(dec['transformers_us'], dec['ours_us'])}; BF16 with the eager experts loop "
+            f"{us(dec['bf16_eager_loop_us'])} ({how('bf16_eager_loop_how')}), "
+            f"{x(dec['bf16_eager_loop_us'], dec['ours_us'])}. Logits {err:.3f} (relative) "
+            "from transformers' on the dequantized weights; random weights, so this says how "
+            "closely the model follows its weights' exact MXFP4 values, not a trained "
+            "checkpoint's quality.", ""]
+
+
+def render_route(data: dict, path: Path) -> list[str]:
+    rows = [[r["T"], r["top_k"], r["E"], us(r["torch_us"]), us(r["kernel_us"]),
+             f"{r['ratio']:.2f}", "yes" if r["equal"] else "NO"] for r in data["rows"]]
+    return (["The routing sort of a MoE call (`cute_fp4.layers.routing.route`): torch's ops "
+             "against the one-CTA kernel (`cute_fp4.sorting`), device us per call, "
+             f"{data['calls_per_graph']} calls per CUDA graph; outputs compared bit for bit.",
+             ""] + table(["T", "top_k", "E", "torch", "kernel", "kernel / torch", "equal"],
+                         rows))
 
 
 def render_shards(data: dict, path: Path) -> list[str]:
@@ -615,8 +632,12 @@ SECTIONS: list[Section] = [
             "perf/host_overhead.py", lambda d: d.get("mode") == "gpu"),
     Section("MXFP4 against NVFP4: dense decode", "**/mxfp4_decode.json", render_mxfp4_decode,
             "perf/mxfp4_decode.py", _has("rows", "ratios")),
-    Section("gpt-oss (MXFP4): MoE layers, dense, decode", "**/gpt_oss.json", render_gpt_oss,
+    Section("gpt-oss (MXFP4): MoE layers and dense", "**/gpt_oss.json", render_gpt_oss,
             "perf/gpt_oss.py", _has("grouped", "dense")),
+    Section("gpt-oss (MXFP4): batch-1 decode", "**/gpt_oss.json", render_gpt_oss_decode,
+            "perf/gpt_oss.py --sections decode", _has("decode")),
+    Section("MoE routing sort", "**/route.json", render_route, "perf/tools/route_bench.py",
+            _has("rows", "calls_per_graph")),
     Section("The layer API per tensor-parallel shard", "**/shards.json", render_shards,
             "perf/shards.py", _has("rows", "env")),
 ]
