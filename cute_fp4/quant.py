@@ -118,11 +118,11 @@ def _check_out(out, m: int, k: int, device: torch.device, dynamic: bool) -> None
 
 # ----------------------------------------------------------------------------- compile
 
-class _Compiled:
-    """A compiled element-wise kernel (quantize or dequantize): the DSL function (its
-    TVM-FFI entry when built with one, which takes the kernel object's ``raw_args``: ints),
-    the kernel object that builds its arguments, and the CUstream object of each torch
-    stream (the DSL call path)."""
+class CompiledSpecKernel:
+    """A compiled kernel made from a spec (quantize, dequantize, the routing sort of
+    ``cute_fp4.sorting``): the DSL function (its TVM-FFI entry when built with one, which
+    takes the kernel object's ``raw_args``: ints), the kernel object that builds its
+    arguments, and the CUstream object of each torch stream (the DSL call path)."""
 
     def __init__(self, spec, fn, kernel, compile_s: float, source: str):
         from cute_fp4.compile import ffi_function, stream_getter
@@ -150,7 +150,7 @@ class _Compiled:
                 f"{self.compile_s:.2f} s, {self.call_path})")
 
 
-class CompiledQuantize(_Compiled):
+class CompiledQuantize(CompiledSpecKernel):
     """One compiled quantization kernel; ``launch`` takes checked torch tensors."""
 
     def __init__(self, spec, fn, kernel, compile_s: float, source: str, sm_count: int):
@@ -166,7 +166,7 @@ class CompiledQuantize(_Compiled):
                                             self._stream()))
 
 
-class CompiledDequantize(_Compiled):
+class CompiledDequantize(CompiledSpecKernel):
     """The compiled NVFP4 -> BF16 kernel (``cute_fp4.kernels.dequantize``)."""
 
     def launch(self, q, sf, out, scales=None) -> None:
@@ -199,7 +199,9 @@ def compile_quantize(spec) -> CompiledQuantize:
     return hit
 
 
-def _dsl_compile(kernel, options: str | None = None):
+def spec_compile(kernel, options: str | None = None):
+    """``cute.compile`` of a spec kernel on its fake arguments (``options``: the DSL's
+    compile options); a CompileError naming the spec otherwise."""
     import cutlass.cute as cute
 
     kwargs = {"options": options} if options else {}
@@ -223,7 +225,7 @@ def cross_compile_quantize(spec, dump_dir: str | None = None):
     from cute_fp4.compile import cross_build
 
     kernel = quantize_kernel(spec)
-    return cross_build(kernel, lambda opts: _dsl_compile(kernel, opts), spec.target, dump_dir,
+    return cross_build(kernel, lambda opts: spec_compile(kernel, opts), spec.target, dump_dir,
                        spec.label())
 
 
@@ -256,11 +258,11 @@ def quantize_compile_report(spec) -> dict:
 
 def _build(spec, sm_count: int) -> CompiledQuantize:
     kernel = quantize_kernel(spec)
-    fn, secs, how = _cached_compile(kernel, type(kernel).__name__)
+    fn, secs, how = cached_spec_build(kernel, type(kernel).__name__)
     return CompiledQuantize(spec, fn, kernel, secs, how, sm_count)
 
 
-def _cached_compile(kernel, name: str):
+def cached_spec_build(kernel, name: str):
     """(DSL function, seconds, how) of ``kernel`` (``.spec.label()`` names it) from the
     disk cache, or built (and stored): with the TVM-FFI entry when
     ``compile.tvm_ffi_enabled()`` (a launch then takes plain ints), falling back to the
@@ -269,16 +271,16 @@ def _cached_compile(kernel, name: str):
 
     if tvm_ffi_enabled():
         try:
-            return _cached_compile_with(kernel, name, True)
+            return _spec_build_with(kernel, name, True)
         except CompileError:
             pass
-    return _cached_compile_with(kernel, name, False)
+    return _spec_build_with(kernel, name, False)
 
 
-def _cached_compile_with(kernel, name: str, ffi: bool):
+def _spec_build_with(kernel, name: str, ffi: bool):
     from cute_fp4.compile import cached_build
 
-    fn, secs, how, _ = cached_build(lambda opts: _dsl_compile(kernel, opts), ffi, name,
+    fn, secs, how, _ = cached_build(lambda opts: spec_compile(kernel, opts), ffi, name,
                                     kernel.spec.label())
     return fn, secs, how
 
@@ -457,7 +459,7 @@ def _dequant_kernel() -> CompiledDequantize:
 
         kernel = DequantizeKernel(DequantSpec(require_device().target.name))
         with _LOCK:
-            fn, secs, how = _cached_compile(kernel, "DequantizeKernel")
+            fn, secs, how = cached_spec_build(kernel, "DequantizeKernel")
         kern = _DEQUANT[cur] = CompiledDequantize(kernel.spec, fn, kernel, secs, how)
     return kern
 
@@ -642,4 +644,5 @@ __all__ = ["quantize_activation", "quantize_values", "dequantize_activation",
            "dequantize_with_alpha", "w4a16_operands", "BoundActivation",
            "compile_quantize",
            "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
+           "CompiledSpecKernel", "cached_spec_build", "spec_compile",
            "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

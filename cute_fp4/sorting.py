@@ -17,7 +17,7 @@ import threading
 import torch
 
 from cute_fp4.errors import DeviceError, InputError
-from cute_fp4.quant import _cached_compile, _Compiled, _dsl_compile
+from cute_fp4.quant import CompiledSpecKernel, cached_spec_build, spec_compile
 from cute_fp4.targets import reference_mode
 
 # One CTA of 256 threads, at most 4 rounds of 32 pairs per warp, an (E + 2) x 8 int32
@@ -64,7 +64,7 @@ def kernel_applies(ids: torch.Tensor, num_experts: int) -> bool:
 
 # ----------------------------------------------------------------------------- compile
 
-class CompiledRoute(_Compiled):
+class CompiledRoute(CompiledSpecKernel):
     """The compiled routing kernel of one (target, id dtype)."""
 
     def launch(self, ids, order, inverse, token, offsets, k: int) -> None:
@@ -98,7 +98,7 @@ def cross_compile_route(spec, dump_dir: str | None = None):
     from cute_fp4.compile import cross_build
 
     kernel = route_kernel(spec)
-    return cross_build(kernel, lambda opts: _dsl_compile(kernel, opts), spec.target, dump_dir,
+    return cross_build(kernel, lambda opts: spec_compile(kernel, opts), spec.target, dump_dir,
                        spec.label())
 
 
@@ -114,7 +114,7 @@ def _kernel_for(index: int, dtype: torch.dtype) -> CompiledRoute:
             raise DeviceError(f"cuda:{index} has no kernels here (see cute_fp4.targets)")
         kernel = route_kernel(default_spec(target, _DTYPES[dtype]))
         with _LOCK:
-            fn, secs, how = _cached_compile(kernel, "RouteKernel")
+            fn, secs, how = cached_spec_build(kernel, "RouteKernel")
             kern = _KERNELS[(index, dtype)] = CompiledRoute(kernel.spec, fn, kernel, secs, how)
     return kern
 

@@ -67,7 +67,7 @@ def test_dequantizer_waits_first_and_releases_its_dependents():
     from cute_fp4.kernels.dequantize import DequantizeKernel, DequantSpec
 
     with tempfile.TemporaryDirectory() as d:
-        quant._dsl_compile(DequantizeKernel(DequantSpec()),
+        quant.spec_compile(DequantizeKernel(DequantSpec()),
                            f"--gpu-arch sm_90a --keep-cubin --dump-dir {d}")
         _check(cubin_sass(sorted(Path(d).glob("*.cubin"))[-1]), releases=True)
 

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         count = max(2, min(bench.GRAPH_N, -(-bench.ROTATE_BYTES // b)))
         buf = bench.Buffers(m, k, torch.bfloat16, count)
         real = quant.compile_quantize(spec)
-        noar = quant.CompiledQuantize(spec, *quant._cached_compile(_NoArith(spec), "x")[:1],
+        noar = quant.CompiledQuantize(spec, *quant.cached_spec_build(_NoArith(spec), "x")[:1],
                                       _NoArith(spec), 0.0, "built-uncached",
                                       torch.cuda.get_device_properties(0).multi_processor_count)
         row = {"m": m, "k": k, "bytes": b, "spec": spec.label(),
