@@ -213,11 +213,12 @@ def _plan(s: Schedule, p: Problem) -> Plan:
     rules = schedule_rules(s)
     if rules is None:
         return _unplanned(s, p)
-    fit = rules.auto_stages(s, p) if rules.auto_stages else max_stages(s, p)
+    most = max_stages(s, p)
+    fit = rules.auto_stages(s, p) if rules.auto_stages else most
     stages = s.stages or fit
     # shared memory first: it is the refusal users of SM100-sized tiles need to see; its
     # hint names the most stages that fit (a family's own auto count may be fewer, or not fit)
-    reasons = _smem_reasons(s, p, stages, max_stages(s, p) if rules.auto_stages else fit)
+    reasons = _smem_reasons(s, p, stages, most)
     reasons += [r for check in (*rules.checks, *COMMON_CHECKS) for r in check(s, p)]
     return Plan(schedule=s, problem=p, target=s.arch, stages=stages,
                 epi_stages=epi_stages(s), epi_tile=epilogue_tile(s),

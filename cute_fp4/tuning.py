@@ -466,8 +466,8 @@ class GroupedAuto(NamedTuple):
     ``stream[1]`` rows take the grouped weight-streaming kernel ``stream[0]`` while its CTAs
     (routed experts, at most min(E, total_M), x N / 64) number at most ``stream_max_units``
     with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it; of those, the
-    few-CTA variant ``stream_few[0]`` while its CTAs number at most ``stream_few[1]`` per SM
-    (more warps or more bytes in flight per CTA beat more resident CTAs there)."""
+    few-CTA variant ``stream_few[0]`` while its CTAs number at most ``stream_few[1]`` (more
+    warps or more bytes in flight per CTA beat more resident CTAs there)."""
 
     default: str
     decode: tuple[str, int]
@@ -476,7 +476,7 @@ class GroupedAuto(NamedTuple):
     stream_max_units: float = float("inf")
     stream_max_k: float = float("inf")
     stream_long_k_units: float = 0
-    stream_few: tuple[str, float] | None = None
+    stream_few: tuple[str, int] | None = None
 
 
 # sm_90a. Decode: measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows
@@ -533,13 +533,9 @@ def _stream_units(dims) -> int:
 
 
 def _stream_few(g: GroupedAuto, dims) -> bool:
-    """Whether the grouped stream kernel of ``g`` for ``dims`` is its few-CTA variant."""
-    if g.stream_few is None:
-        return False
-    from cute_fp4 import catalogue
-
-    sms = catalogue.get(g.stream_few[0]).arch.sm_count
-    return _stream_units(dims) <= g.stream_few[1] * sms
+    """Whether the grouped stream kernel of ``g`` for ``dims`` is its few-CTA variant (host
+    arithmetic only: every grouped call's memo key asks it, :func:`grouped_regime`)."""
+    return g.stream_few is not None and _stream_units(dims) <= g.stream_few[1]
 
 
 def resolve_grouped(schedule, out_dtype="bf16", dims=None) -> Schedule:
@@ -656,12 +652,12 @@ def _sm90_mxfp4_packed(m: int, n: int, k: int, a_format: str = Operand.BF16,
 # kernel against the rs_packed decode tile 0.98x at 1 token (360 and 180 CTAs), 0.87-0.92x at
 # 4 (~1,300), 0.95x at 16 (~2,500-4,500 CTAs; the bound of 128 experts: 5,760); a four-unit
 # ring 0.89-0.90x the default's time at 1 token, 1.06-1.14x at 4 and 16. At one token on an
-# H100 (perf/results/2026-12-06-h100-gpt-oss.md, same run): eight warps per CTA
+# H100 (perf/results/2026-12-06-h100-w8-route.md, same run): eight warps per CTA
 # (sm90_mxfp4_stream_grouped_decode_w8) 0.86-0.90x the default's time, the four-unit ring
-# 0.94-0.96x; eight warps were not timed on the H200
+# 0.94-0.96x; eight warps were not timed on the H200. "Few": three CTAs per SM of 132
 _SM90_MXFP4_GROUPED = _SM90_GROUPED._replace(
     default="sm90_mxfp4_grouped", large=None, stream=("sm90_mxfp4_stream_grouped_decode", 4),
-    stream_max_units=6000, stream_few=("sm90_mxfp4_stream_grouped_decode_w8", 3))
+    stream_max_units=6000, stream_few=("sm90_mxfp4_stream_grouped_decode_w8", 3 * 132))
 _SM120_MXFP4_GROUPED = _SM120_GROUPED._replace(default="sm120_mxfp4_grouped")
 
 

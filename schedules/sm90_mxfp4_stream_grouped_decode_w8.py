@@ -8,7 +8,7 @@ against 107, so two CTAs per SM). Profile on the H200
 (perf/results/2026-12-06-h200-gpt-oss.md): at one token the four-warp kernel keeps 5.6
 warps per SM busy on the down GEMM and reads at 23% of the DRAM peak.
 
-H100, 2026-12-06 (perf/results/2026-12-06-h100-gpt-oss.md): both GEMMs of a gpt-oss layer
+H100, 2026-12-06 (perf/results/2026-12-06-h100-w8-route.md): both GEMMs of a gpt-oss layer
 at one token take 0.86-0.90x the four-warp kernel's time; each GEMM timed alone was not
 faster, so the gain shows only with the two back to back, as a layer runs them (not
 profiled yet). "auto" takes it for MXFP4 experts while the CTAs number at most three per
