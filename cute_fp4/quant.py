@@ -145,6 +145,15 @@ class CompiledSpecKernel:
             stream = self._streams[handle] = driver.CUstream(handle)
         return stream
 
+    def _call(self, index: int, *args) -> None:
+        """Launch on device ``index``'s current stream with the kernel object's arguments
+        ``args`` (the stream added last): its ``raw_args`` through the TVM-FFI entry, else
+        its ``runtime_args`` through the DSL's call path."""
+        if self._ffi is not None:
+            self._ffi(*self._kernel.raw_args(*args, self._stream_handle(index)))
+        else:
+            self._fn(*self._kernel.runtime_args(*args, self._stream()))
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.spec.label()}, {self.source} in "
                 f"{self.compile_s:.2f} s, {self.call_path})")
@@ -158,12 +167,7 @@ class CompiledQuantize(CompiledSpecKernel):
         self.max_ctas = spec.max_ctas(sm_count)
 
     def launch(self, x, q, sf, gs, partials) -> None:
-        if self._ffi is not None:
-            self._ffi(*self._kernel.raw_args(x, q, sf, gs, partials, self.max_ctas,
-                                             self._stream_handle(x.device.index)))
-            return
-        self._fn(*self._kernel.runtime_args(x, q, sf, gs, partials, self.max_ctas,
-                                            self._stream()))
+        self._call(x.device.index, x, q, sf, gs, partials, self.max_ctas)
 
 
 class CompiledDequantize(CompiledSpecKernel):
@@ -172,11 +176,7 @@ class CompiledDequantize(CompiledSpecKernel):
     def launch(self, q, sf, out, scales=None) -> None:
         """``scales``: None, or (ga, gb, alpha) float32 one-element tensors: the kernel
         also stores ``ga * gb`` into ``alpha``."""
-        if self._ffi is not None:
-            self._ffi(*self._kernel.raw_args(q, sf, out, scales, self._stream_handle(
-                out.device.index)))
-            return
-        self._fn(*self._kernel.runtime_args(q, sf, out, scales, self._stream()))
+        self._call(out.device.index, q, sf, out, scales)
 
 
 _CACHE: dict = {}

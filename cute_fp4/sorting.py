@@ -68,12 +68,7 @@ class CompiledRoute(CompiledSpecKernel):
     """The compiled routing kernel of one (target, id dtype)."""
 
     def launch(self, ids, order, inverse, token, offsets, k: int) -> None:
-        if self._ffi is not None:
-            self._ffi(*self._kernel.raw_args(ids, order, inverse, token, offsets, k,
-                                             self._stream_handle(ids.device.index)))
-            return
-        self._fn(*self._kernel.runtime_args(ids, order, inverse, token, offsets, k,
-                                            self._stream()))
+        self._call(ids.device.index, ids, order, inverse, token, offsets, k)
 
 
 def default_spec(target: str, id_dtype: str = "int64"):
