@@ -30,12 +30,12 @@ from cute_fp4.layers import Experts  # noqa: E402
 STREAM = "sm90_mxfp4_stream_grouped_decode"
 
 
-STAGES = (4, 6, 8)
-
-
-def candidates():
+def candidates(stages) -> dict:
+    """Name -> schedule (a catalogue name or a derived Schedule) of each candidate: the
+    grouped stream kernel's catalogue variants, its ring at each of ``stages`` K units per
+    batch, and the rs_packed decode tile."""
     s = catalogue.get(STREAM)
-    out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in STAGES}
+    out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in stages}
     named = {n: n for n in (f"{STREAM}_deep", f"{STREAM}_w8")}
     return {STREAM: STREAM, **named, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
 
@@ -62,7 +62,7 @@ def point(experts: int, tokens: int, st: dict, ex: Experts, args) -> dict:
     fn = bench._cycle([lambda c=c: torch_gemms(c) for c in cases])
     row["torch_us"] = bench.graph_us(fn, args.iters, args.reps)
     c0 = cases[0]
-    for name, s in candidates().items():
+    for name, s in candidates(args.stages).items():
         try:
             got = grouped_gemm(c0["xs"], ex.w13, c0["r"].offsets, bias=b13, swiglu_oai=True,
                                schedule=s, check=True)
@@ -97,8 +97,6 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="*", default=[4, 6, 8],
                    help="ring depths to try beside the catalogue's")
     args = p.parse_args()
-    global STAGES
-    STAGES = tuple(args.stages)
     rows = []
     for experts in args.experts:
         st = bench._stacks(experts, experts)
