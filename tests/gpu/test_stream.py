@@ -47,7 +47,7 @@ SHAPES = [(1, 8, 64), (1, 136, 192), (2, 72, 4160), (5, 1000, 832), (8, 4096, 40
 VARIANTS = [dict(tile_m=16), dict(tile_m=8), dict(tile_m=16, stages=1),
             dict(tile_m=16, stages=4), dict(tile_m=8, split_k=3, stages=3),
             dict(tile_m=16, split_k=4), dict(tile_m=8, split_k=16, stages=1),
-            dict(tile_m=8, warps=8), dict(tile_m=16, split_k=3, warps=8, stages=3)]
+            dict(tile_m=8, warps=8), dict(tile_m=16, split_k=3, warps=8, stages=1)]
 
 
 def _schedule(**kw):
