@@ -526,13 +526,15 @@ def render_gpt_oss(data: dict, path: Path) -> list[str]:
              x(g["torch_layer"], g["ours_layer"]), us(g["ours_gemms"]),
              x(g["torch_gemms"], g["ours_gemms"]), us(g["floor_us"]), g["auto_schedule"]]
             for g in data["grouped"]]
-    out += table(["experts", "tokens", "layer", "torch layer", "x torch", "GEMMs",
-                  "GEMMs x torch", "floor", "auto"], rows)
+    return out + table(["experts", "tokens", "layer", "torch layer", "x torch", "GEMMs",
+                        "GEMMs x torch", "floor", "auto"], rows)
+
+
+def render_gpt_oss_dense(data: dict, path: Path) -> list[str]:
     rows = [[f"{d['n']} x {d['k']}", d["m"], us(d["nvfp4"]), us(d["mxfp4"]),
              f"{d['mxfp4_over_nvfp4']:.3f}", us(d["bf16"])] for d in data["dense"]]
-    out += ["Dense, M = 1: MXFP4 against NVFP4 and BF16 (us).", ""]
-    out += table(["N x K", "M", "NVFP4", "MXFP4", "MXFP4 / NVFP4", "BF16"], rows)
-    return out
+    out = ["gpt-oss's dense shapes, M = 1: MXFP4 against NVFP4 and BF16 (us).", ""]
+    return out + table(["N x K", "M", "NVFP4", "MXFP4", "MXFP4 / NVFP4", "BF16"], rows)
 
 
 def render_gpt_oss_decode(data: dict, path: Path) -> list[str]:
@@ -632,8 +634,10 @@ SECTIONS: list[Section] = [
             "perf/host_overhead.py", lambda d: d.get("mode") == "gpu"),
     Section("MXFP4 against NVFP4: dense decode", "**/mxfp4_decode.json", render_mxfp4_decode,
             "perf/mxfp4_decode.py", _has("rows", "ratios")),
-    Section("gpt-oss (MXFP4): MoE layers and dense", "**/gpt_oss.json", render_gpt_oss,
-            "perf/gpt_oss.py", _has("grouped", "dense")),
+    Section("gpt-oss (MXFP4): MoE layers", "**/gpt_oss.json", render_gpt_oss,
+            "perf/gpt_oss.py --sections grouped", _has("grouped")),
+    Section("gpt-oss (MXFP4): dense", "**/gpt_oss.json", render_gpt_oss_dense,
+            "perf/gpt_oss.py --sections dense", _has("dense")),
     Section("gpt-oss (MXFP4): batch-1 decode", "**/gpt_oss.json", render_gpt_oss_decode,
             "perf/gpt_oss.py --sections decode", _has("decode")),
     Section("MoE routing sort", "**/route.json", render_route, "perf/tools/route_bench.py",
