@@ -30,8 +30,16 @@ from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.compile import CompiledGemm
 from cute_fp4.errors import InputError
 from cute_fp4.formats import NVFP4, Operand
+from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.nvfp4 import quantize
-from cute_fp4.operands import ALIGN, alpha_tensor, check_operands, make_operands, out_dtype_of
+from cute_fp4.operands import (
+    ALIGN,
+    GemmCall,
+    alpha_tensor,
+    check_operands,
+    make_operands,
+    out_dtype_of,
+)
 from cute_fp4.oplib import LazyOp, define, traced, while_tracing
 from cute_fp4.packed import PackedWeight, repack
 from cute_fp4.run import poisoned_check, run_compiled  # noqa: F401 (scripts use them here)
@@ -93,27 +101,43 @@ def gemm(a, b: BlockTensor, *, schedule="auto", out: torch.Tensor | None = None,
                              "yet (the cute_fp4::mm op takes the plain layout; "
                              "cute_fp4.mm_packed takes the packed one); use the plain tensor "
                              "there")
-        return _op_call(a, b, schedule, out_dtype, alpha)
+    return run_call(GemmCall(a, b, schedule, out, out_dtype, alpha, bias, silu_mul,
+                             swiglu_oai, nvfp4_out, check))
+
+
+def run_call(call: GemmCall) -> torch.Tensor:
+    """Run a dense call stated as a record (:class:`~cute_fp4.operands.GemmCall`): what
+    :func:`gemm` and the prepared layers (``cute_fp4.layers.Linear``) do. Eager, the
+    launch path (``bindings.gemm``); while torch.compile traces it, the custom ops
+    (:func:`_traced_call`)."""
+    if torch.compiler.is_compiling():
+        return _traced_call(call)
     OPS.ready()
-    return bindings.gemm(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
-                         nvfp4_out, swiglu_oai)
+    return bindings.gemm(call)
 
 
 # ----------------------------------------------------------------------------- custom ops
 
-def _flatten(a, b: BlockTensor, alpha):
-    """Block-tensor operands -> plain tensors for the op (W4A16: a has no scale)."""
-    if isinstance(a, BlockTensor):
-        a_t, a_sf = a.data, a.scale
+def _traced_call(call: GemmCall) -> torch.Tensor:
+    """A call while torch.compile traces it: plain tensors into the custom ops (one
+    ``cute_fp4::quantize`` node first for ``quantize_a``, then ``cute_fp4::mm`` or
+    ``mm_packed``); ``silu_mul`` unfused on the interleaved output (the ops take no
+    epilogue operands; Inductor fuses it in FP32, within the rounding of silu(gate) of the
+    fused bits). The calls that take other epilogue operands are refused before."""
+    a, b, alpha = call.a, call.b, call.alpha
+    if call.quantize_a:  # NVFP4 (the formats with global scales)
+        a, a_scale, a_gs = quantize_op(a, call.input_scale)
+        alpha = alpha if alpha is not None else a_gs * b.global_scale
     else:
-        a_t, a_sf = a, None
-    return a_t, a_sf, b.data, b.scale, alpha_tensor(a, b, alpha)
-
-
-def _op_call(a, b, schedule, out_dtype, alpha):
-    """``gemm`` while torch.compile traces it: one ``cute_fp4::mm`` node."""
-    a_t, a_sf, b_t, b_sf, alpha_t = _flatten(a, b, alpha)
-    return mm(a_t, a_sf, b_t, b_sf, alpha_t, b.shape[1], out_dtype, schedule)
+        a_scale = a.scale if isinstance(a, BlockTensor) else None
+        alpha = alpha_tensor(a, b, alpha)
+        a = a.data if isinstance(a, BlockTensor) else a
+    n, k = b.shape
+    if call.packed:
+        y = mm_packed(a, a_scale, b.data, b.scale, alpha, n, k, call.out_dtype, call.schedule)
+    else:
+        y = mm(a, a_scale, b.data, b.scale, alpha, k, call.out_dtype, call.schedule)
+    return y if not call.silu_mul else silu_mul_unfused(y, call.group)
 
 
 def mm(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor, b_scale: torch.Tensor,

@@ -25,7 +25,7 @@ import torch
 from cute_fp4 import quant, run, workspaces
 from cute_fp4.compile import on_clear
 from cute_fp4.formats import Operand
-from cute_fp4.operands import A_FORMATS, alpha_tensor
+from cute_fp4.operands import A_FORMATS, GemmCall, alpha_tensor
 from cute_fp4.quant import quantize_activation
 from cute_fp4.tuning import resolution_deadline
 from cute_fp4.workspaces import generation, may_keep, split_workspace
@@ -117,39 +117,38 @@ def bind(kernel, a, b, out, alpha, dims, key, expires: float,
 _GEMM_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def gemm(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=None,
-         silu_mul: bool = False, nvfp4_out=None, swiglu_oai: bool = False) -> torch.Tensor:
-    """``cute_fp4.gemm``'s eager body: a W4A16 call like an earlier one on the same weight
-    object through its binding (:func:`bound_gemm`), else ``run.gemm_call``, whose launch
-    is bound for the next (:func:`remember_gemm`)."""
-    plain = bias is None and not silu_mul and not swiglu_oai and nvfp4_out is None
-    if plain and not check:
-        result = bound_gemm(a, b, schedule, out, out_dtype, alpha)
-        if result is not None:
-            return result
+def gemm(call: GemmCall) -> torch.Tensor:
+    """``cute_fp4.gemm``'s eager body: a call like an earlier one on the same weight object
+    through its binding (:func:`bound_gemm`), else ``run.gemm_call``, whose launch is
+    bound for the next (:func:`remember_gemm`) where it can be (``GemmCall.bindable``)."""
+    if not call.bindable:
+        return run.gemm_call(call)
+    result = bound_gemm(call)
+    if result is not None:
+        return result
 
     def keep(kern, a_, b_, result, alpha_, dims):
-        remember_gemm(kern, a_, b_, result, schedule, out_dtype, alpha_, dims)
+        remember_gemm(kern, a_, b_, result, call.schedule, call.out_dtype, alpha_, dims)
 
-    return run.gemm_call(a, b, schedule, out, out_dtype, alpha, check, bias, silu_mul,
-                         nvfp4_out, keep=keep if plain else None, swiglu_oai=swiglu_oai)
+    return run.gemm_call(call, keep)
 
 
-def bound_gemm(a, b, schedule, out, out_dtype, alpha) -> torch.Tensor | None:
-    """``gemm(a, b, schedule=..., out=..., out_dtype=..., alpha=...)`` through the binding an
-    earlier W4A16 call on the same weight object left (:func:`remember_gemm`), or None:
-    nothing launched and nothing written, and the caller takes the full path, which raises
-    on bad input. Tested here: what the binding fixed (:func:`gemm_key`: the schedule,
-    alpha, the weight's shape, scale and alpha buffers); for A and the output, what can
-    differ between calls that the full path's memo would pass (shape, dtype, contiguity,
-    16-byte alignment, device). The rest (B's data, split-K's stream and workspace, a
-    capture, expiry) is :meth:`BoundLaunch.launch`'s."""
+def bound_gemm(call: GemmCall) -> torch.Tensor | None:
+    """``call`` (bindable: ``GemmCall.bindable``) through the binding an earlier call on the
+    same weight object left (:func:`remember_gemm`), or None: nothing launched and nothing
+    written, and the caller takes the full path, which raises on bad input. Tested here:
+    what the binding fixed (:func:`gemm_key`: the schedule, alpha, the weight's shape,
+    scale and alpha buffers); for A and the output, what can differ between calls that the
+    full path's memo would pass (shape, dtype, contiguity, 16-byte alignment, device). The
+    rest (B's data, split-K's stream and workspace, a capture, expiry) is
+    :meth:`BoundLaunch.launch`'s."""
+    a, b, out, out_dtype = call.a, call.b, call.out, call.out_dtype
     table = _GEMM_BOUND.get(b)
-    if table is None or type(a) is not torch.Tensor or a.dim() != 2:
+    if table is None or a.dim() != 2:
         return None
     m, k = a.shape
     bound = table.get((m, a.dtype, out_dtype))
-    key = gemm_key(schedule, alpha, b)
+    key = gemm_key(call.schedule, call.alpha, b)
     if bound is None or bound.key != key:
         return None
     (n, kb), dev = key[4], b.data.get_device()

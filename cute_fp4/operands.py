@@ -10,6 +10,7 @@ This module sits under the host layer (``run``) and the API (``api``), which bot
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,55 @@ class Operands(NamedTuple):
     # the stream kernel may read the weight before waiting for the kernel before it (only
     # for a weight no kernel still in flight on the stream writes: kernels/stream.py)
     early: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class GemmCall:
+    """One dense GEMM call as a front end states it (``cute_fp4.gemm``'s arguments, a custom
+    op's wrapped tensors, a prepared layer's call), handed down the launch path as one
+    record (``api.run_call`` -> ``bindings.gemm`` -> ``run.gemm_call``). Nothing is checked
+    when it is made: the launch path checks it before anything is launched or written."""
+
+    a: torch.Tensor | BlockTensor  # 16-bit [M, K] (W4A16) or a block tensor (W4A4)
+    b: BlockTensor | PackedWeight  # the weight [N, K], plain or fragment-order packed
+    schedule: str | Schedule = "auto"  # a catalogue name, "auto" or a Schedule
+    out: torch.Tensor | NVFP4Tensor | None = None  # written when given
+    out_dtype: torch.dtype = torch.bfloat16
+    alpha: torch.Tensor | float | None = None  # None: the product of the global scales
+    bias: torch.Tensor | None = None  # fused: float32 [N], added before the rounding
+    silu_mul: bool = False  # fused: F.silu(gate) * up of b's interleaved gate/up rows
+    swiglu_oai: bool = False  # fused: gpt-oss's clamped SwiGLU of them
+    nvfp4_out: torch.Tensor | float | None = None  # fused: the output quantized to NVFP4
+    check: bool = False  # the first call of its kernel held to the exact reference
+    # a 16-bit ``a`` that the call quantizes to b's format first (W4A4 from the model's
+    # activations, ``quant.quantize_activation``) with this global scale (None: per call)
+    quantize_a: bool = False
+    input_scale: torch.Tensor | None = None
+    group: int | None = None  # b's gate/up rows per group (None: its kernels' group)
+    early: bool = False  # ``Operands.early``: nothing in flight on the stream writes b
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The fused epilogue operations it asks for (:func:`epilogue_ops`)."""
+        return epilogue_ops(self.bias, self.silu_mul, self.nvfp4_out, self.swiglu_oai)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is in the fragment-order packed layout."""
+        return isinstance(self.b, PackedWeight)
+
+    @property
+    def bindable(self) -> bool:
+        """Whether a binding can repeat it (``cute_fp4.bindings``): a W4A16 call on a
+        16-bit tensor, no fused operation, nothing quantized or validated on the way."""
+        return (type(self.a) is torch.Tensor and not self.quantize_a and not self.check
+                and self.bias is None and not self.silu_mul and not self.swiglu_oai
+                and self.nvfp4_out is None)
+
+    def replace(self, **changes) -> GemmCall:
+        """A copy with ``changes`` (the launch path's own steps: the activation quantized,
+        its values decoded)."""
+        return replace(self, **changes)
 
 
 def out_dtype_of(schedule: Schedule) -> torch.dtype:

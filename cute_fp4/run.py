@@ -35,6 +35,7 @@ from cute_fp4.errors import InputError, InputTypeError
 from cute_fp4.formats import Operand
 from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import (
+    GemmCall,
     GroupedDims,
     Operands,
     alpha_tensor,
@@ -51,7 +52,12 @@ from cute_fp4.operands import (
     torch_out,
 )
 from cute_fp4.packed import PackedWeight, packed_class, tensor_class
-from cute_fp4.quant import dequantize_activation, w4a16_operands
+from cute_fp4.quant import (
+    dequantize_activation,
+    quantize_activation,
+    quantize_values,
+    w4a16_operands,
+)
 from cute_fp4.schedule import gated_op
 from cute_fp4.targets import reference_mode
 from cute_fp4.tuning import (
@@ -121,32 +127,49 @@ def grouped_kernel(schedule, dims: GroupedDims, out_dtype: torch.dtype, b,
 
 # ----------------------------------------------------------------------------- dense calls
 
-def gemm_call(a, b, schedule, out, out_dtype, alpha, check: bool = False, bias=None,
-              silu_mul: bool = False, nvfp4_out=None, keep=None,
-              swiglu_oai: bool = False) -> torch.Tensor:
-    """A dense call's full path (module docstring). ``keep(kernel, a, b, result, alpha,
-    dims)``: called after a launch that was not validated, without fused ops (a binding can
-    fix it); ``bias``/``silu_mul``/``swiglu_oai``/``nvfp4_out``: fused epilogue
-    operations."""
-    ops = epilogue_ops(bias, silu_mul, nvfp4_out, swiglu_oai)
+def gemm_call(call: GemmCall, keep=None) -> torch.Tensor:
+    """A dense call's full path (module docstring). ``call.quantize_a``: its 16-bit
+    activation is quantized first (``quant.quantize_activation``), or on a packed weight
+    with ``schedule="auto"`` turned into the exact BF16 block values in one pass
+    (:func:`via_values`). ``keep(kernel, a, b, result, alpha, dims)``: called after a
+    launch that was not validated, without fused ops, on the operands it ran (a binding can
+    fix it)."""
+    ops = call.ops
+    if call.quantize_a:
+        call = _quantized(call)
     if reference_mode():
-        return reference_call(a, b, out, out_dtype, alpha, bias, ops, nvfp4_out)
-    packed = isinstance(b, PackedWeight)
+        return reference_call(call, ops)
+    a, b, alpha = call.a, call.b, call.alpha
+    packed = call.packed
     view = _plain_view(b) if packed else b
-    dims = check_call(a, view, out, alpha, out_dtype, ops, bias)
+    dims = check_call(a, view, call.out, alpha, call.out_dtype, ops, call.bias)
     m, n, k, a_format = dims
-    if via_values(schedule, a_format, packed):
+    if via_values(call.schedule, a_format, packed):
         given = None if alpha is None else alpha_tensor(a, view, alpha)
         a, alpha = w4a16_operands(a, b.global_scale, given)
         dims = (m, n, k, Operand.BF16)
-    kern = kernel(schedule, dims, out_dtype, b.data.get_device(), packed, ops,
+    kern = kernel(call.schedule, dims, call.out_dtype, b.data.get_device(), packed, ops,
                   Operand.of(b.fmt))
-    result = run_checked(kern, a, b, out, alpha, dims, bias, nvfp4_out)
-    if check:
-        validate_call(kern, result, a, b, alpha, dims, bias)
+    result = run_checked(kern, a, b, call.out, alpha, dims, call.bias, call.nvfp4_out,
+                         call.early)
+    if call.check:
+        validate_call(kern, result, a, b, alpha, dims, call.bias)
     elif keep is not None and not ops and a_format == dims[3]:
         keep(kern, a, b, result, alpha, dims)
     return result
+
+
+def _quantized(call: GemmCall) -> GemmCall:
+    """``call`` with its 16-bit activation in the weight's block format: quantized with
+    ``call.input_scale`` (None: a per-call global scale), or, where the call runs on the
+    values (:func:`via_values`) with a static scale, those values in one pass
+    (``quant.quantize_values``; alpha the product of the global scales)."""
+    x, gs = call.a, call.input_scale
+    if gs is not None and not reference_mode() and via_values(
+            call.schedule, Operand.of(call.b.fmt), call.packed):
+        alpha = call.alpha if call.alpha is not None else gs * call.b.global_scale
+        return call.replace(a=quantize_values(x, gs), alpha=alpha, quantize_a=False)
+    return call.replace(a=quantize_activation(x, gs), quantize_a=False)
 
 
 def op_call(a, a_scale, b, b_scale, alpha, n: int, k: int, out_dtype, schedule,
@@ -170,7 +193,7 @@ def op_call(a, a_scale, b, b_scale, alpha, n: int, k: int, out_dtype, schedule,
             raise InputTypeError(f"b must be the packed weight [N, K/2], got shape "
                                  f"{tuple(b.shape)}")
         bt = _wrap(fmt, b, b_scale, gs, (b.shape[0], k))
-    return gemm_call(at, bt, schedule, None, out_dtype, alpha, keep=keep)
+    return gemm_call(GemmCall(at, bt, schedule, out_dtype=out_dtype, alpha=alpha), keep)
 
 
 def _wrap(fmt, data, scale, gs, shape) -> BlockTensor:
@@ -443,21 +466,22 @@ def poisoned_check(kernel, a, b: BlockTensor) -> reference.CheckResult:
 
 # ----------------------------------------------------------------------------- the reference
 
-def reference_call(a, b, out, out_dtype, alpha, bias=None, ops: tuple[str, ...] = (),
-                   nvfp4_out=None):
+def reference_call(call: GemmCall, ops: tuple[str, ...] = ()):
     """A dense call under ``targets.reference_mode``: the same operand checks on any
-    device, then the exact reference instead of a kernel (``reference.gemm``, the fused ops
-    by their definition, ``reference.fused``, with the gate/up group of the kernels that
-    read ``b``'s layout on its device: ``fused.device_group``); written into ``out`` when
-    given."""
-    packed = isinstance(b, PackedWeight)
+    device, then the exact reference instead of a kernel (``reference.gemm``, the fused
+    ``ops`` by their definition, ``reference.fused``, with ``call.group`` or the gate/up
+    group of the kernels that read ``b``'s layout on its device: ``fused.device_group``);
+    written into ``call.out`` when given."""
+    a, b, out, out_dtype = call.a, call.b, call.out, call.out_dtype
+    packed = call.packed
     view = _plain_view(b) if packed else b
-    check_call(a, view, out, alpha, out_dtype, ops, bias, require_cuda=False)
+    check_call(a, view, out, call.alpha, out_dtype, ops, call.bias, require_cuda=False)
     w = b.unpack() if packed else b
     if not ops:
-        return _into(out, reference.gemm(a, w, alpha, out_dtype=out_dtype))
-    raw = reference.gemm(a, w, alpha, out_dtype=torch.float32)
-    return _into(out, _fused(raw, b, packed, bias, ops, out_dtype, out, nvfp4_out))
+        return _into(out, reference.gemm(a, w, call.alpha, out_dtype=out_dtype))
+    raw = reference.gemm(a, w, call.alpha, out_dtype=torch.float32)
+    return _into(out, _fused(raw, b, packed, call.bias, ops, out_dtype, out, call.nvfp4_out,
+                             call.group))
 
 
 def reference_grouped_call(a, b, offsets, out, dt: torch.dtype, alpha, bias,
@@ -476,11 +500,12 @@ def reference_grouped_call(a, b, offsets, out, dt: torch.dtype, alpha, bias,
     return _into(out, _fused(raw, b, dims.packed, None, ops, dt, out, nvfp4_out))
 
 
-def _fused(raw, b, packed: bool, bias, ops, out_dtype, out, nvfp4_out):
+def _fused(raw, b, packed: bool, bias, ops, out_dtype, out, nvfp4_out, group=None):
     from cute_fp4.fused import device_group
 
     scale = out.global_scale if isinstance(out, NVFP4Tensor) else nvfp4_out
-    group = device_group(b.data.device, "packed" if packed else "plain")
+    if group is None:
+        group = device_group(b.data.device, "packed" if packed else "plain")
     return reference.fused(raw, bias, ops, group, out_dtype, scale)
 
 

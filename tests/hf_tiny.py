@@ -192,15 +192,16 @@ def exact_kernels(monkeypatch) -> list:
 
     monkeypatch.setattr(cbind, "_kernel_for", kernel_for)
     monkeypatch.setattr(cbind, "_run", run)
-    monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(cbind, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(cbind.quant, "quantize_values", values)
-    def fused(a, w, schedule, out_dtype, alpha, group):
+    def fused(call):  # api.run_call of a gated layer's call
         calls.append(("gemm", "silu_mul"))
-        w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
-        return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
+        a = quantize(call.a, call.input_scale) if call.quantize_a else call.a
+        w = call.b.unpack() if isinstance(call.b, PackedNVFP4Weight) else call.b
+        return silu_mul_unfused(reference.gemm(a, w, call.alpha, out_dtype=call.out_dtype),
+                                call.group)
 
-    monkeypatch.setattr(clin, "_gated_gemm", fused)
+    monkeypatch.setattr(clin, "run_call", fused)
     monkeypatch.setattr(cex, "_grouped_gemm", grouped)
     monkeypatch.setattr(cex, "_quantize", lambda x, gs: quantize(x, gs))
     return calls

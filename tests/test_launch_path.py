@@ -845,3 +845,26 @@ def test_validate_holds_the_gemm_and_the_fused_bits_once(monkeypatch):
     plain = Kern(())
     run.validate_call(plain, "result", "a", w, None, dims)
     assert calls == [("close", "result")] and plain.validated
+
+
+def test_a_gemm_call_record_is_bound_only_when_a_binding_can_repeat_it(monkeypatch):
+    """``GemmCall.bindable``: a plain W4A16 call on a 16-bit tensor; a call that quantizes
+    its activation, is validated, has a fused operation or a block-tensor activation takes
+    the full path every time (``bindings.gemm`` never looks for a binding for it)."""
+    b = cf.quantize(torch.randn(16, 64))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    plain = operands.GemmCall(x, b)
+    assert plain.bindable and not plain.packed and plain.ops == ()
+    others = [plain.replace(quantize_a=True), plain.replace(check=True),
+              plain.replace(bias=torch.zeros(16)), plain.replace(silu_mul=True),
+              plain.replace(nvfp4_out=1.0), plain.replace(a=cf.quantize(x.float()))]
+    assert not any(c.bindable for c in others)
+    assert others[2].ops == ("bias",) and others[4].ops == ("nvfp4_out",)
+    seen = []
+    monkeypatch.setattr(bindings, "bound_gemm", lambda call: seen.append(call))
+    monkeypatch.setattr(run, "gemm_call", lambda call, keep=None: (call, keep))
+    for c in others:
+        assert bindings.gemm(c) == (c, None)
+    assert not seen
+    call, keep = bindings.gemm(plain)
+    assert seen == [plain] and call is plain and keep is not None

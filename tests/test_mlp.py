@@ -67,17 +67,18 @@ def exact(monkeypatch):
     activation quantizer by cute_fp4.quantize. Records the fused calls."""
     calls = []
 
-    def fused(a, w, schedule, out_dtype, alpha, group):
-        calls.append((tuple(a.shape), alpha, group))
-        w = w.unpack() if isinstance(w, PackedNVFP4Weight) else w
-        return silu_mul_unfused(reference.gemm(a, w, alpha, out_dtype=out_dtype), group)
+    def fused(call):  # api.run_call of the gated layer's call
+        a = quantize(call.a, call.input_scale) if call.quantize_a else call.a
+        calls.append((tuple(a.shape), call.alpha, call.group))
+        w = call.b.unpack() if isinstance(call.b, PackedNVFP4Weight) else call.b
+        return silu_mul_unfused(reference.gemm(a, w, call.alpha, out_dtype=call.out_dtype),
+                                call.group)
 
     monkeypatch.setattr(cbind, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False, **_:
                         type("K", (), {"out_dtype": dt})())
     monkeypatch.setattr(cbind, "_run", exact_run)
-    monkeypatch.setattr(clin, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(cbind, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(clin, "_gated_gemm", fused)
+    monkeypatch.setattr(clin, "run_call", fused)
     return calls
 
 

@@ -18,6 +18,7 @@ import cute_fp4 as cf
 from cute_fp4 import api, reference
 from cute_fp4 import bindings as cbind
 from cute_fp4 import nn as cnn
+from cute_fp4 import run as crun
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.layers import linear as clin
 from cute_fp4.nvfp4 import NVFP4Tensor, quantize, scale_shape
@@ -171,7 +172,7 @@ def fake_kernels(monkeypatch):
         calls.append(("quantize_values", tuple(x.shape), global_scale))
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
-    monkeypatch.setattr(clin, "quantize_activation", quant)
+    monkeypatch.setattr(crun, "quantize_activation", quant)
     monkeypatch.setattr(cbind, "quantize_activation", quant)
     monkeypatch.setattr(cbind.quant, "quantize_values", values)
     monkeypatch.setattr(cbind.quant, "dequantize_activation", dequant)
@@ -783,11 +784,13 @@ def test_emit_nvfp4_hands_the_next_layer_its_activation(monkeypatch):
     goes into a W4A4 layer as it is; typed refusals."""
     calls = []
 
-    def fake_gemm(a, w, **kw):
-        calls.append((a, kw))
+    def fake_run(call):  # api.run_call
+        a = quantize(call.a, call.input_scale) if call.quantize_a else call.a
+        calls.append((a, {"nvfp4_out": call.nvfp4_out, "bias": call.bias,
+                          "out_dtype": call.out_dtype}))
         return "out"
 
-    monkeypatch.setattr(clin, "gemm", fake_gemm)
+    monkeypatch.setattr(clin, "run_call", fake_run)
     w = quantize(torch.randn(64, 128))
     first = cnn.NVFP4Linear(w, bias=torch.randn(64, dtype=torch.bfloat16), layout="plain")
     second = cnn.NVFP4Linear(quantize(torch.randn(32, 64)), mode="w4a4", input_scale=0.01,

@@ -35,12 +35,11 @@ import warnings
 
 import torch
 
-from cute_fp4.api import gemm, mm, mm_packed, quantize_op
+from cute_fp4.api import run_call
 from cute_fp4.bindings import Launcher
 from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import FormatError, InputError, InputTypeError
 from cute_fp4.formats import NVFP4
-from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers.common import (
     ACT_FORMATS,
     check_layout_format,
@@ -56,24 +55,11 @@ from cute_fp4.layers.common import (
     where,
 )
 from cute_fp4.nvfp4 import NVFP4Tensor
-from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE
+from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE, GemmCall
 from cute_fp4.packed import PackedWeight, pack, packed_class, unpack
-from cute_fp4.quant import quantize_activation
 from cute_fp4.targets import reference_mode
 
 _BOUND_MAX = 64  # bindings per layer: many distinct M (prefill) clear the table
-
-
-# ----------------------------------------------------------------------------- kernels
-
-def _gated_gemm(a, w, schedule, out_dtype: torch.dtype, alpha, group: int) -> torch.Tensor:
-    """The gate_up GEMM with SiLU-and-mul in its epilogue (``group``: the weight's gate/up
-    group); under ``targets.reference_mode`` the unfused pipeline with this group (the fused
-    op's definition: FP32 GEMM, rounded, then ``F.silu(gate) * up``)."""
-    if reference_mode():
-        raw = gemm(a, w, schedule=schedule, out_dtype=torch.float32, alpha=alpha)
-        return silu_mul_unfused(raw.to(out_dtype), group)
-    return gemm(a, w, schedule=schedule, out_dtype=out_dtype, alpha=alpha, silu_mul=True)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -121,6 +107,10 @@ class Linear:
         self._one = None if gs is not None else torch.ones((), dtype=torch.float32, device=dev)
         self.stored = stored_view(weight.data, weight.scale, gs, weight.shape, self.layout, fmt)
         self.bias = _bias(bias, self.out_features, dev, name)
+        if silu_group is not None and self.bias is not None:
+            raise InputError(f"{where(name)}a gated layer (silu_group) takes no bias: its "
+                             "output is silu(gate) * up; give the GEMM's bias to "
+                             "cute_fp4.gemm(bias=, silu_mul=True)")
         self.input_scale = None if input_scale is None else scalar(
             input_scale, f"{where(name)}input_scale", dev)
         self.alpha = self.out_scale = None
@@ -378,11 +368,7 @@ class Linear:
         if isinstance(x, NVFP4Tensor) or self.out_scale is not None:
             return self._forward_nvfp4_io(x)
         self.check_input(x)
-        if self.silu_group is not None:
-            return self._forward_gated(x)
-        if torch.compiler.is_compiling():
-            return self._forward_traced(x)
-        if reference_mode():
+        if self.silu_group is not None or torch.compiler.is_compiling() or reference_mode():
             return self._forward_full(x)
         k, n = self.in_features, self.out_features
         if not x.is_contiguous() or x.data_ptr() % 16:
@@ -410,89 +396,58 @@ class Linear:
             out.add_(self.bias)
         return out
 
-    def _activation(self, x2: torch.Tensor):
-        """(A, alpha) of ``gemm``'s full path: ``x2`` as it is (W4A16), or quantized with the
-        static input scale (its alpha made once) or a dynamic one (alpha from the scales)."""
-        if self.mode == "w4a16":
-            return x2, None
-        return quantize_activation(x2, self.input_scale), self.alpha
+    def _call(self, a, out_dtype: torch.dtype, **epilogue) -> GemmCall:
+        """This layer's call on ``a`` (its 2-D activation: 16-bit, quantized in the call
+        for W4A4, or an NVFP4Tensor used as it is, its own global scale in alpha) as the
+        launch path's record (``api.run_call``); ``epilogue``: the fused bias or NVFP4
+        output. A gated layer's SiLU-and-mul is fused (its gate/up group given)."""
+        quantize = self.mode == "w4a4" and not isinstance(a, NVFP4Tensor)
+        alpha = self._one if self.mode == "w4a16" else self.alpha if quantize else None
+        return GemmCall(a, self.stored, self.schedule, out_dtype=out_dtype, alpha=alpha,
+                        silu_mul=self.silu_group is not None, group=self.silu_group,
+                        quantize_a=quantize, input_scale=self.input_scale, **epilogue)
 
     def _forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        """``gemm``'s full path, no binding: what a call runs under the exact reference
-        (``targets.reference_mode``, any device)."""
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] == 0:
-            return x.new_empty((*x.shape[:-1], self.out_features))
-        a, alpha = self._activation(x2.contiguous())
-        y = gemm(a, self.stored, schedule=self.schedule, out_dtype=x.dtype, alpha=alpha)
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def _forward_gated(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu_group``: the gate_up GEMM with SiLU-and-mul in its epilogue; under
-        torch.compile (the custom ops take no epilogue operands) the unfused activation on
-        the interleaved GEMM output (Inductor fuses it in FP32 without the intermediate
-        rounding of silu(gate): within that rounding of the eager bits)."""
-        half = self.out_features // 2
-        if torch.compiler.is_compiling():
-            return silu_mul_unfused(self._forward_traced(x), self.silu_group)
+        """The launch path's full path, no binding of the layer's own (``api.run_call``):
+        what a gated layer (SiLU-and-mul fused in the GEMM's epilogue) runs, and every layer
+        while torch.compile traces it (the custom ops; a gated layer's activation unfused
+        on the interleaved output, which Inductor fuses in FP32 without the intermediate
+        rounding of silu(gate): within that rounding of the eager bits) or under
+        ``targets.reference_mode`` (the exact reference, any device)."""
+        if torch.compiler.is_compiling() and not isinstance(self.schedule, str):
+            raise InputTypeError(f"{where(self.name)}under torch.compile, a layer's schedule "
+                                 "must be a catalogue name or 'auto'")
+        n = self.out_features if self.silu_group is None else self.out_features // 2
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
-            return x.new_empty((*lead, half))
-        w = self.stored
-        if x.device != w.data.device:
+            return x.new_empty((*lead, n))
+        if x.device != self.device:
             raise InputError(f"{where(self.name)}input is on {x.device} but the layer is on "
-                             f"{w.data.device}")
-        a, alpha = self._activation(x2.contiguous())
-        h = _gated_gemm(a, w, self.schedule, x.dtype, alpha, self.silu_group)
-        return h.view(*lead, half)
+                             f"{self.device}")
+        y = run_call(self._call(x2.contiguous(), x.dtype))
+        if self.bias is not None:
+            y.add_(self.bias)  # in y's dtype, as the bound path adds it
+        return y.view(*lead, n)
 
     def _forward_nvfp4_io(self, x):
         """An NVFP4 input (a W4A4 layer after one that emits NVFP4: used as it is, its own
-        global scale in alpha) or an NVFP4 output (:meth:`emit_nvfp4`), through ``gemm``'s
-        full path (no binding); the bias is fused in FP32. 2-D [M, K] inputs for an NVFP4
+        global scale in alpha) or an NVFP4 output (:meth:`emit_nvfp4`), through the full
+        path (no binding); the bias is fused in FP32. 2-D [M, K] inputs for an NVFP4
         one; the NVFP4 output is [M, N]."""
         if torch.compiler.is_compiling():
             raise InputError("NVFP4 inputs and outputs of a layer are not supported under "
                              "torch.compile yet (the custom ops take no NVFP4 output)")
-        dtype = torch.bfloat16
         if isinstance(x, NVFP4Tensor):
             if self.mode != "w4a4":
                 raise InputError(f"{where(self.name)}an NVFP4 input needs mode='w4a4' (this "
                                  f"layer is {self.mode}); give it the BF16/FP16 activation")
-            a = x
+            a, dtype = x, torch.bfloat16
         else:
             self.check_input(x)
-            dtype = x.dtype
-            x2 = x.reshape(-1, self.in_features)
-            a = x2 if self.mode == "w4a16" else quantize_activation(x2, self.input_scale)
+            a, dtype = x.reshape(-1, self.in_features), x.dtype
         bias = None if self.bias is None else self.bias.float()
-        return gemm(a, self.stored, schedule=self.schedule, out_dtype=dtype, bias=bias,
-                    nvfp4_out=self.out_scale)
-
-    def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
-        """The call torch.compile traces: plain tensors into the custom ops."""
-        if not isinstance(self.schedule, str):
-            raise InputTypeError(f"{where(self.name)}under torch.compile, a layer's schedule "
-                                 "must be a catalogue name or 'auto'")
-        k, n = self.in_features, self.out_features
-        x2 = x.reshape(-1, k).contiguous()
-        w = self.stored
-        gs = w.global_scale if self._one is None else self._one
-        if self.mode == "w4a4":
-            a, a_scale, a_gs = quantize_op(x2, self.input_scale)
-            alpha = self.alpha if self.alpha is not None else a_gs * gs
-        else:
-            a, a_scale, alpha = x2, None, gs
-        if self.layout == "packed":
-            y = mm_packed(a, a_scale, w.data, w.scale, alpha, n, k, x.dtype, self.schedule)
-        else:
-            y = mm(a, a_scale, w.data, w.scale, alpha, k, x.dtype, self.schedule)
-        if self.bias is not None:
-            y.add_(self.bias)  # in y's dtype, as eager
-        return y.view(*x.shape[:-1], n)
+        return run_call(self._call(a, dtype, bias=bias, nvfp4_out=self.out_scale))
 
 
 # ----------------------------------------------------------------------------- helpers
