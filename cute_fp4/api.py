@@ -101,15 +101,17 @@ def gemm(a, b: BlockTensor, *, schedule="auto", out: torch.Tensor | None = None,
                              "yet (the cute_fp4::mm op takes the plain layout; "
                              "cute_fp4.mm_packed takes the packed one); use the plain tensor "
                              "there")
-    return run_call(GemmCall(a, b, schedule, out, out_dtype, alpha, bias, silu_mul,
-                             swiglu_oai, nvfp4_out, check))
+        return _traced_call(GemmCall(a, b, schedule, out, out_dtype, alpha))
+    OPS.ready()
+    return bindings.gemm(GemmCall(a, b, schedule, out, out_dtype, alpha, bias, silu_mul,
+                                  swiglu_oai, nvfp4_out, check))
 
 
 def run_call(call: GemmCall) -> torch.Tensor:
-    """Run a dense call stated as a record (:class:`~cute_fp4.operands.GemmCall`): what
-    :func:`gemm` and the prepared layers (``cute_fp4.layers.Linear``) do. Eager, the
-    launch path (``bindings.gemm``); while torch.compile traces it, the custom ops
-    (:func:`_traced_call`)."""
+    """Run a dense call stated as a record (:class:`~cute_fp4.operands.GemmCall`), as the
+    prepared layers (``cute_fp4.layers.Linear``) do; :func:`gemm` takes the same two ways
+    with its own checks first. Eager, the launch path (``bindings.gemm``); while
+    torch.compile traces it, the custom ops (:func:`_traced_call`)."""
     if torch.compiler.is_compiling():
         return _traced_call(call)
     OPS.ready()

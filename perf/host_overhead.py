@@ -204,10 +204,13 @@ def stub_gemm_path(entry: str):
     h200 = targets.Device(0, "NVIDIA H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"),
                           4800.0)
     targets.require_device = lambda family=None: h200
-    check = operands.check_operands
+    check, check_call = operands.check_operands, operands.check_call
     # a CPU build of torch cannot ask whether a capture is on
-    api.check_operands = run.check_operands = (  # the launch path calls run's name
+    api.check_operands = (
         lambda a, b, out, alpha, dt: check(a, b, out, alpha, dt, require_cuda=False))
+    run.check_call = (  # the launch path calls run's name
+        lambda a, b, out, alpha, dt, ops=(), bias=None, require_cuda=True:
+        check_call(a, b, out, alpha, dt, ops, bias, require_cuda=False))
     host.stream_getter = lambda: (lambda index: 0)
     workspaces.capturing_now = lambda: False
     fake = launch.fake_args(launch.PointerTypes(cutlass.BFloat16, cutlass.BFloat16), 1, 132)
