@@ -25,8 +25,7 @@ import torch
 from cute_fp4 import quant, run, workspaces
 from cute_fp4.compile import on_clear
 from cute_fp4.formats import Operand
-from cute_fp4.operands import A_FORMATS, GemmCall, alpha_tensor
-from cute_fp4.quant import quantize_activation
+from cute_fp4.operands import GemmCall, alpha_tensor
 from cute_fp4.tuning import resolution_deadline
 from cute_fp4.workspaces import generation, may_keep, split_workspace
 
@@ -127,8 +126,8 @@ def gemm(call: GemmCall) -> torch.Tensor:
     if result is not None:
         return result
 
-    def keep(kern, a_, b_, result, alpha_, dims):
-        remember_gemm(kern, a_, b_, result, call.schedule, call.out_dtype, alpha_, dims)
+    def keep(kern, a_, b_, result, alpha_, dims):  # the key holds the call's own alpha
+        remember_gemm(kern, a_, b_, result, call.schedule, call.out_dtype, call.alpha, dims)
 
     return run.gemm_call(call, keep)
 
@@ -278,24 +277,11 @@ on_clear(clear_bindings)
 
 # ----------------------------------------------------------------------------- a layer's
 
-def _kernel_for(schedule, m: int, n: int, k: int, a_format: str, out_dtype: torch.dtype,
-                device_index: int, packed: bool = False, b_format: str = Operand.NVFP4):
-    """The compiled kernel of a layer's call of this shape on its weight's block format
-    (``run.kernel``: "auto" is resolved again every second, so a new tuning is picked
-    up)."""
-    return run.kernel(schedule, (m, n, k, a_format), out_dtype, device_index, packed,
-                      b_format=Operand.of(b_format))
-
-
-def _run(kern, a, w, alpha, dims, out=None, early: bool = False) -> torch.Tensor:
-    """A layer's checked launch (``run.run_checked``)."""
-    return run.run_checked(kern, a, w, out, alpha, dims, early=early)
-
-
 class Launcher:
     """The launches of a prepared layer's GEMM on its weight (``cute_fp4.layers.Linear``):
-    the first call at an M and dtype takes the full path (kernel, checks, workspace) and
-    binds it; the next launch through the binding. ``bound``: (M, dtype[, "w4a4"]) ->
+    the first call at an M and dtype takes the launch path's full path (``run.gemm_call`` on
+    a ``GemmCall``: checks, kernel, workspace; W4A4: the activation quantized as the route
+    needs) and binds what it launched; the next launch through the binding. ``bound``: (M, dtype[, "w4a4"]) ->
     the binding(s), at most :data:`_BOUND_MAX`."""
 
     __slots__ = ("bound",)
@@ -304,8 +290,8 @@ class Launcher:
         # (M, dtype) -> BoundLaunch; (M, dtype, "w4a4") -> (BoundActivation, BoundLaunch)
         self.bound: dict[tuple, BoundLaunch | tuple[quant.BoundActivation, BoundLaunch]] = {}
 
-    def w4a16(self, x: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
-              packed: bool, early: bool = False, alpha: torch.Tensor | None = None) -> None:
+    def w4a16(self, x: torch.Tensor, w, schedule, m: int, out: torch.Tensor,
+              early: bool = False, alpha: torch.Tensor | None = None) -> None:
         """``out = x @ w^T`` (W4A16, alpha the weight's global scale, or ``alpha``: a
         float32 device scalar the layer holds, for a format without global scales) for a
         checked ``x`` (contiguous, 16-byte aligned, [..., K] of M rows on the weight's
@@ -317,54 +303,47 @@ class Launcher:
                 and bound.key[2] == early and bound.launch(x, w, out)):
             return
         k, n = w.shape[1], w.shape[0]
-        fmt = A_FORMATS[x.dtype]
         alpha = w.global_scale if alpha is None else alpha
-        kern = _kernel_for(schedule, m, n, k, fmt, x.dtype, dev, packed=packed,
-                           b_format=w.fmt)
-        dims = (m, n, k, fmt)
-        _run(kern, x, w, alpha, dims, out, early)
-        self._keep((m, x.dtype), bind(kern, x, w, out, alpha, dims, (w, schedule, early),
-                                      resolution_deadline(schedule), early=early))
+        key = (m, x.dtype)
 
-    def w4a4(self, x2: torch.Tensor, w, schedule, m: int, dev: int, out: torch.Tensor,
-             packed: bool, input_scale, alpha) -> None:
+        def keep(kern, a, b, result, alpha_, dims):
+            self._keep(key, bind(kern, a, b, result, alpha_, dims, (w, schedule, early),
+                                 resolution_deadline(schedule), early=early))
+
+        run.gemm_call(GemmCall(x.view(m, k), w, schedule, out.view(m, n), x.dtype, alpha,
+                               early=early), keep)
+
+    def w4a4(self, x2: torch.Tensor, w, schedule, m: int, out: torch.Tensor, input_scale,
+             alpha) -> None:
         """``out`` = the W4A4 product of ``x2`` ([M, K], checked) quantized by the fused
         kernel (``input_scale``: static, with ``alpha`` = its product with the weight's
-        global scale made once; None: dynamic, per call) and ``w``; on a packed weight with
-        ``schedule="auto"`` as ``run.via_values`` says (the activation's exact BF16 block
-        values, then the W4A16 kernel: static, quantized to them in one pass,
-        ``quant.quantize_values``; dynamic, quantized then decoded, the decoder writing
-        alpha). From the second call at an M and dtype both launches go through a binding
-        (``quant.BoundActivation`` and :class:`BoundLaunch`)."""
+        global scale made once; None: dynamic, per call) and ``w``: the launch path's full
+        path (``run.gemm_call`` with ``quantize_a``: on a packed weight with
+        ``schedule="auto"`` the W4A16 kernel on the activation's exact BF16 block values,
+        ``run.via_values``). From the second call at an M and dtype both launches go through
+        a binding (``quant.BoundActivation``, made for the route the first call took, and
+        :class:`BoundLaunch`)."""
         bound = self.bound.get((m, x2.dtype, "w4a4"))
         if bound is not None and self._launch_bound_w4a4(bound, x2, w, schedule, out,
                                                          input_scale, alpha):
             return
-        k, n = w.shape[1], w.shape[0]
-        gs = w.global_scale
-        dynamic = input_scale is None
-        decode = run.via_values(schedule, Operand.of(w.fmt), packed)
-        a_alpha = alpha
-        if decode and not dynamic:  # the values in one pass
-            fmt, a = A_FORMATS[torch.bfloat16], quant.quantize_values(x2, input_scale)
-        elif decode:  # the decoder writes alpha too
-            fmt = A_FORMATS[torch.bfloat16]
-            a, a_alpha = quant.w4a16_operands(quantize_activation(x2, None), gs, None)
-        else:
-            fmt, a = Operand.of(w.fmt), quantize_activation(x2, input_scale)
-            if dynamic:  # gemm's own product, made here as the tensor the binding takes
-                a_alpha = alpha_tensor(a, w, None)
-        kern = _kernel_for(schedule, m, n, k, fmt, x2.dtype, dev, packed=packed)
-        dims = (m, n, k, fmt)
-        _run(kern, a, w, a_alpha, dims, out)
-        if dynamic and not (gs.dtype == torch.float32 and gs.numel() == 1
-                            and gs.device == x2.device):
-            return  # alpha from a scale of another dtype or device: the full path
-        gemm_ = bind(kern, a, w, out, a_alpha, dims, (w, schedule, alpha),
-                     resolution_deadline(schedule), a_scale_per_call=not decode)
-        act = gemm_ and quant.BoundActivation.make(
-            x2, input_scale, decode, (input_scale, gs), other_scale=gs if dynamic else None)
-        self._keep((m, x2.dtype, "w4a4"), None if act is None else (act, gemm_))
+        n = w.shape[0]
+        gs, dynamic = w.global_scale, input_scale is None
+        key = (m, x2.dtype, "w4a4")
+
+        def keep(kern, a, b, result, alpha_, dims):
+            if dynamic and not (gs.dtype == torch.float32 and gs.numel() == 1
+                                and gs.device == x2.device):
+                return  # alpha from a scale of another dtype or device: the full path
+            decode = dims[3] != Operand.of(w.fmt)  # the kernel ran on the values
+            gemm_ = bind(kern, a, b, result, alpha_, dims, (w, schedule, alpha),
+                         resolution_deadline(schedule), a_scale_per_call=not decode)
+            act = gemm_ and quant.BoundActivation.make(
+                x2, input_scale, decode, (input_scale, gs), other_scale=gs if dynamic else None)
+            self._keep(key, None if act is None else (act, gemm_))
+
+        run.gemm_call(GemmCall(x2, w, schedule, out.view(m, n), x2.dtype, alpha,
+                               quantize_a=True, input_scale=input_scale), keep)
 
     @staticmethod
     def _launch_bound_w4a4(bound, x2, w, schedule, out, input_scale, alpha) -> bool:

@@ -150,12 +150,13 @@ def gemm_call(call: GemmCall, keep=None) -> torch.Tensor:
         dims = (m, n, k, Operand.BF16)
     kern = kernel(call.schedule, dims, call.out_dtype, b.data.get_device(), packed, ops,
                   Operand.of(b.fmt))
-    result = run_checked(kern, a, b, call.out, alpha, dims, call.bias, call.nvfp4_out,
+    alpha_t = alpha_tensor(a, b, alpha)  # what the kernel reads, and a binding fixes
+    result = run_checked(kern, a, b, call.out, alpha_t, dims, call.bias, call.nvfp4_out,
                          call.early)
     if call.check:
         validate_call(kern, result, a, b, alpha, dims, call.bias)
-    elif keep is not None and not ops and a_format == dims[3]:
-        keep(kern, a, b, result, alpha, dims)
+    elif keep is not None and not ops:
+        keep(kern, a, b, result, alpha_t, dims)
     return result
 
 

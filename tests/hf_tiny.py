@@ -8,12 +8,12 @@ import types
 
 import torch
 import transformers as tf
-from exact import exact_run
+from exact import exact_run, fake_launch_path
 
-from cute_fp4 import bindings as cbind
 from cute_fp4 import mlp as cmlp
 from cute_fp4 import moe, reference
 from cute_fp4 import nn as cnn
+from cute_fp4 import run as crun
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.hf import experts as ex
 from cute_fp4.hf.quantize import fake_quantize
@@ -190,10 +190,9 @@ def exact_kernels(monkeypatch) -> list:
     def values(x, global_scale):
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
-    monkeypatch.setattr(cbind, "_kernel_for", kernel_for)
-    monkeypatch.setattr(cbind, "_run", run)
-    monkeypatch.setattr(cbind, "quantize_activation", lambda x, gs=None: quantize(x, gs))
-    monkeypatch.setattr(cbind.quant, "quantize_values", values)
+    fake_launch_path(monkeypatch, kernel_for, run)
+    monkeypatch.setattr(crun, "quantize_activation", lambda x, gs=None: quantize(x, gs))
+    monkeypatch.setattr(crun, "quantize_values", values)
     def fused(call):  # api.run_call of a gated layer's call
         calls.append(("gemm", "silu_mul"))
         a = quantize(call.a, call.input_scale) if call.quantize_a else call.a

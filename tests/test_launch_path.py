@@ -432,6 +432,7 @@ def stub_layer_path(monkeypatch):
     h200 = targets.Device(0, "H200 (stub)", (9, 0), 132, targets.get_target("sm_90a"), 4800.)
     monkeypatch.setattr(targets, "require_device", lambda family=None: h200)
     monkeypatch.setattr(workspaces, "capturing_now", lambda: False)
+    monkeypatch.setattr(run, "check_call", on_any_device)  # a layer's first call checks
     rec, built, stream = Recorder(), [], [0x5000]
 
     def build(s, sig, kernel=None, tag=""):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from exact import exact_run
+from exact import fake_launch_path
 from torch import nn
 
 import cute_fp4 as cf
-from cute_fp4 import bindings as cbind
 from cute_fp4 import mlp as cmlp
 from cute_fp4 import nn as cnn
 from cute_fp4 import reference
+from cute_fp4 import run as crun
 from cute_fp4.errors import DeviceError, FormatError, InputError, InputTypeError
 from cute_fp4.fused import silu_mul_unfused
 from cute_fp4.layers import linear as clin
@@ -74,10 +74,9 @@ def exact(monkeypatch):
         return silu_mul_unfused(reference.gemm(a, w, call.alpha, out_dtype=call.out_dtype),
                                 call.group)
 
-    monkeypatch.setattr(cbind, "_kernel_for", lambda s, m, n, k, f, dt, d, packed=False, **_:
-                        type("K", (), {"out_dtype": dt})())
-    monkeypatch.setattr(cbind, "_run", exact_run)
-    monkeypatch.setattr(cbind, "quantize_activation", lambda x, gs=None: quantize(x, gs))
+    fake_launch_path(monkeypatch, lambda s, m, n, k, f, dt, d, packed=False, b_format=None:
+                     type("K", (), {"out_dtype": dt})())
+    monkeypatch.setattr(crun, "quantize_activation", lambda x, gs=None: quantize(x, gs))
     monkeypatch.setattr(clin, "run_call", fused)
     return calls
 

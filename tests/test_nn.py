@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from exact import fake_launch_path
 from torch import nn
 
 import cute_fp4 as cf
@@ -159,8 +160,7 @@ def fake_kernels(monkeypatch):
         calls.append(("quantize", tuple(x.shape), global_scale))
         return quantize(x, global_scale)
 
-    monkeypatch.setattr(cbind, "_kernel_for", kernel_for)
-    monkeypatch.setattr(cbind, "_run", run)
+    fake_launch_path(monkeypatch, kernel_for, run)
     def dequant(a):
         calls.append(("dequantize", tuple(a.shape)))
         return a.block_values(torch.bfloat16)
@@ -173,8 +173,7 @@ def fake_kernels(monkeypatch):
         return quantize(x, global_scale).block_values(torch.bfloat16)
 
     monkeypatch.setattr(crun, "quantize_activation", quant)
-    monkeypatch.setattr(cbind, "quantize_activation", quant)
-    monkeypatch.setattr(cbind.quant, "quantize_values", values)
+    monkeypatch.setattr(crun, "quantize_values", values)
     monkeypatch.setattr(cbind.quant, "dequantize_activation", dequant)
     monkeypatch.setattr(cbind.quant, "dequantize_with_alpha", dequant_alpha)
     return calls

@@ -14,7 +14,7 @@ import torch
 from test_launch_path import Recorder, stub_layer_path  # noqa: F401 (a fixture)
 
 import cute_fp4 as cf
-from cute_fp4 import quant
+from cute_fp4 import quant, run
 
 host = importlib.import_module("cute_fp4.compile")  # the module (cute_fp4.compile: a function)
 N, K = 256, 512
@@ -36,7 +36,6 @@ def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
     launches are recorded, with the output each asked for (a dynamic scale: its variant;
     the decoder's launches in ``qrec.decoded``). Returns (gemm recorder, quantize recorder,
     [outputs asked of _kernel_for], built GEMMs, stream)."""
-    from cute_fp4 import bindings
 
     host.clear_cache()  # kernels memoised by other tests hold other recorders
     rec, built, stream = stub_layer_path
@@ -49,10 +48,11 @@ def stub_w4a4(stub_layer_path, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(quant, "_kernel_for", kernel_for)
     monkeypatch.setattr(quant, "_dequant_kernel", lambda: _FakeKernel(qrec.decoded, stream))
-    monkeypatch.setattr(bindings, "quantize_activation", lambda x, gs: cf.quantize(x, gs))
-    monkeypatch.setattr(quant, "quantize_values", lambda x, gs: cf.quantize(x, gs)
+    # the full path's activation steps (run.gemm_call), on the CPU
+    monkeypatch.setattr(run, "quantize_activation", lambda x, gs: cf.quantize(x, gs))
+    monkeypatch.setattr(run, "quantize_values", lambda x, gs: cf.quantize(x, gs)
                         .block_values(torch.bfloat16))
-    monkeypatch.setattr(quant, "w4a16_operands", lambda a, ws, alpha: (  # dynamic layers
+    monkeypatch.setattr(run, "w4a16_operands", lambda a, ws, alpha: (  # dynamic layers
         a.block_values(torch.bfloat16), a.global_scale * ws))
     yield rec, qrec, outputs, built, stream
     host.clear_cache()

@@ -365,11 +365,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._parts is not None:
             return torch.cat([p(x) for p in self._parts], dim=-1)
-        if isinstance(x, NVFP4Tensor) or self.out_scale is not None:
-            return self._forward_nvfp4_io(x)
-        self.check_input(x)
-        if self.silu_group is not None or torch.compiler.is_compiling() or reference_mode():
+        if (isinstance(x, NVFP4Tensor) or self.out_scale is not None
+                or self.silu_group is not None or torch.compiler.is_compiling()
+                or reference_mode()):
             return self._forward_full(x)
+        self.check_input(x)
         k, n = self.in_features, self.out_features
         if not x.is_contiguous() or x.data_ptr() % 16:
             x = x.clone(memory_format=torch.contiguous_format)
@@ -384,70 +384,62 @@ class Linear:
         # the kernel reads A's and writes C's memory only: an N-D contiguous input and an
         # output of the final shape need no reshape or view (~2 us of host each)
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        packed = self.layout == "packed"
         if self.mode == "w4a4":
             x2 = x if x.dim() == 2 else x.reshape(-1, k)  # the quantizer takes [M, K]
-            self.launches.w4a4(x2, w, self.schedule, m, dev, out, packed, self.input_scale,
-                               self.alpha)
+            self.launches.w4a4(x2, w, self.schedule, m, out, self.input_scale, self.alpha)
         else:
-            self.launches.w4a16(x, w, self.schedule, m, dev, out, packed,
-                                self.prefetch_weights, self._one)
+            self.launches.w4a16(x, w, self.schedule, m, out, self.prefetch_weights, self._one)
         if self.bias is not None:
             out.add_(self.bias)
         return out
 
-    def _call(self, a, out_dtype: torch.dtype, **epilogue) -> GemmCall:
-        """This layer's call on ``a`` (its 2-D activation: 16-bit, quantized in the call
-        for W4A4, or an NVFP4Tensor used as it is, its own global scale in alpha) as the
-        launch path's record (``api.run_call``); ``epilogue``: the fused bias or NVFP4
-        output. A gated layer's SiLU-and-mul is fused (its gate/up group given)."""
-        quantize = self.mode == "w4a4" and not isinstance(a, NVFP4Tensor)
-        alpha = self._one if self.mode == "w4a16" else self.alpha if quantize else None
-        return GemmCall(a, self.stored, self.schedule, out_dtype=out_dtype, alpha=alpha,
-                        silu_mul=self.silu_group is not None, group=self.silu_group,
-                        quantize_a=quantize, input_scale=self.input_scale, **epilogue)
-
-    def _forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        """The launch path's full path, no binding of the layer's own (``api.run_call``):
-        what a gated layer (SiLU-and-mul fused in the GEMM's epilogue) runs, and every layer
-        while torch.compile traces it (the custom ops; a gated layer's activation unfused
-        on the interleaved output, which Inductor fuses in FP32 without the intermediate
-        rounding of silu(gate): within that rounding of the eager bits) or under
-        ``targets.reference_mode`` (the exact reference, any device)."""
-        if torch.compiler.is_compiling() and not isinstance(self.schedule, str):
-            raise InputTypeError(f"{where(self.name)}under torch.compile, a layer's schedule "
-                                 "must be a catalogue name or 'auto'")
-        n = self.out_features if self.silu_group is None else self.out_features // 2
+    def _forward_full(self, x):
+        """The launch path's full path (``api.run_call``), no binding of the layer's own, on
+        the layer's call stated once as a record (``operands.GemmCall``). What a gated layer
+        runs (SiLU-and-mul fused in the GEMM's epilogue), a layer that emits NVFP4
+        (:meth:`emit_nvfp4`; the output [M, N] quantized in the epilogue) or is given NVFP4
+        (a W4A4 layer after one that emits it: used as it is, its own global scale in alpha;
+        2-D [M, K]), and every layer while torch.compile traces it (the custom ops; a gated
+        layer's activation unfused on the interleaved output, which Inductor fuses in FP32
+        without the intermediate rounding of silu(gate): within that rounding of the eager
+        bits) or under ``targets.reference_mode`` (the exact reference, any device). The
+        bias is added to the output as the bound path adds it, or fused in FP32 where the
+        output or the input is NVFP4."""
+        nvfp4_in, emit = isinstance(x, NVFP4Tensor), self.out_scale is not None
+        if torch.compiler.is_compiling():
+            if nvfp4_in or emit:
+                raise InputError("NVFP4 inputs and outputs of a layer are not supported under "
+                                 "torch.compile yet (the custom ops take no NVFP4 output)")
+            if not isinstance(self.schedule, str):
+                raise InputTypeError(f"{where(self.name)}under torch.compile, a layer's "
+                                     "schedule must be a catalogue name or 'auto'")
+        if nvfp4_in and self.mode != "w4a4":
+            raise InputError(f"{where(self.name)}an NVFP4 input needs mode='w4a4' (this "
+                             f"layer is {self.mode}); give it the BF16/FP16 activation")
+        if not nvfp4_in:
+            self.check_input(x)
+            if x.device != self.device:
+                raise InputError(f"{where(self.name)}input is on {x.device} but the layer is "
+                                 f"on {self.device}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] == 0:
-            return x.new_empty((*lead, n))
-        if x.device != self.device:
-            raise InputError(f"{where(self.name)}input is on {x.device} but the layer is on "
-                             f"{self.device}")
-        y = run_call(self._call(x2.contiguous(), x.dtype))
+        n = self.out_features if self.silu_group is None else self.out_features // 2
+        a = x if nvfp4_in else x.reshape(-1, self.in_features).contiguous()
+        if a.shape[0] == 0 and not emit:
+            return torch.empty((*lead, n), dtype=torch.bfloat16 if nvfp4_in else x.dtype,
+                               device=self.device)
+        quantize = self.mode == "w4a4" and not nvfp4_in
+        fused_bias = self.bias is not None and (nvfp4_in or emit)
+        y = run_call(GemmCall(
+            a, self.stored, self.schedule, out_dtype=torch.bfloat16 if nvfp4_in else x.dtype,
+            alpha=self._one if self.mode == "w4a16" else self.alpha if quantize else None,
+            bias=self.bias.float() if fused_bias else None,
+            silu_mul=self.silu_group is not None, nvfp4_out=self.out_scale,
+            quantize_a=quantize, input_scale=self.input_scale, group=self.silu_group))
+        if emit or nvfp4_in:
+            return y
         if self.bias is not None:
             y.add_(self.bias)  # in y's dtype, as the bound path adds it
         return y.view(*lead, n)
-
-    def _forward_nvfp4_io(self, x):
-        """An NVFP4 input (a W4A4 layer after one that emits NVFP4: used as it is, its own
-        global scale in alpha) or an NVFP4 output (:meth:`emit_nvfp4`), through the full
-        path (no binding); the bias is fused in FP32. 2-D [M, K] inputs for an NVFP4
-        one; the NVFP4 output is [M, N]."""
-        if torch.compiler.is_compiling():
-            raise InputError("NVFP4 inputs and outputs of a layer are not supported under "
-                             "torch.compile yet (the custom ops take no NVFP4 output)")
-        if isinstance(x, NVFP4Tensor):
-            if self.mode != "w4a4":
-                raise InputError(f"{where(self.name)}an NVFP4 input needs mode='w4a4' (this "
-                                 f"layer is {self.mode}); give it the BF16/FP16 activation")
-            a, dtype = x, torch.bfloat16
-        else:
-            self.check_input(x)
-            a, dtype = x.reshape(-1, self.in_features), x.dtype
-        bias = None if self.bias is None else self.bias.float()
-        return run_call(self._call(a, dtype, bias=bias, nvfp4_out=self.out_scale))
 
 
 # ----------------------------------------------------------------------------- helpers
