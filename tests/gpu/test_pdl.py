@@ -8,11 +8,13 @@ kernels (quantize -> dequantize -> GEMM, each triggering the next early), and un
 graph replayed on new inputs. Outputs are poisoned before every round.
 
 Weights before the wait (the stream kernel's ``early`` flag): a kernel that releases its
-dependents at once, then waits 200 us, then rewrites the weight of the GEMM launched right
-after it. With the flag off the GEMM must compute with the new weight; with the flag on
-and a kernel launched without PDL in between (what ends the writer's flight: the rule of
-kernels/stream.py) too; with the flag on straight after the writer the rule is broken on
-purpose, and the GEMM must be seen computing with the old weight, which shows that the
+dependents at once, then waits 5 ms, then rewrites the weight of the GEMM launched right
+after it (the GEMM's host launch must come inside the wait: 200 us was too short once, on
+2026-12-06, with eleven other test processes on the host and the GPU). With the flag off
+the GEMM must compute with the new weight; with the flag on and a kernel launched without
+PDL in between (what ends the writer's flight: the rule of kernels/stream.py) too; with the
+flag on straight after the writer the rule is broken on purpose, and the GEMM must be seen
+computing with the old weight, which shows that the
 two tests above could fail (the early read does happen before the writer's bytes land)."""
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def test_a_weight_written_just_before_the_gemm(case):
         w.data.copy_(repack(b_old).data)
         torch.cuda.synchronize()
         out.fill_(float("nan"))
-        write(200_000)  # releases its dependents, then writes the new codes 200 us later
+        write(5_000_000)  # releases its dependents, then writes the new codes 5 ms later
         if case == "early-after-a-full-dependency":
             scratch.add_(1)  # launched without PDL: starts once the writer has completed
         launch_stream(kern, a, w, out, early=case != "late")
