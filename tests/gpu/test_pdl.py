@@ -14,8 +14,8 @@ after it (the GEMM's host launch must come inside the wait: 200 us was too short
 the GEMM must compute with the new weight; with the flag on and a kernel launched without
 PDL in between (what ends the writer's flight: the rule of kernels/stream.py) too; with the
 flag on straight after the writer the rule is broken on purpose, and the GEMM must be seen
-computing with the old weight, which shows that the
-two tests above could fail (the early read does happen before the writer's bytes land)."""
+computing with the old weight, which shows that the two tests above could fail (the early
+read does happen before the writer's bytes land)."""
 
 from __future__ import annotations
 
