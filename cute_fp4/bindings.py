@@ -281,8 +281,8 @@ class Launcher:
     """The launches of a prepared layer's GEMM on its weight (``cute_fp4.layers.Linear``):
     the first call at an M and dtype takes the launch path's full path (``run.gemm_call`` on
     a ``GemmCall``: checks, kernel, workspace; W4A4: the activation quantized as the route
-    needs) and binds what it launched; the next launch through the binding. ``bound``: (M, dtype[, "w4a4"]) ->
-    the binding(s), at most :data:`_BOUND_MAX`."""
+    needs) and binds what it launched; the next launch through the binding. ``bound``:
+    (M, dtype[, "w4a4"]) -> the binding(s), at most :data:`_BOUND_MAX`."""
 
     __slots__ = ("bound",)
 

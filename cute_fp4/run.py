@@ -10,10 +10,10 @@ grouped and fused kernels alike, in the order a call takes it:
 3. the checked launch (:func:`run_checked`, :func:`run_grouped`: the plan check per
    shape, the output, the split-K workspace of ``workspaces.split_workspace``, the
    launch's operands);
-4. then the first call's validation (``check=True``: :func:`validate_call`, against the
-   exact reference; with fused epilogue ops the unfused pipeline too), or, for the caller
-   that keeps launches, the launch just made (``keep``: ``cute_fp4.bindings`` binds it for
-   the next call like it).
+4. then the first call's validation (``check=True``: :func:`validate_call`,
+   :func:`validate_grouped_call`, against the exact reference; with fused epilogue ops the
+   unfused pipeline too), or, for the caller that keeps launches, the launch just made
+   (``keep``: ``cute_fp4.bindings`` binds it for the next call like it).
 
 One rule for every call: W4A4 on a fragment-order packed weight with ``schedule="auto"``
 runs the W4A16 kernel on the activation's exact BF16 block values, the global scales in
@@ -241,7 +241,7 @@ def grouped_call(a, b, offsets, schedule, out, out_dtype, alpha, check: bool = F
     result = _launch_grouped(kern, a_run, b, offsets, out,
                              alpha if alpha_t is None else alpha_t, dims, bias, nvfp4_out)
     if validate:
-        validate_call(kern, result, a, b, alpha, dims, bias, offsets)
+        validate_grouped_call(kern, result, a, b, alpha, bias, offsets)
     return result
 
 
@@ -399,46 +399,50 @@ def _launch_grouped(kernel, a, b, offsets, out, alpha, dims: GroupedDims, bias=N
 
 # ----------------------------------------------------------------------------- validation
 
-def validate_call(kern, result, a, b, alpha, dims, bias=None, offsets=None) -> None:
+def validate_call(kern, result, a, b, alpha, dims, bias=None) -> None:
     """``check=True``: the first call of ``kern`` held to the exact reference (a packed
-    ``b`` in its plain layout; ``a``/``alpha``/``dims`` as the kernel ran them: a dense W4A4
-    call run on its activation's values, those values and alpha; a grouped one, the NVFP4
-    activation it was given). With fused epilogue ops, the unfused pipeline runs too
-    (the same schedule without ops, FP32 output, the bias added in FP32, rounded, then
-    ``F.silu(gate) * up``: ``reference.fused``): its GEMM is held to the reference and
-    ``result`` must have its bits. ``offsets``: a grouped call's."""
+    ``b`` in its plain layout; ``a``/``alpha``/``dims`` as the kernel ran them: a W4A4 call
+    run on its activation's values, those values and alpha). With fused epilogue ops, the
+    unfused pipeline runs too (the same schedule without ops, FP32 output, the bias added in
+    FP32, rounded, then ``F.silu(gate) * up``: ``reference.fused``): its GEMM is held to
+    the reference and ``result`` must have its bits."""
     if kern.validated:
         return
-    ops = kern.schedule.epilogue.ops
-    grouped = offsets is not None
     gemm = result
-    if ops:  # the GEMM of the unfused pipeline: the same schedule, no ops, FP32 output
-        plain = kern.unfused_schedule
-        if grouped:
-            from cute_fp4.compile import compile as compile_schedule
+    if kern.schedule.epilogue.ops:  # the unfused pipeline's GEMM: no ops, FP32 output
+        unfused = kernel(kern.unfused_schedule, dims, torch.float32, b.data.get_device(),
+                         isinstance(b, PackedWeight), b_format=Operand.of(b.fmt))
+        gemm = run_checked(unfused, a, b, None, alpha, dims)
+    reference.assert_close(gemm, a, b.unpack() if isinstance(b, PackedWeight) else b, alpha)
+    _assert_fused(kern, result, gemm, bias, None)
+    kern.validated = True
 
-            a_run = a  # a W4A4 call run on its values: the W4A16 kernel on the values
-            if kern.signature.a_format.sixteen_bit and isinstance(a, NVFP4Tensor):
-                a_run = dequantize_activation(a)
-            gemm = run_grouped(compile_schedule(plain, kern.signature), a_run, b, offsets,
-                               alpha=grouped_alpha(a, b, alpha, b.data.shape[0]))
-        else:
-            unfused = kernel(plain, dims, torch.float32, b.data.get_device(),
-                             isinstance(b, PackedWeight), b_format=Operand.of(b.fmt))
-            gemm = run_checked(unfused, a, b, None, alpha, dims)
-    if grouped:
-        reference.assert_close_grouped(gemm, a, b, offsets, alpha)
-    else:
-        reference.assert_close(gemm, a, b.unpack() if isinstance(b, PackedWeight)
-                               else b, alpha)
-    if ops:
-        _assert_fused(kern, result, gemm, bias, offsets)
+
+def validate_grouped_call(kern, result, a, b, alpha, bias, offsets) -> None:
+    """:func:`validate_call` of a grouped call (its ``offsets``; ``a``: the NVFP4
+    activation it was given, decoded here for a kernel that ran on the values)."""
+    if kern.validated:
+        return
+    gemm = result
+    if kern.schedule.epilogue.ops:
+        from cute_fp4.compile import compile as compile_schedule
+
+        a_run = a
+        if kern.signature.a_format.sixteen_bit and isinstance(a, NVFP4Tensor):
+            a_run = dequantize_activation(a)
+        gemm = run_grouped(compile_schedule(kern.unfused_schedule, kern.signature), a_run, b,
+                           offsets, alpha=grouped_alpha(a, b, alpha, b.data.shape[0]))
+    reference.assert_close_grouped(gemm, a, b, offsets, alpha)
+    _assert_fused(kern, result, gemm, bias, offsets)
     kern.validated = True
 
 
 def _assert_fused(kern, result, raw, bias, offsets) -> None:
-    """The fused ``result`` against the unfused pipeline's GEMM ``raw`` (bit for bit)."""
+    """The fused ``result`` against the unfused pipeline's GEMM ``raw`` (bit for bit); no
+    check without fused ops."""
     ops = kern.schedule.epilogue.ops
+    if not ops:
+        return
     name = kern.schedule.name or kern.schedule.label()
     if offsets is None:
         reference.assert_fused(result, raw, bias, ops, kern.silu_group, name,
@@ -524,4 +528,4 @@ def _into(out, y):
 __all__ = ["check_grouped_kernel", "gemm_call", "grouped_call", "grouped_kernel",
            "grouped_op_call", "kernel", "op_call", "operands", "poisoned_check", "reference_call",
            "reference_grouped_call", "run_checked", "run_compiled", "run_grouped",
-           "validate_call", "via_values"]
+           "validate_call", "validate_grouped_call", "via_values"]
