@@ -3,7 +3,8 @@ it (:class:`BoundLaunch`: one validity test, then the kernel's TVM-FFI entry on 
 addresses), else takes the launch path's full path (``cute_fp4.run``) and binds what it
 launched for the next. Three kinds of callers keep them:
 
-* ``gemm``'s eager body (:func:`gemm`): per weight object, per (M, dtypes);
+* ``gemm``'s eager body (:func:`gemm`): per weight object, per (M, dtypes), for W4A16
+  calls and W4A4 calls on an ``NVFP4Tensor`` (its codes, scales and alpha per call);
 * the custom ops' bodies (:func:`mm`: ``cute_fp4::mm`` / ``mm_packed``), whose weight
   wrappers are new every call: keyed by the buffers' addresses (:func:`op_key`);
 * a prepared layer (:class:`Launcher`, ``cute_fp4.layers.Linear``): its W4A16 launch, and
@@ -25,6 +26,7 @@ import torch
 from cute_fp4 import quant, run, workspaces
 from cute_fp4.compile import on_clear
 from cute_fp4.formats import Operand
+from cute_fp4.nvfp4 import NVFP4Tensor
 from cute_fp4.operands import GemmCall, alpha_tensor
 from cute_fp4.tuning import resolution_deadline
 from cute_fp4.workspaces import generation, may_keep, split_workspace
@@ -127,7 +129,9 @@ def gemm(call: GemmCall) -> torch.Tensor:
         return result
 
     def keep(kern, a_, b_, result, alpha_, dims):  # the key holds the call's own alpha
-        remember_gemm(kern, a_, b_, result, call.schedule, call.out_dtype, call.alpha, dims)
+        if a_ is call.a:  # not a W4A4 call run on its activation's values
+            remember_gemm(kern, a_, b_, result, call.schedule, call.out_dtype, call.alpha,
+                          dims)
 
     return run.gemm_call(call, keep)
 
@@ -137,28 +141,46 @@ def bound_gemm(call: GemmCall) -> torch.Tensor | None:
     same weight object left (:func:`remember_gemm`), or None: nothing launched and nothing
     written, and the caller takes the full path, which raises on bad input. Tested here:
     what the binding fixed (:func:`gemm_key`: the schedule, alpha, the weight's shape,
-    scale and alpha buffers); for A and the output, what can differ between calls that the
-    full path's memo would pass (shape, dtype, contiguity, 16-byte alignment, device). The
-    rest (B's data, split-K's stream and workspace, a capture, expiry) is
-    :meth:`BoundLaunch.launch`'s."""
+    scale and alpha buffers); for A (W4A4: its codes and block scales) and the output, what
+    can differ between calls that the full path's memo would pass (shape, dtype,
+    contiguity, 16-byte alignment, device). A W4A4 call without ``alpha`` passes the product
+    of the two global scales made per call (the activation's changes with every
+    quantization). The rest (B's data, split-K's stream and workspace, a capture, expiry)
+    is :meth:`BoundLaunch.launch_ptrs`'s."""
     a, b, out, out_dtype = call.a, call.b, call.out, call.out_dtype
     table = _GEMM_BOUND.get(b)
-    if table is None or a.dim() != 2:
+    if table is None or len(a.shape) != 2:
         return None
     m, k = a.shape
-    bound = table.get((m, a.dtype, out_dtype))
+    w4a4 = type(a) is NVFP4Tensor
+    bound = table.get((m, Operand.NVFP4 if w4a4 else a.dtype, out_dtype))
     key = gemm_key(call.schedule, call.alpha, b)
     if bound is None or bound.key != key:
         return None
     (n, kb), dev = key[4], b.data.get_device()
-    if k != kb or not a.is_contiguous() or a.data_ptr() % 16 or a.get_device() != dev:
+    data = a.data if w4a4 else a
+    if (k != kb or not data.is_contiguous() or data.data_ptr() % 16
+            or data.get_device() != dev or (w4a4 and not _scales_like(a, b, m, k, dev))):
         return None
     if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        out = torch.empty((m, n), dtype=out_dtype, device=data.device)
     elif (type(out) is not torch.Tensor or out.dtype != out_dtype or out.shape != (m, n)
           or not out.is_contiguous() or out.data_ptr() % 16 or out.get_device() != dev):
         return None
-    return out if bound.launch(a, b, out) else None
+    if not w4a4:
+        return out if bound.launch(a, b, out) else None
+    alpha = None if call.alpha is not None else alpha_tensor(a, b, None)
+    ok = bound.launch_ptrs(data.data_ptr(), a.scale.data_ptr(), b.data.data_ptr(),
+                           out.data_ptr(), None if alpha is None else alpha.data_ptr())
+    return out if ok else None
+
+
+def _scales_like(a, b, m: int, k: int, dev: int) -> bool:
+    """A W4A4 activation's block scales as the bound launch reads them: the weight's scale
+    dtype, the blocked shape of [m, k], contiguous, 16-byte aligned, on the device."""
+    sf = a.scale
+    return (sf.dtype == b.scale.dtype and tuple(sf.shape) == b.fmt.scale_shape(m, k)
+            and sf.is_contiguous() and sf.data_ptr() % 16 == 0 and sf.get_device() == dev)
 
 
 def gemm_key(schedule, alpha, b) -> tuple | None:
@@ -177,13 +199,16 @@ def gemm_key(schedule, alpha, b) -> tuple | None:
 
 
 def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims) -> None:
-    """After ``run.run_checked(kernel, a, b, out, alpha, dims)`` ran a W4A16 ``gemm``: keep
-    its binding for :func:`bound_gemm` (nothing for W4A4 or an alpha :func:`bind` cannot
-    fix)."""
+    """After ``run.run_checked(kernel, a, b, out, alpha, dims)`` ran a ``gemm`` on its own
+    activation (a 16-bit tensor, or W4A4 an NVFP4Tensor whose codes and scales a bound call
+    passes): keep its binding for :func:`bound_gemm` (nothing for an alpha :func:`bind`
+    cannot fix)."""
     key = gemm_key(schedule, alpha, b)
-    if type(a) is not torch.Tensor or key is None:
+    w4a4 = type(a) is NVFP4Tensor
+    if not (w4a4 or type(a) is torch.Tensor) or key is None:
         return
-    bound = bind(kernel, a, b, out, alpha, dims, key, resolution_deadline(schedule))
+    bound = bind(kernel, a, b, out, alpha, dims, key, resolution_deadline(schedule),
+                 a_scale_per_call=w4a4)
     if bound is None:
         return
     table = _GEMM_BOUND.get(b)
@@ -191,7 +216,7 @@ def remember_gemm(kernel, a, b, out, schedule, out_dtype, alpha, dims) -> None:
         table = _GEMM_BOUND[b] = {}
     if len(table) >= _BOUND_MAX:
         table.clear()
-    table[(dims[0], a.dtype, out_dtype)] = bound
+    table[(dims[0], Operand.NVFP4 if w4a4 else a.dtype, out_dtype)] = bound
 
 
 # ----------------------------------------------------------------------------- the ops

@@ -27,6 +27,7 @@ _TORCH_OUT = {OutDtype.BF16: torch.bfloat16, OutDtype.FP16: torch.float16,
               OutDtype.FP32: torch.float32}
 ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row pitches
 _MEMO_TYPES = frozenset({NVFP4Tensor, MXFP4Tensor})  # the formats' tensor classes
+_BINDABLE_A = (torch.Tensor, NVFP4Tensor)  # activations a gemm binding takes (W4A16, W4A4)
 K_MULTIPLE = 32  # K: packed FP4 rows of whole 16-byte units
 N_MULTIPLE = 8  # N: bf16/fp16 output rows of whole 16-byte units
 
@@ -87,9 +88,10 @@ class GemmCall:
 
     @property
     def bindable(self) -> bool:
-        """Whether a binding can repeat it (``cute_fp4.bindings``): a W4A16 call on a
-        16-bit tensor, no fused operation, nothing quantized or validated on the way."""
-        return (type(self.a) is torch.Tensor and not self.quantize_a and not self.check
+        """Whether a binding can repeat it (``cute_fp4.bindings``): a call on a 16-bit
+        tensor (W4A16) or an NVFP4Tensor (W4A4), no fused operation, nothing quantized or
+        validated on the way."""
+        return (type(self.a) in _BINDABLE_A and not self.quantize_a and not self.check
                 and self.bias is None and not self.silu_mul and not self.swiglu_oai
                 and self.nvfp4_out is None)
 

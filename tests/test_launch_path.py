@@ -600,7 +600,8 @@ def test_gemm_binds_and_passes_the_arguments_of_the_full_path(stub_gemm_path, mo
 def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
     """A new scale or global-scale buffer, another alpha, schedule, dtype or M: the full
     path (which binds again); bad input after a binding still raises the full path's error,
-    before any launch; W4A4 and a Python alpha never bind; a deep copy has no binding."""
+    before any launch; a Python alpha never binds; W4A4 binds apart from W4A16; a deep copy
+    has no binding."""
     import copy
 
 
@@ -646,8 +647,47 @@ def test_gemm_binding_yields_to_anything_it_did_not_fix(stub_gemm_path):
     assert rec.calls[-1][5] != alpha.data_ptr()
     a4 = cf.quantize(torch.randn(2, K))
     cf.gemm(a4, b, schedule="sm90_128x128x64")
-    assert (2, torch.bfloat16, torch.bfloat16) in bindings._GEMM_BOUND[b]  # the W4A16 one only
+    assert {(2, torch.bfloat16, torch.bfloat16), (2, "nvfp4", torch.bfloat16)} <= set(
+        bindings._GEMM_BOUND[b])  # W4A16's and W4A4's, apart
     assert copy.deepcopy(b) not in bindings._GEMM_BOUND
+
+
+def test_a_w4a4_gemm_binds_with_its_activation_scales_and_alpha_per_call(stub_gemm_path,
+                                                                       monkeypatch):
+    """W4A4 ``gemm`` on NVFP4 activations: the first call takes the full path and binds;
+    the next ones launch through the binding with each call's codes, block scales, output
+    and (no ``alpha`` given) the product of the two global scales made per call, every other
+    argument the first call's; a given alpha tensor is the bound one. Scales of another
+    shape or a misaligned buffer take the full path (which raises on bad input)."""
+    from cute_fp4 import run
+    from cute_fp4.run import run_checked
+
+    rec, built, _ = stub_gemm_path
+    full = []
+    monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or run_checked(*args))
+    b = cf.quantize(torch.randn(N, K))
+    s = "sm90_128x128x64"
+    xs = [cf.quantize(torch.randn(3, K) * (i + 1)) for i in range(3)]
+    ys = [cf.gemm(x, b, schedule=s) for x in xs]
+    assert len(built) == 1 and len(rec.calls) == 3 and len(full) == 1  # then bound
+    assert list(bindings._GEMM_BOUND[b]) == [(3, "nvfp4", torch.bfloat16)]
+    first, *rest = rec.calls
+    for x, y, args in zip(xs[1:], ys[1:], rest):
+        assert args[:2] == (x.data.data_ptr(), x.scale.data_ptr()) and args[4] == y.data_ptr()
+        assert args[2:4] + args[11:] == first[2:4] + first[11:]  # B, sizes, stream
+        # alpha made per call, in its slot and the unsplit launch's workspace slots (the
+        # absent bias and NVFP4-output slots, 8-10, hold an address never read)
+        assert args[5] == args[6] == args[7] != b.global_scale.data_ptr()
+    alpha = torch.tensor(0.5)
+    cf.gemm(xs[0], b, schedule=s, alpha=alpha)
+    cf.gemm(xs[1], b, schedule=s, alpha=alpha)
+    assert len(full) == 2 and rec.calls[-1][5] == alpha.data_ptr()  # bound, its alpha
+    odd = cf.quantize(torch.randn(3, K))
+    odd.scale = odd.scale[:-1]  # blocked scales of another shape: the full path's error
+    n = len(rec.calls)
+    with pytest.raises(InputError):
+        cf.gemm(odd, b, schedule=s)
+    assert len(rec.calls) == n
 
 
 def test_gemm_binding_matches_a_schedule_object_by_identity(stub_gemm_path):
@@ -849,16 +889,18 @@ def test_validate_holds_the_gemm_and_the_fused_bits_once(monkeypatch):
 
 
 def test_a_gemm_call_record_is_bound_only_when_a_binding_can_repeat_it(monkeypatch):
-    """``GemmCall.bindable``: a plain W4A16 call on a 16-bit tensor; a call that quantizes
-    its activation, is validated, has a fused operation or a block-tensor activation takes
-    the full path every time (``bindings.gemm`` never looks for a binding for it)."""
+    """``GemmCall.bindable``: a plain call on a 16-bit tensor or an NVFP4Tensor; a call that
+    quantizes its activation, is validated, has a fused operation or another activation
+    type takes the full path every time (``bindings.gemm`` never looks for a binding)."""
     b = cf.quantize(torch.randn(16, 64))
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     plain = operands.GemmCall(x, b)
     assert plain.bindable and not plain.packed and plain.ops == ()
+    assert plain.replace(a=cf.quantize(x.float())).bindable  # W4A4
     others = [plain.replace(quantize_a=True), plain.replace(check=True),
               plain.replace(bias=torch.zeros(16)), plain.replace(silu_mul=True),
-              plain.replace(nvfp4_out=1.0), plain.replace(a=cf.quantize(x.float()))]
+              plain.replace(nvfp4_out=1.0),
+              plain.replace(a=torch.nn.Parameter(x, requires_grad=False))]
     assert not any(c.bindable for c in others)
     assert others[2].ops == ("bias",) and others[4].ops == ("nvfp4_out",)
     seen = []

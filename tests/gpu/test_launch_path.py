@@ -169,3 +169,33 @@ def test_bound_gemm_calls_follow_new_inputs_and_weights():
             b.scale = b.scale.clone()
     assert len(bindings._GEMM_BOUND[b]) >= 2  # the calls did bind (per M and dtype)
     bindings.clear_bindings()
+
+
+@selection.needs_bindings
+def test_bound_w4a4_gemm_calls_follow_new_activations(monkeypatch):
+    """W4A4 calls after the first on a weight launch through its binding with each call's
+    codes, block scales and (alpha not given) the product of the two global scales: new
+    activations of other magnitudes (new global scales), one rewritten in place, given or
+    allocated outputs, several M, and a given alpha tensor all give the reference's
+    result; outputs are poisoned first."""
+    if not selection.supports("nvfp4"):
+        pytest.skip(f"W4A4 does not run on {selection.family()} here")
+    bindings.clear_bindings()
+    full, checked = [], run.run_checked
+    monkeypatch.setattr(run, "run_checked", lambda *args: full.append(1) or checked(*args))
+    _, b = make_operands(16, 1024, 4096, "nvfp4")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    alpha = torch.tensor(0.75, device="cuda")
+    for step in range(9):
+        m = (1, 16, 3)[step % 3] if step < 6 else 16
+        x = torch.randn(m, 4096, device="cuda", generator=gen) * (step + 1)
+        a = cf.quantize(x)
+        if step == 4:  # the same tensors rewritten: the binding reads them per call
+            a.data.copy_(torch.roll(a.data, 1, dims=0))
+        out = torch.full((m, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+        given = alpha if step >= 6 else None
+        y = cf.gemm(a, b, out=out, alpha=given) if step % 2 else cf.gemm(a, b, alpha=given)
+        assert reference.check(y, a, b, given).passed, step
+    # the full path: the first call at each M, and the first with the given alpha
+    assert len(full) == 4 and (16, "nvfp4", torch.bfloat16) in bindings._GEMM_BOUND[b]
+    bindings.clear_bindings()
