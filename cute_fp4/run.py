@@ -134,11 +134,11 @@ def gemm_call(call: GemmCall, keep=None) -> torch.Tensor:
     (:func:`via_values`). ``keep(kernel, a, b, result, alpha, dims)``: called after a
     launch that was not validated, without fused ops, on the operands it ran (a binding can
     fix it)."""
-    ops = call.ops
     if call.quantize_a:
         call = _quantized(call)
     if reference_mode():
-        return reference_call(call, ops)
+        return reference_call(call)
+    ops = call.ops
     a, b, alpha = call.a, call.b, call.alpha
     packed = call.packed
     view = _plain_view(b) if packed else b
@@ -471,13 +471,13 @@ def poisoned_check(kernel, a, b: BlockTensor) -> reference.CheckResult:
 
 # ----------------------------------------------------------------------------- the reference
 
-def reference_call(call: GemmCall, ops: tuple[str, ...] = ()):
+def reference_call(call: GemmCall):
     """A dense call under ``targets.reference_mode``: the same operand checks on any
     device, then the exact reference instead of a kernel (``reference.gemm``, the fused
-    ``ops`` by their definition, ``reference.fused``, with ``call.group`` or the gate/up
-    group of the kernels that read ``b``'s layout on its device: ``fused.device_group``);
-    written into ``call.out`` when given."""
-    a, b, out, out_dtype = call.a, call.b, call.out, call.out_dtype
+    ops, ``call.ops``, by their definition, ``reference.fused``, with ``call.group`` or the
+    gate/up group of the kernels that read ``b``'s layout on its device:
+    ``fused.device_group``); written into ``call.out`` when given."""
+    a, b, out, out_dtype, ops = call.a, call.b, call.out, call.out_dtype, call.ops
     packed = call.packed
     view = _plain_view(b) if packed else b
     check_call(a, view, out, call.alpha, out_dtype, ops, call.bias, require_cuda=False)

@@ -59,9 +59,6 @@ from cute_fp4.operands import K_MULTIPLE, N_MULTIPLE, GemmCall
 from cute_fp4.packed import PackedWeight, pack, packed_class, unpack
 from cute_fp4.targets import reference_mode
 
-_BOUND_MAX = 64  # bindings per layer: many distinct M (prefill) clear the table
-
-
 # ----------------------------------------------------------------------------- the layer
 
 class Linear:
