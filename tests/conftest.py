@@ -31,8 +31,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# the slowest CPU tests, ~4 of the suite's ~9 minutes on a 2-core machine
-SIDE_MODULES = ("test_sm120_mainloop.py", "test_epilogue.py")
+# CPU work that shares nothing with the rest, ~3.5 of the suite's ~8 minutes on a 2-core
+# machine: the mainloop and epilogue traces, the fragment-layout probes (cute.compile of
+# probes, nothing cached) and the harness watchdog (child processes, a 3 s hang)
+SIDE_MODULES = ("test_sm120_mainloop.py", "test_epilogue.py", "test_sf_layout.py",
+                "test_sm120_harness.py")
 SIDE_ENV = "CUTE_FP4_SIDE_PROCESS"  # "0": no side process; in the side process: its JSON
 SIDE_TIMEOUT_S = 1800
 _SIDE = pytest.StashKey()
