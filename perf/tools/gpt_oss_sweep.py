@@ -5,7 +5,7 @@ tokens, against torch ``_grouped_mm`` on the BF16 experts in the same run. Timin
 perf/gpt_oss.py's (CUDA-graph replays of calls cycling eight routings).
 
     python3 perf/tools/gpt_oss_sweep.py --out FILE.json [--experts 32 128] [--tokens 1 4 16]
-        [--stages 4 6 8] [--per-gemm]
+        [--stages 4 6 8] [--w8-stages 1 3 4] [--only NAME ...] [--per-gemm]
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ from cute_fp4.layers import Experts  # noqa: E402
 STREAM = "sm90_mxfp4_stream_grouped_decode"
 
 
-def candidates(stages) -> dict:
+def candidates(stages, w8_stages=(), only=()) -> dict:
     """Name -> schedule (a catalogue name or a derived Schedule) of each candidate: the
     grouped stream kernel's catalogue variants, its ring at each of ``stages`` K units per
-    batch, and the rs_packed decode tile."""
-    s = catalogue.get(STREAM)
+    batch (the eight-warp kernel's at each of ``w8_stages``), and the rs_packed decode tile;
+    ``only``: the candidates whose names are in it (all when empty)."""
+    s, w8 = catalogue.get(STREAM), catalogue.get(f"{STREAM}_w8")
     out = {f"{STREAM}+stages={n}": s.replace(stages=n) for n in stages}
+    out.update({f"{STREAM}_w8+stages={n}": w8.replace(stages=n) for n in w8_stages})
     named = {n: n for n in (f"{STREAM}_deep", f"{STREAM}_w8")}
-    return {STREAM: STREAM, **named, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
+    every = {STREAM: STREAM, **named, **out, "sm90_grouped_decode": "sm90_grouped_decode"}
+    return {k: v for k, v in every.items() if not only or k in only}
 
 
 def point(experts: int, tokens: int, st: dict, ex: Experts, args) -> dict:
@@ -62,7 +65,7 @@ def point(experts: int, tokens: int, st: dict, ex: Experts, args) -> dict:
     fn = bench._cycle([lambda c=c: torch_gemms(c) for c in cases])
     row["torch_us"] = bench.graph_us(fn, args.iters, args.reps)
     c0 = cases[0]
-    for name, s in candidates(args.stages).items():
+    for name, s in candidates(args.stages, args.w8_stages, args.only).items():
         try:
             got = grouped_gemm(c0["xs"], ex.w13, c0["r"].offsets, bias=b13, swiglu_oai=True,
                                schedule=s, check=True)
@@ -96,6 +99,9 @@ def main() -> None:
     p.add_argument("--per-gemm", action="store_true", help="also each GEMM alone")
     p.add_argument("--stages", type=int, nargs="*", default=[4, 6, 8],
                    help="ring depths to try beside the catalogue's")
+    p.add_argument("--w8-stages", type=int, nargs="*", default=[],
+                   help="the eight-warp kernel's ring depths to try")
+    p.add_argument("--only", nargs="*", default=[], help="these candidates alone (names)")
     args = p.parse_args()
     rows = []
     for experts in args.experts:
