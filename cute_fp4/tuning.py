@@ -465,9 +465,7 @@ class GroupedAuto(NamedTuple):
     least ``large[1]`` (``large[0]``); 16-bit activations on a packed stack averaging at most
     ``stream[1]`` rows take the grouped weight-streaming kernel ``stream[0]`` while its CTAs
     (routed experts, at most min(E, total_M), x N / 64) number at most ``stream_max_units``
-    with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it; of those, the
-    few-CTA variant ``stream_few[0]`` while its CTAs number at most ``stream_few[1]`` (more
-    warps or more bytes in flight per CTA beat more resident CTAs there)."""
+    with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it."""
 
     default: str
     decode: tuple[str, int]
@@ -476,7 +474,6 @@ class GroupedAuto(NamedTuple):
     stream_max_units: float = float("inf")
     stream_max_k: float = float("inf")
     stream_long_k_units: float = 0
-    stream_few: tuple[str, int] | None = None
 
 
 # sm_90a. Decode: measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows
@@ -515,7 +512,7 @@ def grouped_auto_name(family: str, dims=None) -> str:
 
     per_expert = dims.total_m / max(dims.experts, 1)
     if _stream_fits(g, dims):
-        return g.stream_few[0] if _stream_few(g, dims) else g.stream[0]
+        return g.stream[0]
     decode, few = g.decode
     large, many = g.large or (None, float("inf"))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
@@ -530,12 +527,6 @@ def _stream_units(dims) -> int:
     """The grouped stream kernel's CTAs at most: routed experts (at most min(E, total_M))
     times N / 64 weight blocks."""
     return min(dims.experts, dims.total_m) * -(-dims.n // 64)
-
-
-def _stream_few(g: GroupedAuto, dims) -> bool:
-    """Whether the grouped stream kernel of ``g`` for ``dims`` is its few-CTA variant (host
-    arithmetic only: every grouped call's memo key asks it, :func:`grouped_regime`)."""
-    return g.stream_few is not None and _stream_units(dims) <= g.stream_few[1]
 
 
 def resolve_grouped(schedule, out_dtype="bf16", dims=None) -> Schedule:
@@ -617,8 +608,7 @@ def grouped_regime(schedule, dims) -> tuple | None:
     few = tuple(dims.total_m <= g.decode[1] * experts for g in rows)
     many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
     stream = tuple(_stream_fits(g, dims) for g in rows)
-    few_ctas = tuple(_stream_few(g, dims) for g in rows)
-    return few, many, stream, few_ctas, dims.a_format
+    return few, many, stream, dims.a_format
 
 
 # ----------------------------------------------------------------------------- the table
@@ -651,13 +641,14 @@ def _sm90_mxfp4_packed(m: int, n: int, k: int, a_format: str = Operand.BF16,
 # perf/tools/gpt_oss_sweep.py: both GEMMs of a gpt-oss layer, H = I = 2880, top-4): the stream
 # kernel against the rs_packed decode tile 0.98x at 1 token (360 and 180 CTAs), 0.87-0.92x at
 # 4 (~1,300), 0.95x at 16 (~2,500-4,500 CTAs; the bound of 128 experts: 5,760); a four-unit
-# ring 0.89-0.90x the default's time at 1 token, 1.06-1.14x at 4 and 16. At one token on an
-# H100 (perf/results/2026-12-06-h100-w8-route.md, same run): eight warps per CTA
-# (sm90_mxfp4_stream_grouped_decode_w8) 0.86-0.90x the default's time, the four-unit ring
-# 0.94-0.96x; eight warps were not timed on the H200. "Few": three CTAs per SM of 132
+# ring 0.89-0.90x the then two-unit default's time at 1 token, 1.06-1.14x at 4 and 16. H100,
+# same run (perf/results/2026-12-06-h100-stream-stages.md): the one-unit ring the stream
+# kernel now has 0.76x the two-unit ring's time at 1 token, 0.86-0.99x at 4, 0.90-0.93x at
+# 16, and 0.92x eight warps per CTA with one unit (sm90_mxfp4_stream_grouped_decode_w8) at
+# 1 token, which "auto" took there before; not timed on the H200 yet
 _SM90_MXFP4_GROUPED = _SM90_GROUPED._replace(
     default="sm90_mxfp4_grouped", large=None, stream=("sm90_mxfp4_stream_grouped_decode", 4),
-    stream_max_units=6000, stream_few=("sm90_mxfp4_stream_grouped_decode_w8", 3 * 132))
+    stream_max_units=6000)
 _SM120_MXFP4_GROUPED = _SM120_GROUPED._replace(default="sm120_mxfp4_grouped")
 
 

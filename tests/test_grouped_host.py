@@ -759,14 +759,14 @@ def test_auto_takes_the_stream_kernel_for_few_ctas(rows, experts, n, k, want):
         "sm90_stream_grouped_decode"
 
 
-@pytest.mark.parametrize("tokens, experts, n, want", [
-    (1, 32, 5760, "_w8"),  # gpt-oss gate_up, 1 token x top-4: 360 CTAs, eight warps each
-    (1, 128, 2880, "_w8"),  # down: 180 CTAs
-    (4, 32, 5760, ""),  # 16 x 90 = 1,440 CTAs: the default ring
-    (16, 128, 5760, ""),  # bound 64 x 90 = 5,760 CTAs: still the stream kernel
-    (64, 32, 2880, None),  # 8 rows per expert: past the stream kernel's 4
+@pytest.mark.parametrize("tokens, experts, n, stream", [
+    (1, 32, 5760, True),  # gpt-oss gate_up, 1 token x top-4: 360 CTAs
+    (1, 128, 2880, True),  # down: 180 CTAs
+    (4, 32, 5760, True),  # 16 x 90 = 1,440 CTAs
+    (16, 128, 5760, True),  # bound 64 x 90 = 5,760 CTAs: still the stream kernel
+    (64, 32, 2880, False),  # 8 rows per expert: past the stream kernel's 4
 ])
-def test_auto_for_gpt_oss_experts_on_sm90(tokens, experts, n, want):
+def test_auto_for_gpt_oss_experts_on_sm90(tokens, experts, n, stream):
     from cute_fp4.plan import plan
     from cute_fp4.schedule import Problem
 
@@ -774,16 +774,11 @@ def test_auto_for_gpt_oss_experts_on_sm90(tokens, experts, n, want):
     name = tuning.grouped_auto_name("sm90", dims)
     s = catalogue.get(name)
     assert plan(s, Problem(a_format="bf16", b_format="mxfp4", groups=experts)).ok, name
-    if want is None:
+    if not stream:
         assert s.mainloop.value == "rs_packed", name
         return
-    assert name == f"sm90_mxfp4_stream_grouped_decode{want}"
-    if want:  # the regime (the memo key of "auto") tells the two variants apart
-        four = dims._replace(total_m=16 * 4)
-        assert tuning.grouped_auto_name("sm90", four) == "sm90_mxfp4_stream_grouped_decode"
-        assert tuning.grouped_regime("auto", dims) != tuning.grouped_regime("auto", four)
-    # NVFP4 experts keep their row's kernel (the few-CTA variants were timed on MXFP4 only)
-    assert "w8" not in tuning.grouped_auto_name("sm90", dims._replace(b_format="nvfp4"))
+    assert name == "sm90_mxfp4_stream_grouped_decode"
+    assert s.stages == 1  # one K unit per batch of the ring (the schedule's docstring)
 
 
 def test_gemm_refuses_an_expert_stack_with_a_pointer_to_grouped_gemm():

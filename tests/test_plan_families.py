@@ -277,9 +277,9 @@ ACCOUNTING = {
     ("sm90_mxfp4_grouped", "bf16+mxfp4"): (5, 208_896, (128, 128)),
     ("sm90_mxfp4_rs_packed", "bf16+mxfp4"): (4, 201_728, (128, 256)),
     ("sm90_mxfp4_stream_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
-    ("sm90_mxfp4_stream_grouped_decode", "bf16+mxfp4"): (2, 36_864, (8, 64)),
+    ("sm90_mxfp4_stream_grouped_decode", "bf16+mxfp4"): (1, 18_432, (8, 64)),
     ("sm90_mxfp4_stream_grouped_decode_deep", "bf16+mxfp4"): (4, 73_728, (8, 64)),
-    ("sm90_mxfp4_stream_grouped_decode_w8", "bf16+mxfp4"): (2, 73_728, (8, 64)),
+    ("sm90_mxfp4_stream_grouped_decode_w8", "bf16+mxfp4"): (1, 36_864, (8, 64)),
 }
 
 
