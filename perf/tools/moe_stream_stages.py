@@ -1,10 +1,11 @@
 """The NVFP4 grouped stream kernel's ring depth on MoE decode shapes: both grouped GEMMs of
 one experts layer (gate_up ``N = 2 I, K = H`` then down ``N = H, K = I``, W4A16, BF16
 activations, fragment-order packed experts) back to back, at ``stages`` K units per batch
-of each warp's ring, against torch ``_grouped_mm`` on the BF16 experts in the same run.
+of each warp's ring (and the schedules of ``--also``: "auto", the rs_packed decode tile),
+against torch ``_grouped_mm`` on the BF16 experts in the same run.
 
     python3 perf/tools/moe_stream_stages.py --out FILE.json [--models qwen3-30b-a3b ...]
-        [--tokens 1 4 16] [--stages 1 2] [--experts E]
+        [--tokens 1 4 16] [--stages 1 2] [--experts E] [--also NAME ...] [--per-gemm]
 
 Shapes: a Qwen3-30B-A3B-like layer (hidden 2048, expert intermediate 768, 128 experts) and
 a DeepSeek-V3-like one (hidden 7168, intermediate 2048; ``--experts`` caps its 256 experts,
@@ -75,19 +76,31 @@ def point(model: str, experts: int, tokens: int, w13, w2, args) -> dict:
     row = {"model": model, "experts": experts, "tokens": tokens}
     row["torch_us"] = graph_us(_cycle([lambda c=c: torch_gemms(c) for c in cases]),
                                args.iters, args.reps)
+    candidates = {f"stages={n}": catalogue.get(STREAM).replace(stages=n) for n in args.stages}
+    candidates.update({name: name for name in args.also})
     first = None
-    for n in args.stages:
-        s = catalogue.get(STREAM).replace(stages=n)
+    for name, s in candidates.items():
         c0 = cases[0]
-        got = grouped_gemm(c0["xs"], w13[0], c0["r"].offsets, schedule=s, check=True)
+        try:
+            got = grouped_gemm(c0["xs"], w13[0], c0["r"].offsets, schedule=s, check=True)
+        except Exception as e:  # a refused candidate: say which and why
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(model, experts, tokens, name, row[name], flush=True)
+            continue
         grouped_gemm(c0["act"], w2[0], c0["r"].offsets, schedule=s, check=True)
         first = got if first is None else first
         us = graph_us(_cycle([lambda c=c, s=s: ours(c, s) for c in cases]), args.iters,
                       args.reps)
-        row[f"stages={n}"] = {"us": us, "x_torch": row["torch_us"] / us,
-                              "max_diff_vs_first": float((got.float() - first.float()).abs()
-                                                         .max())}
-        print(model, experts, tokens, n, row[f"stages={n}"], flush=True)
+        row[name] = {"us": us, "x_torch": row["torch_us"] / us,
+                     "max_diff_vs_first": float((got.float() - first.float()).abs().max())}
+        if args.per_gemm:  # each GEMM alone
+            row[name]["gate_up_us"] = graph_us(_cycle([
+                lambda c=c, s=s: grouped_gemm(c["xs"], w13[0], c["r"].offsets, schedule=s)
+                for c in cases]), args.iters, args.reps)
+            row[name]["down_us"] = graph_us(_cycle([
+                lambda c=c, s=s: grouped_gemm(c["act"], w2[0], c["r"].offsets, schedule=s)
+                for c in cases]), args.iters, args.reps)
+        print(model, experts, tokens, name, row[name], flush=True)
     return row
 
 
@@ -98,6 +111,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 1])
     p.add_argument("--experts", type=int, default=64, help="DeepSeek-V3's experts at most")
+    p.add_argument("--also", nargs="*", default=[],
+                   help='more schedules to time: catalogue names or "auto"')
+    p.add_argument("--per-gemm", action="store_true", help="also each GEMM alone")
     p.add_argument("--iters", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
