@@ -465,7 +465,8 @@ class GroupedAuto(NamedTuple):
     least ``large[1]`` (``large[0]``); 16-bit activations on a packed stack averaging at most
     ``stream[1]`` rows take the grouped weight-streaming kernel ``stream[0]`` while its CTAs
     (routed experts, at most min(E, total_M), x N / 64) number at most ``stream_max_units``
-    with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it."""
+    with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it (there the
+    schedule ``stream_long_k`` where one is named: a deeper ring for a long K)."""
 
     default: str
     decode: tuple[str, int]
@@ -474,6 +475,7 @@ class GroupedAuto(NamedTuple):
     stream_max_units: float = float("inf")
     stream_max_k: float = float("inf")
     stream_long_k_units: float = 0
+    stream_long_k: str | None = None
 
 
 # sm_90a. Decode: measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows
@@ -486,11 +488,16 @@ class GroupedAuto(NamedTuple):
 # 0.79x at 192 and 256 CTAs (Qwen3-30B-A3B 1 token), 0.85x at 768 (4 tokens gate_up), 1.20x
 # at 1024 (4 tokens down), 1.17x and 1.26x at 2064 and 2752 (16 tokens); 1.17x at 512 CTAs
 # with K = 7168 (DeepSeek-V3 1 token gate_up: a second, partial wave of long CTAs),
-# 0.92-0.96x with K = 7168 and 1920+ CTAs (4-128 tokens).
+# 0.92-0.96x with K = 7168 and 1920+ CTAs (4-128 tokens). Those streams had a ring of two K
+# units per batch; H100, 2026-12-06 (perf/results/2026-12-06-h100-nvfp4-stream-stages.md):
+# with K up to 4096 one unit per batch takes 0.83x the time of two (Qwen3-30B-A3B gate_up, 4
+# tokens, 768 CTAs; 1.0x at 1 token), with K = 7168 1.08x (DeepSeek-V3 gate_up, 4 tokens),
+# so a long K keeps two (sm90_stream_grouped_decode_long_k)
 _SM90_GROUPED = GroupedAuto("sm90_grouped", ("sm90_grouped_decode", 16),
                             ("sm90_grouped_large", 192), ("sm90_stream_grouped_decode", 4),
                             stream_max_units=800, stream_max_k=4096,
-                            stream_long_k_units=1600)
+                            stream_long_k_units=1600,
+                            stream_long_k="sm90_stream_grouped_decode_long_k")
 # SM12x: the grouped stream kernel is its only W4A16 grouped kernel, so every size takes it
 _SM120_GROUPED = GroupedAuto("sm120_grouped", ("sm120_grouped_decode", 32),
                              stream=("sm120_stream_grouped_decode", float("inf")))
@@ -512,7 +519,7 @@ def grouped_auto_name(family: str, dims=None) -> str:
 
     per_expert = dims.total_m / max(dims.experts, 1)
     if _stream_fits(g, dims):
-        return g.stream[0]
+        return g.stream_long_k if _long_k(g, dims) else g.stream[0]
     decode, few = g.decode
     large, many = g.large or (None, float("inf"))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
@@ -521,6 +528,12 @@ def grouped_auto_name(family: str, dims=None) -> str:
                 a_format=dims.a_format, b_format=dims.b_format)).ok:
             return name
     return g.default
+
+
+def _long_k(g: GroupedAuto, dims) -> bool:
+    """Whether a streamed grouped call of ``dims`` takes ``g.stream_long_k`` (host
+    arithmetic only: every grouped call's memo key asks it, :func:`grouped_regime`)."""
+    return g.stream_long_k is not None and dims.k > g.stream_max_k
 
 
 def _stream_units(dims) -> int:
@@ -608,7 +621,8 @@ def grouped_regime(schedule, dims) -> tuple | None:
     few = tuple(dims.total_m <= g.decode[1] * experts for g in rows)
     many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
     stream = tuple(_stream_fits(g, dims) for g in rows)
-    return few, many, stream, dims.a_format
+    long_k = tuple(_long_k(g, dims) for g in rows)
+    return few, many, stream, long_k, dims.a_format
 
 
 # ----------------------------------------------------------------------------- the table
@@ -648,7 +662,7 @@ def _sm90_mxfp4_packed(m: int, n: int, k: int, a_format: str = Operand.BF16,
 # 1 token, which "auto" took there before; not timed on the H200 yet
 _SM90_MXFP4_GROUPED = _SM90_GROUPED._replace(
     default="sm90_mxfp4_grouped", large=None, stream=("sm90_mxfp4_stream_grouped_decode", 4),
-    stream_max_units=6000)
+    stream_max_units=6000, stream_long_k=None)
 _SM120_MXFP4_GROUPED = _SM120_GROUPED._replace(default="sm120_mxfp4_grouped")
 
 

@@ -753,10 +753,25 @@ def test_auto_picks_by_rows_per_expert(family, rows, fmt, want):
 ])
 def test_auto_takes_the_stream_kernel_for_few_ctas(rows, experts, n, k, want):
     dims = cops.GroupedDims(rows, n, k, experts, "bf16", True)
-    assert (tuning.grouped_auto_name("sm90", dims) == "sm90_stream_grouped_decode") == want
+    stream = "sm90_stream_grouped_decode" + ("_long_k" if k > 4096 else "")
+    name = tuning.grouped_auto_name("sm90", dims)
+    assert (name == stream) == want, name
+    if want:  # one K unit per batch of the ring, two for a long K
+        assert catalogue.get(name).stages == (2 if k > 4096 else 1)
     assert tuning.grouped_auto_name("sm120", dims) == "sm120_stream_grouped_decode"
-    assert tuning.grouped_auto_name("sm90", dims._replace(packed=False)) != \
-        "sm90_stream_grouped_decode"
+    assert "stream" not in tuning.grouped_auto_name("sm90", dims._replace(packed=False))
+
+
+def test_a_long_k_stream_is_its_own_auto_regime():
+    """The regime (the memo key of "auto") tells a long-K stream from a short one."""
+    long_k = cops.GroupedDims(32, 4096, 7168, 256, "bf16", True)  # DeepSeek-V3 gate_up
+    short = cops.GroupedDims(32, 1536, 2048, 128, "bf16", True)  # Qwen3-30B-A3B gate_up
+    assert tuning.grouped_auto_name("sm90", long_k) == "sm90_stream_grouped_decode_long_k"
+    assert tuning.grouped_auto_name("sm90", short) == "sm90_stream_grouped_decode"
+    assert tuning.grouped_regime("auto", long_k) != tuning.grouped_regime("auto", short)
+    # MXFP4 experts past K 4096 keep their one stream schedule
+    assert tuning.grouped_auto_name("sm90", long_k._replace(b_format="mxfp4")) == \
+        "sm90_mxfp4_stream_grouped_decode"
 
 
 @pytest.mark.parametrize("tokens, experts, n, stream", [

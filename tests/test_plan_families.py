@@ -269,7 +269,8 @@ ACCOUNTING = {
     ("sm90_rs_packed_w256", "nvfp4"): (7, 227_328, (128, 256)),
     ("sm90_rs_packed_w256", "bf16"): (4, 205_824, (128, 256)),
     ("sm90_stream_decode", "bf16"): (2, 36_864, (8, 64)),
-    ("sm90_stream_grouped_decode", "bf16"): (2, 36_864, (8, 64)),
+    ("sm90_stream_grouped_decode", "bf16"): (1, 18_432, (8, 64)),
+    ("sm90_stream_grouped_decode_long_k", "bf16"): (2, 36_864, (8, 64)),
     # MXFP4 (weights; "mxfp4": W4A4 both, "bf16+mxfp4": W4A16): half NVFP4's scale bytes
     ("sm120_mxfp4", "mxfp4"): (3, 87_040, (128, 128)),
     ("sm120_mxfp4_grouped", "mxfp4"): (5, 89_088, (128, 128)),
