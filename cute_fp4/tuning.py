@@ -612,8 +612,9 @@ def _stream_fits(g: GroupedAuto, dims) -> bool:
 
 
 def grouped_regime(schedule, dims) -> tuple | None:
-    """What "auto" depends on besides the device: (decode-sized?, large?, streamed?) per GPU
-    family, and the A format; None for a named schedule."""
+    """What "auto" depends on besides the device: (decode-sized?, large?, streamed?,
+    streamed with the long-K schedule?) per GPU family, and the A format; None for a named
+    schedule."""
     if schedule != "auto" or dims is None:
         return None
     experts = max(dims.experts, 1)
@@ -621,7 +622,7 @@ def grouped_regime(schedule, dims) -> tuple | None:
     few = tuple(dims.total_m <= g.decode[1] * experts for g in rows)
     many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
     stream = tuple(_stream_fits(g, dims) for g in rows)
-    long_k = tuple(_long_k(g, dims) for g in rows)
+    long_k = tuple(fits and _long_k(g, dims) for fits, g in zip(stream, rows))
     return few, many, stream, long_k, dims.a_format
 
 
