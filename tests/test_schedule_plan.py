@@ -52,6 +52,13 @@ def test_target_aliases():
     assert Schedule(target="sm_90a").arch.smem_per_block == 232_448
 
 
+def least_stages(s) -> int:
+    """The fewest stages a catalogue schedule may plan: a pipeline of two; the stream
+    kernel's ring is two batches of ``stages`` K units (planning/stream.py: RING), so one
+    unit per batch double-buffers."""
+    return 1 if s.mainloop.value == "stream" else 2
+
+
 @pytest.mark.parametrize("s", CATALOGUE, ids=lambda s: s.name)
 def test_catalogue_plans(s):
     p = plan(s)
@@ -59,10 +66,7 @@ def test_catalogue_plans(s):
         assert not p.ok
         return
     assert p.ok, p.reasons
-    # a pipeline of at least two stages; the stream kernel's ring is two batches of
-    # ``stages`` K units (planning/stream.py: RING), so one unit per batch double-buffers
-    least = 1 if s.mainloop.value == "stream" else 2
-    assert p.stages >= least, f"{s.name}: {p.stages} stage(s)"
+    assert p.stages >= least_stages(s), f"{s.name}: {p.stages} stage(s)"
     assert p.smem_bytes <= s.arch.smem_per_block
     assert p.smem_bytes == sum(_align(r.bytes) for r in p.regions)
     # auto is maximal (one more stage would not fit), except the stream kernel's, whose
