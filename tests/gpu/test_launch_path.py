@@ -26,6 +26,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def poisoned(m: int, n: int) -> torch.Tensor:
+    """A BF16 output filled with NaN, so a launch that writes nothing fails."""
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
 def decode_schedule():
     return selection.decode_schedule()
 
@@ -48,12 +53,12 @@ def fresh_kernels():
 def test_tvm_ffi_path_is_used_and_matches_the_dsl_path(monkeypatch, fresh_kernels):
     fmt = one_format()
     a, b = make_operands(16, 1024, 4096, fmt)
-    y = cf.gemm(a, b)
+    y = cf.gemm(a, b, out=poisoned(16, 1024))
     kern = run.kernel("auto", (16, 1024, 4096, fmt), torch.bfloat16, b.data.get_device())
     assert kern.call_path == "tvm-ffi"
     monkeypatch.setenv(host.TVM_FFI_ENV, "0")
     host.clear_cache()
-    y_dsl = cf.gemm(a, b)
+    y_dsl = cf.gemm(a, b, out=poisoned(16, 1024))
     kern_dsl = run.kernel("auto", (16, 1024, 4096, fmt), torch.bfloat16,
                           b.data.get_device())
     assert kern_dsl.call_path == "dsl" and kern_dsl is not kern
@@ -69,12 +74,12 @@ def test_a_disk_cache_load_launches(monkeypatch, tmp_path, fresh_kernels):
     a, b = make_operands(16, 512, 2048, "nvfp4")
     host.clear_cache()
     built = host.compile(s, host.Signature("nvfp4"))
-    y1 = run.run_compiled(built, a, b)
+    y1 = run.run_compiled(built, a, b, out=poisoned(16, 512))
     host.clear_cache()
     loaded = host.compile(s, host.Signature("nvfp4"))
     assert built.source == "built" and loaded.source == "loaded"
     assert loaded.call_path == ("tvm-ffi" if HAVE_TVM_FFI else "dsl")
-    y2 = run.run_compiled(loaded, a, b)
+    y2 = run.run_compiled(loaded, a, b, out=poisoned(16, 512))
     torch.cuda.synchronize()
     assert torch.equal(bits(y1), bits(y2)) and reference.check(y2, a, b).passed
 
