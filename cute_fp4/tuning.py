@@ -466,7 +466,9 @@ class GroupedAuto(NamedTuple):
     ``stream[1]`` rows take the grouped weight-streaming kernel ``stream[0]`` while its CTAs
     (routed experts, at most min(E, total_M), x N / 64) number at most ``stream_max_units``
     with K up to ``stream_max_k``, or at least ``stream_long_k_units`` past it (there the
-    schedule ``stream_long_k`` where one is named: a deeper ring for a long K)."""
+    schedule ``stream_long_k`` where one is named: a deeper ring for a long K); a stream of
+    at most ``stream_few_units`` CTAs (up to ``stream_max_k``) takes ``stream_few`` where
+    one is named (more warps per CTA for a grid of few CTAs)."""
 
     default: str
     decode: tuple[str, int]
@@ -476,6 +478,8 @@ class GroupedAuto(NamedTuple):
     stream_max_k: float = float("inf")
     stream_long_k_units: float = 0
     stream_long_k: str | None = None
+    stream_few_units: float = 0
+    stream_few: str | None = None
 
 
 # sm_90a. Decode: measured on the H200 (perf/tools/grouped_tiles.py, 2026-12-01): at 1-4 rows
@@ -519,7 +523,9 @@ def grouped_auto_name(family: str, dims=None) -> str:
 
     per_expert = dims.total_m / max(dims.experts, 1)
     if _stream_fits(g, dims):
-        return g.stream_long_k if _long_k(g, dims) else g.stream[0]
+        if _long_k(g, dims):
+            return g.stream_long_k
+        return g.stream_few if _few_ctas(g, dims) else g.stream[0]
     decode, few = g.decode
     large, many = g.large or (None, float("inf"))
     first = [decode] if per_expert <= few else [large] if per_expert >= many else []
@@ -534,6 +540,14 @@ def _long_k(g: GroupedAuto, dims) -> bool:
     """Whether a streamed grouped call of ``dims`` takes ``g.stream_long_k`` (host
     arithmetic only: every grouped call's memo key asks it, :func:`grouped_regime`)."""
     return g.stream_long_k is not None and dims.k > g.stream_max_k
+
+
+def _few_ctas(g: GroupedAuto, dims) -> bool:
+    """Whether a streamed grouped call of ``dims`` (K up to ``g.stream_max_k``) takes
+    ``g.stream_few``: at most ``g.stream_few_units`` CTAs (host arithmetic only, as
+    :func:`_long_k`)."""
+    return (g.stream_few is not None and dims.k <= g.stream_max_k
+            and _stream_units(dims) <= g.stream_few_units)
 
 
 def _stream_units(dims) -> int:
@@ -613,8 +627,8 @@ def _stream_fits(g: GroupedAuto, dims) -> bool:
 
 def grouped_regime(schedule, dims) -> tuple | None:
     """What "auto" depends on besides the device: (decode-sized?, large?, streamed?,
-    streamed with the long-K schedule?) per GPU family, and the A format; None for a named
-    schedule."""
+    streamed with the long-K schedule?, streamed with the few-CTA schedule?) per GPU family
+    and weight format, and the A format; None for a named schedule."""
     if schedule != "auto" or dims is None:
         return None
     experts = max(dims.experts, 1)
@@ -623,7 +637,8 @@ def grouped_regime(schedule, dims) -> tuple | None:
     many = tuple(g.large is not None and dims.total_m >= g.large[1] * experts for g in rows)
     stream = tuple(_stream_fits(g, dims) for g in rows)
     long_k = tuple(fits and _long_k(g, dims) for fits, g in zip(stream, rows))
-    return few, many, stream, long_k, dims.a_format
+    few_ctas = tuple(fits and _few_ctas(g, dims) for fits, g in zip(stream, rows))
+    return few, many, stream, long_k, few_ctas, dims.a_format
 
 
 # ----------------------------------------------------------------------------- the table
@@ -660,10 +675,15 @@ def _sm90_mxfp4_packed(m: int, n: int, k: int, a_format: str = Operand.BF16,
 # same run (perf/results/2026-12-06-h100-stream-stages.md): the one-unit ring the stream
 # kernel now has 0.76x the two-unit ring's time at 1 token, 0.86-0.99x at 4, 0.90-0.93x at
 # 16, and 0.92x eight warps per CTA with one unit (sm90_mxfp4_stream_grouped_decode_w8) at
-# 1 token, which "auto" took there before; not timed on the H200 yet
+# 1 token for both GEMMs back to back. Inside the experts layer, where the gate_up GEMM follows
+# the gather (H100, perf/results/2026-12-06-h100-gpt-oss-pairs.md, moe_layer_pairs.py): the
+# eight-warp kernel for the down GEMM alone at 1 token (180 CTAs) 0.96x the layer's time,
+# for the gate_up GEMM too (360 CTAs) 1.05x, at 4 tokens (~630-720 CTAs) 1.00-1.05x; so it
+# takes grids of at most 200 CTAs (1.5 per SM); not timed on the H200 yet
 _SM90_MXFP4_GROUPED = _SM90_GROUPED._replace(
     default="sm90_mxfp4_grouped", large=None, stream=("sm90_mxfp4_stream_grouped_decode", 4),
-    stream_max_units=6000, stream_long_k=None)
+    stream_max_units=6000, stream_long_k=None, stream_few_units=200,
+    stream_few="sm90_mxfp4_stream_grouped_decode_w8")
 _SM120_MXFP4_GROUPED = _SM120_GROUPED._replace(default="sm120_mxfp4_grouped")
 
 

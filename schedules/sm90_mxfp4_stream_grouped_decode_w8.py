@@ -11,8 +11,12 @@ peak.
 
 H100, 2026-12-06, both GEMMs of a gpt-oss layer back to back at one token
 (perf/tools/gpt_oss_sweep.py, same run; perf/results/2026-12-06-h100-stream-stages.md):
-0.95x its own time with two units per batch, but 1.08x the four-warp kernel with one,
-which "auto" takes (cute_fp4.tuning); each GEMM alone it is the faster of the two.
+0.95x its own time with two units per batch, but 1.08x the four-warp kernel with one;
+each GEMM alone it is the faster of the two. Inside the experts layer, where the gate_up
+GEMM follows the gather (perf/results/2026-12-06-h100-gpt-oss-pairs.md): for the down GEMM
+alone at one token (180 CTAs) the layer takes 0.96x its time with the four-warp kernel,
+for both GEMMs 1.05x. "auto" takes it for grids of at most 200 CTAs
+(``GroupedAuto.stream_few``, cute_fp4.tuning): the down GEMM at one token.
 """
 
 from cute_fp4.planning.stream import stream_schedule

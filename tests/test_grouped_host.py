@@ -776,7 +776,8 @@ def test_a_long_k_stream_is_its_own_auto_regime():
 
 @pytest.mark.parametrize("tokens, experts, n, stream", [
     (1, 32, 5760, True),  # gpt-oss gate_up, 1 token x top-4: 360 CTAs
-    (1, 128, 2880, True),  # down: 180 CTAs
+    (1, 128, 2880, "_w8"),  # down: 180 CTAs, at most 200: eight warps per CTA
+    (2, 128, 2880, True),  # down, 2 tokens: 8 x 45 = 360 CTAs
     (4, 32, 5760, True),  # 16 x 90 = 1,440 CTAs
     (16, 128, 5760, True),  # bound 64 x 90 = 5,760 CTAs: still the stream kernel
     (64, 32, 2880, False),  # 8 rows per expert: past the stream kernel's 4
@@ -792,8 +793,21 @@ def test_auto_for_gpt_oss_experts_on_sm90(tokens, experts, n, stream):
     if not stream:
         assert s.mainloop.value == "rs_packed", name
         return
-    assert name == "sm90_mxfp4_stream_grouped_decode"
+    assert name == "sm90_mxfp4_stream_grouped_decode" + (stream if isinstance(stream, str) else "")
     assert s.stages == 1  # one K unit per batch of the ring (the schedule's docstring)
+
+
+def test_a_few_cta_stream_is_its_own_auto_regime():
+    """The regime (the memo key of "auto") tells the few-CTA stream (eight warps) from the
+    four-warp one, and only where it differs: NVFP4 names no few-CTA schedule."""
+    down = cops.GroupedDims(4, 2880, 2880, 128, "bf16", True, "mxfp4")  # 180 CTAs
+    down2 = down._replace(total_m=8)  # 360 CTAs
+    assert tuning.grouped_auto_name("sm90", down) == "sm90_mxfp4_stream_grouped_decode_w8"
+    assert tuning.grouped_auto_name("sm90", down2) == "sm90_mxfp4_stream_grouped_decode"
+    assert tuning.grouped_regime("auto", down) != tuning.grouped_regime("auto", down2)
+    nv = down._replace(b_format="nvfp4")
+    assert tuning.grouped_auto_name("sm90", nv) == "sm90_stream_grouped_decode"
+    assert tuning.grouped_auto_name("sm120", down) == "sm120_stream_grouped_decode"
 
 
 def test_gemm_refuses_an_expert_stack_with_a_pointer_to_grouped_gemm():
