@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # gpt_oss_tiny: the checkpoint writer o
 sys.path.insert(0, str(ROOT / "perf"))
 
 import gpt_oss_tiny as tiny  # noqa: E402
+from render_docs import auto_names  # noqa: E402
 
 import cute_fp4 as cf  # noqa: E402
 from cute_fp4 import tuning  # noqa: E402
@@ -239,7 +240,9 @@ def grouped_case(experts: int, tokens: int, st: dict, ex: Experts, iters: int,
             "speedup_layer": t["torch_layer"] / t["ours_layer"],
             "speedup_gemms": t["torch_gemms"] / t["ours_gemms"],
             "floor_us": weight_bytes / bandwidth() * 1e6, "rel_err_vs_bf16": err,
-            "auto_schedule": tuning.grouped_auto_name(family, dims)}
+            "auto_schedule": tuning.grouped_auto_name(family, dims),
+            "auto_schedule_down": tuning.grouped_auto_name(
+                family, dims._replace(n=HIDDEN, k=WIDTH))}
 
 
 def grouped(args) -> list[dict]:
@@ -425,7 +428,7 @@ def markdown(res: dict) -> str:
                          f"{r['ours_layer']:.1f} | {r['torch_layer']:.1f} | "
                          f"{r['speedup_layer']:.2f} | {r['ours_gemms']:.1f} | "
                          f"{r['torch_gemms']:.1f} | {r['speedup_gemms']:.2f} | "
-                         f"{r['floor_us']:.1f} | {r['auto_schedule']} |")
+                         f"{r['floor_us']:.1f} | {auto_names(r)} |")
     if "dense" in res:
         lines += ["", "## Dense W4A16 M = 1: MXFP4 vs NVFP4 (bar <= 1.10)", "",
                   "| N x K | MXFP4 us | NVFP4 us | ratio | BF16 us | floor us |",

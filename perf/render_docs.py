@@ -517,14 +517,23 @@ def render_mxfp4_decode(data: dict, path: Path) -> list[str]:
                        rows)
 
 
+def auto_names(row: dict) -> str:
+    """gpt_oss.py's grouped row: "auto"'s gate_up schedule, and its down one where it
+    differs (a run before 2026-12-06 11:00 UTC names the gate_up one alone)."""
+    up, down = row["auto_schedule"], row.get("auto_schedule_down", row["auto_schedule"])
+    return up if down == up else f"{up} / {down}"
+
+
 def render_gpt_oss(data: dict, path: Path) -> list[str]:
     out = ["gpt-oss-like MoE layers (hidden = expert width = 2880, top-4), MXFP4 W4A16 "
            "experts against torch `_grouped_mm` on their BF16 values, same routing; "
-           "\"layer\": routing, both GEMMs, bias, clamped SwiGLU, combine. Floor: "
+           "\"layer\": routing, both GEMMs, bias, clamped SwiGLU, combine; \"GEMMs\": the two "
+           "grouped GEMMs alone, back to back; auto: the gate_up GEMM's schedule (/ the "
+           "down GEMM's where it differs). Floor: "
            f"{data['formulas']['floor']}.", ""]
     rows = [[g["experts"], g["tokens"], us(g["ours_layer"]), us(g["torch_layer"]),
              x(g["torch_layer"], g["ours_layer"]), us(g["ours_gemms"]),
-             x(g["torch_gemms"], g["ours_gemms"]), us(g["floor_us"]), g["auto_schedule"]]
+             x(g["torch_gemms"], g["ours_gemms"]), us(g["floor_us"]), auto_names(g)]
             for g in data["grouped"]]
     return out + table(["experts", "tokens", "layer", "torch layer", "x torch", "GEMMs",
                         "GEMMs x torch", "floor", "auto"], rows)
