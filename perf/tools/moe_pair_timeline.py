@@ -18,7 +18,6 @@ gate_up GEMM ended). The replay time is the median of 30 cold replays. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", nargs="*", default=PAIRS)
     args = ap.parse_args(argv)
     import gpt_oss as bench
-    from pdl_timeline import timeline
+    from pdl_timeline import add_row, save, timeline
 
     from cute_fp4.grouped import grouped_gemm
     from cute_fp4.layers import Experts
@@ -99,11 +98,8 @@ def main(argv=None) -> int:
                "us_per_layer": round(t["replay_us"] / args.layers, 2), "layers": layers,
                "median_overlap_us": statistics.median(r["overlap_us"] for r in layers),
                "kernels": t["kernels"]}
-        res["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_pair_timeline.json").write_text(json.dumps(res, indent=1))
+        add_row(res, row)
+    save(args.out, "moe_pair_timeline", res)
     return 0
 
 

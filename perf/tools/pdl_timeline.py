@@ -101,12 +101,22 @@ def main(argv=None) -> int:
             row = {"N": n, "K": k, "early": early, "schedule": label, "floor_us": floor,
                    **timeline(call)}
             row["us_per_gemm"] = round(row["replay_us"] / args.chain, 2)
-            res["rows"].append(row)
-            print(json.dumps({k_: v for k_, v in row.items() if k_ != "kernels"}), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "pdl_timeline.json").write_text(json.dumps(res, indent=1))
+            add_row(res, row)
+    save(args.out, "pdl_timeline", res)
     return 0
+
+
+def add_row(res: dict, row: dict) -> None:
+    """``row`` into ``res["rows"]``, and printed without its kernel records."""
+    res["rows"].append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+
+
+def save(out: str, stem: str, res: dict) -> None:
+    """``res`` as ``out/stem.json``."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{stem}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
