@@ -122,6 +122,16 @@ FORMULAS = {
 }
 
 
+def torch_combine(down: torch.Tensor, routing, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The combine of the torch peers' MoE layers, as a torch MoE writes it: one gather and
+    one batched matmul in ``down``'s dtype (cuBLAS accumulates in float32), the weights
+    rounded to that dtype; ``routing`` a :class:`cute_fp4.layers.Routing`. (The package's
+    layers use :func:`cute_fp4.layers.routing.combine`: one kernel on a GPU.)"""
+    t, k = topk_weights.shape
+    pairs = down.index_select(0, routing.inverse).view(t, k, down.shape[-1])
+    return torch.bmm(topk_weights.to(down.dtype).unsqueeze(1), pairs).squeeze(1)
+
+
 def capture_graph(fn, warmups: int = 1):
     """``fn`` captured in a CUDA graph after ``warmups`` calls on a side stream (so that
     allocations and lazy compiles happen outside the capture). Returns (the graph, what

@@ -210,11 +210,14 @@ def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> to
 def moe_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor) -> torch.Tensor:
     """The MoE layer in torch BF16 (x's dtype) with the same conventions as
-    :class:`NVFP4MoE`: ``torch._grouped_mm`` on CUDA (no sync), a per-expert loop elsewhere."""
+    :class:`NVFP4MoE`: ``torch._grouped_mm`` on CUDA (no sync), a per-expert loop elsewhere;
+    the torch peer's combine (``bench.torch_combine``: a gather and a batched matmul)."""
+    from cute_fp4.bench import torch_combine
+
     r = route(topk_ids, w13.shape[0])
     xs = x.index_select(0, r.token)
     act = silu_and_mul(_bf16_grouped(xs, w13, r.offsets))
-    return combine(_bf16_grouped(act, w2, r.offsets), r, topk_weights)
+    return torch_combine(_bf16_grouped(act, w2, r.offsets), r, topk_weights)
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

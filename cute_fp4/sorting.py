@@ -37,7 +37,9 @@ def fits(pairs: int, num_experts: int) -> bool:
 _SUPPORTED: dict[int, str | None] = {}  # device index -> its target's name (None: none)
 
 
-def _target_of(index: int) -> str | None:
+def target_of(index: int) -> str | None:
+    """The target name of CUDA device ``index`` where this package has kernels for it, else
+    None; detected once per device (the routing sort and the combine ask it per call)."""
     name = _SUPPORTED.get(index, "?")
     if name == "?":
         from cute_fp4.targets import detect_device
@@ -59,7 +61,7 @@ def kernel_applies(ids: torch.Tensor, num_experts: int) -> bool:
     if ids.device.type != "cuda" or not fits(ids.numel(), num_experts) or reference_mode():
         return False
     index = ids.device.index
-    return index == torch.cuda.current_device() and _target_of(index) is not None
+    return index == torch.cuda.current_device() and target_of(index) is not None
 
 
 # ----------------------------------------------------------------------------- compile
@@ -104,7 +106,7 @@ _LOCK = threading.Lock()
 def _kernel_for(index: int, dtype: torch.dtype) -> CompiledRoute:
     kern = _KERNELS.get((index, dtype))
     if kern is None:
-        target = _target_of(index)
+        target = target_of(index)
         if target is None:
             raise DeviceError(f"cuda:{index} has no kernels here (see cute_fp4.targets)")
         kernel = route_kernel(default_spec(target, _DTYPES[dtype]))
@@ -156,4 +158,4 @@ def _check_out(out, shapes, dev: torch.device) -> None:
 
 
 __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "CompiledRoute", "cross_compile_route", "default_spec",
-           "fits", "kernel_applies", "route_kernel", "sort_pairs"]
+           "fits", "kernel_applies", "route_kernel", "sort_pairs", "target_of"]

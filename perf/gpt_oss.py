@@ -53,10 +53,11 @@ from render_docs import auto_names  # noqa: E402
 
 import cute_fp4 as cf  # noqa: E402
 from cute_fp4 import tuning  # noqa: E402
+from cute_fp4.bench import torch_combine  # noqa: E402
 from cute_fp4.fused import swiglu_oai_unfused  # noqa: E402
 from cute_fp4.grouped import grouped_gemm  # noqa: E402
 from cute_fp4.layers import Experts, softmax_topk  # noqa: E402
-from cute_fp4.layers.routing import combine, route  # noqa: E402
+from cute_fp4.layers.routing import route  # noqa: E402
 from cute_fp4.operands import GroupedDims  # noqa: E402
 from cute_fp4.packed import repack  # noqa: E402
 from cute_fp4.targets import gemm_device  # noqa: E402
@@ -207,7 +208,7 @@ def grouped_case(experts: int, tokens: int, st: dict, ex: Experts, iters: int,
         gu = torch._grouped_mm(c["x"].index_select(0, rr.token), w13, offs=rr.offsets[1:])
         act = swiglu_oai_unfused(gu + b13.index_select(0, c["rows"]), 1)
         dn = torch._grouped_mm(act, w2, offs=rr.offsets[1:]) + b2.index_select(0, c["rows"])
-        return combine(dn, rr, c["weights"])
+        return torch_combine(dn, rr, c["weights"])  # the torch peer's: gather, bmm
 
     for c in cases:  # the second GEMMs' inputs
         ends = c["r"].offsets[1:]

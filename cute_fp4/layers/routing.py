@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from cute_fp4 import sorting
+from cute_fp4 import combining, sorting
 from cute_fp4.blockscaled import BlockTensor
 from cute_fp4.errors import DeviceError, InputError, InputTypeError
 from cute_fp4.packed import PackedWeight
@@ -106,11 +106,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def combine(down: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_j topk_weights[t, j] * down[inverse[t*k + j]]``: ``down`` ``[T*k, H]``
-    in sorted order -> ``[T, H]``. One gather and one batched matmul (FP32 accumulation,
-    fixed order: deterministic); the weights are rounded to ``down``'s dtype."""
+    in sorted order -> ``[T, H]`` in its dtype. The weights are rounded to ``down``'s dtype;
+    each product is rounded to float32, the products added in slot order in float32 and
+    the sum rounded once: the same bits on every path. On a GPU one kernel
+    (:func:`cute_fp4.combining.combine_rows`, where :func:`~cute_fp4.combining.
+    kernel_applies`), else torch: a gather, then the products and the sum in that order."""
+    if combining.kernel_applies(down, routing.inverse, topk_weights):
+        return combining.combine_rows(down, routing.inverse, topk_weights)
+    return combine_torch(down, routing.inverse, topk_weights)
+
+
+def combine_torch(down: torch.Tensor, inverse: torch.Tensor, topk_weights: torch.Tensor
+                  ) -> torch.Tensor:
+    """:func:`combine` in torch ops on any device: the gather, each slot's products in
+    float32 (exact: a product of two 16-bit values fits float32's significand), their sum
+    in slot order, one rounding."""
     t, k = topk_weights.shape
-    pairs = down.index_select(0, routing.inverse).view(t, k, down.shape[-1])
-    return torch.bmm(topk_weights.to(down.dtype).unsqueeze(1), pairs).squeeze(1)
+    pairs = down.index_select(0, inverse).view(t, k, down.shape[-1]).float()
+    terms = pairs * topk_weights.to(down.dtype).float().unsqueeze(-1)
+    out = terms[:, 0]
+    for j in range(1, k):
+        out = out + terms[:, j]
+    return out.to(down.dtype)
 
 
 def expert(w, e: int) -> BlockTensor:
@@ -142,5 +159,5 @@ class Stages(NamedTuple):
     out: torch.Tensor  # [T, H]
 
 
-__all__ = ["ROUTE_METHODS", "Routing", "Stages", "check_ids", "combine", "expert", "route",
-           "silu_and_mul", "softmax_topk"]
+__all__ = ["ROUTE_METHODS", "Routing", "Stages", "check_ids", "combine", "combine_torch",
+           "expert", "route", "silu_and_mul", "softmax_topk"]
