@@ -35,4 +35,10 @@ absent operand as None. Contract every kernel class follows (the host layer,
     shapes, contiguity and 16-byte alignment: the pointers carry no layout.
 ``kernel.smem_bytes``
     Dynamic shared memory of the launch, set while tracing; equals ``plan(...).smem_bytes``.
+
+The kernels that are not GEMMs are made from a frozen spec each (a kernel class with
+``fake_args``, ``runtime_args`` and ``raw_args``, compiled through
+``cute_fp4.quant.cached_spec_build``): ``quantize.py`` and ``dequantize.py`` (the
+activation codecs), ``route.py`` (the MoE routing sort) and ``combine.py`` (the MoE
+combine).
 """
