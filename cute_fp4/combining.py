@@ -11,12 +11,10 @@ dtype) and go through the package's disk cache like the routing sort (``cute_fp4
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from cute_fp4.errors import DeviceError, InputError
-from cute_fp4.quant import CompiledSpecKernel, cached_spec_build, spec_compile
+from cute_fp4.errors import InputError
+from cute_fp4.quant import CompiledSpecKernel, cross_compile_spec, memo_spec_kernel
 from cute_fp4.sorting import target_of
 from cute_fp4.targets import reference_mode
 
@@ -67,30 +65,17 @@ def combine_kernel(spec):
 
 def cross_compile_combine(spec, dump_dir: str | None = None):
     """Compile for ``spec.target`` without a GPU (CI), through the build cache with
-    ``dump_dir`` (``compile.cross_build``). Returns (compiled or None, seconds)."""
-    from cute_fp4.compile import cross_build
-
-    kernel = combine_kernel(spec)
-    return cross_build(kernel, lambda opts: spec_compile(kernel, opts), spec.target, dump_dir,
-                       spec.label())
+    ``dump_dir`` (``quant.cross_compile_spec``). Returns (compiled or None, seconds)."""
+    return cross_compile_spec(combine_kernel(spec), dump_dir)
 
 
 _KERNELS: dict[tuple[int, torch.dtype], CompiledCombine] = {}
-_LOCK = threading.Lock()
 
 
 def _kernel_for(index: int, dtype: torch.dtype) -> CompiledCombine:
-    kern = _KERNELS.get((index, dtype))
-    if kern is None:
-        target = target_of(index)
-        if target is None:
-            raise DeviceError(f"cuda:{index} has no kernels here (see cute_fp4.targets)")
-        kernel = combine_kernel(default_spec(target, _DTYPES[dtype]))
-        with _LOCK:
-            fn, secs, how = cached_spec_build(kernel, "CombineKernel")
-            kern = _KERNELS[(index, dtype)] = CompiledCombine(kernel.spec, fn, kernel, secs,
-                                                              how)
-    return kern
+    return memo_spec_kernel(_KERNELS, (index, dtype), index,
+                            lambda target: combine_kernel(default_spec(target, _DTYPES[dtype])),
+                            CompiledCombine)
 
 
 # ----------------------------------------------------------------------------- public

@@ -222,11 +222,7 @@ def cross_compile_quantize(spec, dump_dir: str | None = None):
     """Compile for ``spec.target`` without a GPU (CI); returns (compiled, seconds). With
     ``dump_dir``, through the build cache as GEMMs are (``compile.cross_build``: compiled
     is None when the cubin and PTX were copied from there)."""
-    from cute_fp4.compile import cross_build
-
-    kernel = quantize_kernel(spec)
-    return cross_build(kernel, lambda opts: spec_compile(kernel, opts), spec.target, dump_dir,
-                       spec.label())
+    return cross_compile_spec(quantize_kernel(spec), dump_dir)
 
 
 REPORT_OPCODES = ("LDGSTS.E.BYPASS.LTC128B.128", "LDS.128", "LDG.E.128", "STG.E.64",
@@ -275,6 +271,40 @@ def cached_spec_build(kernel, name: str):
         except CompileError:
             pass
     return _spec_build_with(kernel, name, False)
+
+
+def cross_compile_spec(kernel, dump_dir: str | None = None):
+    """A spec kernel (``kernel.spec``: its target and label) compiled for its target
+    without a GPU (CI), through the build cache with ``dump_dir`` (``compile.cross_build``:
+    compiled is None when the cubin and PTX were copied from there). Returns (compiled or
+    None, seconds)."""
+    from cute_fp4.compile import cross_build
+
+    spec = kernel.spec
+    return cross_build(kernel, lambda opts: spec_compile(kernel, opts), spec.target, dump_dir,
+                       spec.label())
+
+
+_SPEC_LOCK = threading.Lock()
+
+
+def memo_spec_kernel(memo: dict, key, index: int, make_kernel, compiled: type):
+    """``memo[key]``, else the compiled spec kernel of ``make_kernel(target)`` for device
+    ``index``'s target (built or loaded once, :func:`cached_spec_build`, wrapped in
+    ``compiled``, a :class:`CompiledSpecKernel`); a DeviceError for a device without kernels
+    here."""
+    kern = memo.get(key)
+    if kern is None:
+        from cute_fp4.targets import detect_device
+
+        dev = detect_device(index)
+        if dev is None or dev.target is None:
+            raise DeviceError(f"cuda:{index} has no kernels here (see cute_fp4.targets)")
+        kernel = make_kernel(dev.target.name)
+        with _SPEC_LOCK:
+            fn, secs, how = cached_spec_build(kernel, type(kernel).__name__)
+            kern = memo[key] = compiled(kernel.spec, fn, kernel, secs, how)
+    return kern
 
 
 def _spec_build_with(kernel, name: str, ffi: bool):

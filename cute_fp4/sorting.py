@@ -12,12 +12,10 @@ go through the package's disk cache like the activation kernels (``cute_fp4.quan
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from cute_fp4.errors import DeviceError, InputError
-from cute_fp4.quant import CompiledSpecKernel, cached_spec_build, spec_compile
+from cute_fp4.errors import InputError
+from cute_fp4.quant import CompiledSpecKernel, cross_compile_spec, memo_spec_kernel
 from cute_fp4.targets import reference_mode
 
 # One CTA of 256 threads, at most 4 rounds of 32 pairs per warp, an (E + 2) x 8 int32
@@ -91,29 +89,17 @@ def route_kernel(spec):
 
 def cross_compile_route(spec, dump_dir: str | None = None):
     """Compile for ``spec.target`` without a GPU (CI), through the build cache with
-    ``dump_dir`` (``compile.cross_build``). Returns (compiled or None, seconds)."""
-    from cute_fp4.compile import cross_build
-
-    kernel = route_kernel(spec)
-    return cross_build(kernel, lambda opts: spec_compile(kernel, opts), spec.target, dump_dir,
-                       spec.label())
+    ``dump_dir`` (``quant.cross_compile_spec``). Returns (compiled or None, seconds)."""
+    return cross_compile_spec(route_kernel(spec), dump_dir)
 
 
 _KERNELS: dict[tuple[int, torch.dtype], CompiledRoute] = {}
-_LOCK = threading.Lock()
 
 
 def _kernel_for(index: int, dtype: torch.dtype) -> CompiledRoute:
-    kern = _KERNELS.get((index, dtype))
-    if kern is None:
-        target = target_of(index)
-        if target is None:
-            raise DeviceError(f"cuda:{index} has no kernels here (see cute_fp4.targets)")
-        kernel = route_kernel(default_spec(target, _DTYPES[dtype]))
-        with _LOCK:
-            fn, secs, how = cached_spec_build(kernel, "RouteKernel")
-            kern = _KERNELS[(index, dtype)] = CompiledRoute(kernel.spec, fn, kernel, secs, how)
-    return kern
+    return memo_spec_kernel(_KERNELS, (index, dtype), index,
+                            lambda target: route_kernel(default_spec(target, _DTYPES[dtype])),
+                            CompiledRoute)
 
 
 # ----------------------------------------------------------------------------- public

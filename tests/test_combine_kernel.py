@@ -7,12 +7,11 @@ tests/gpu/test_combine.py."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
+from cubins import one_kernel
 
-from cute_fp4 import combining
+from cute_fp4 import combining, sorting
 from cute_fp4.errors import InputError
 from cute_fp4.layers import routing
 from cute_fp4.targets import reference_execution
@@ -79,6 +78,44 @@ def test_the_kernel_is_not_taken_on_the_cpu_or_in_reference_mode():
         assert not combining.kernel_applies(down, inverse, weights)
 
 
+class _OnCuda0:
+    """What ``kernel_applies`` reads of ``down``, as if it were on cuda:0."""
+
+    def __init__(self, t: torch.Tensor, ptr: int = 0):
+        self._t, self._ptr = t, ptr
+        self.device, self.dtype, self.shape = torch.device("cuda", 0), t.dtype, t.shape
+
+    def dim(self):
+        return self._t.dim()
+
+    def is_contiguous(self):
+        return self._t.is_contiguous()
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def test_kernel_applies_to_16_bit_rows_of_whole_vectors(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setitem(sorting._SUPPORTED, 0, "sm_90a")
+    down, inverse, weights = _case(2, 4, 64)
+    assert combining.kernel_applies(_OnCuda0(down), inverse, weights)
+    assert combining.kernel_applies(_OnCuda0(down.half()), inverse, weights.half())
+    for bad, why in ((_OnCuda0(down[:, :60]), "H not a multiple of 8"),
+                     (_OnCuda0(down.float()), "float32 rows"),
+                     (_OnCuda0(down.t()), "not contiguous"),
+                     (_OnCuda0(down, ptr=8), "not 16-byte aligned"),
+                     (_OnCuda0(down[:0]), "no rows")):
+        assert not combining.kernel_applies(bad, inverse, weights), why
+    assert not combining.kernel_applies(_OnCuda0(down), inverse.int(), weights)
+    assert not combining.kernel_applies(_OnCuda0(down), inverse, weights[:1])
+    monkeypatch.setitem(sorting._SUPPORTED, 0, None)  # a GPU without kernels here
+    assert not combining.kernel_applies(_OnCuda0(down), inverse, weights)
+    monkeypatch.setitem(sorting._SUPPORTED, 0, "sm_90a")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not combining.kernel_applies(_OnCuda0(down), inverse, weights)
+
+
 def test_combine_rows_refuses_bad_shapes_before_launching():
     down, inverse, weights = _case(2, 4, 64)
     with pytest.raises(InputError, match=r"H a multiple of 8.*down \(8, 60\)"):
@@ -114,18 +151,39 @@ def test_kernel_compiles(target, dtype, tmp_path):
     """One kernel, no spills, 16-byte loads of the down rows and stores of the output, and
     no fused multiply-add: each product is rounded on its own (``mul.rn.f32``), so the sum
     is the torch path's bit for bit."""
-    from cute_fp4.inspect import cubin_sass, inspect_cubin
-
     combining.cross_compile_combine(combining.default_spec(target, dtype),
                                     dump_dir=str(tmp_path))
-    cubin = sorted(tmp_path.glob("*.cubin"))[-1]
-    sass = cubin_sass(cubin)
-    rep = inspect_cubin(cubin, ())
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]+)", sass)
-    assert len(re.findall(r"Function : ", sass)) == 1
+    rep, ops = one_kernel(tmp_path)
     assert rep.spills == 0 and rep.registers <= 64, rep
     assert sum(op.startswith("LDG.E.128") for op in ops) == 1, ops
     assert sum(op.startswith("STG.E.128") for op in ops) == 1, ops
     fused = [op for op in ops if op.startswith(("FFMA", "FHFMA"))]  # (HFMA2.MMA: moves)
     assert not fused, fused
     assert sum(op.startswith("FMUL") for op in ops) >= 8, ops  # the products of a slot
+
+
+def test_each_device_and_dtype_builds_its_kernel_once(monkeypatch):
+    """``quant.memo_spec_kernel`` (what the combine and the routing sort build through):
+    the device's target, one build per key, a typed error for a GPU without kernels."""
+    import types
+
+    from cute_fp4 import quant, targets
+    from cute_fp4.errors import DeviceError
+
+    builds = []
+    monkeypatch.setattr(quant, "cached_spec_build",
+                        lambda kernel, name: builds.append((kernel.spec, name)) or
+                        (object(), 0.5, "built"))
+    gpu = types.SimpleNamespace(target=types.SimpleNamespace(name="sm_120a"))
+    monkeypatch.setattr(targets, "detect_device", lambda index: gpu)
+    memo = {}
+    monkeypatch.setattr(combining, "_KERNELS", memo)
+    a = combining._kernel_for(0, torch.bfloat16)
+    assert combining._kernel_for(0, torch.bfloat16) is a and len(builds) == 1
+    assert builds[0] == (combining.default_spec("sm_120a", "bfloat16"), "CombineKernel")
+    assert isinstance(a, combining.CompiledCombine) and a.spec.target == "sm_120a"
+    combining._kernel_for(0, torch.float16)
+    assert len(builds) == 2 and len(memo) == 2
+    monkeypatch.setattr(targets, "detect_device", lambda index: None)
+    with pytest.raises(DeviceError, match="cuda:3 has no kernels here"):
+        combining._kernel_for(3, torch.bfloat16)
