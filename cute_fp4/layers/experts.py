@@ -21,9 +21,11 @@ Conventions:
   ``[E + 1]`` on the device. Nothing reads a GPU value on the host, so a call is
   CUDA-graph capturable: one CTA of ``cute_fp4.sorting`` at decode sizes (the same bits),
   torch ops otherwise and under ``torch.compile``, which traces them into one graph.
-* **combine**: the down projection's rows put back in pair order and reduced per token by
-  one batched matmul ``[1, top_k] @ [top_k, H]`` (FP32 accumulation, one rounding to the
-  activation dtype): deterministic. The top-k weights are rounded to that dtype first.
+* **combine** (:func:`combine`): each token's ``top_k`` rows of the down projection times
+  its top-k weights (rounded to the activation dtype first), the products added in slot
+  order in FP32 and rounded once: the same bits on every path, one kernel of
+  ``cute_fp4.combining`` on a GPU (launched while the down GEMM drains), torch ops
+  otherwise and under ``torch.compile``.
 * **activation**: ``silu`` and the product in the activation dtype (two roundings).
 * **fused** (``fused="auto"``, where the GPU's grouped kernels take it): the gate_up GEMM
   computes the activation in its epilogue (``grouped_gemm(silu_mul=True)``, the same bits
