@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,7 @@ class SideProcess:
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.results: dict | None = None
         self.builds: dict[str, int] = {}
+        self.side_s = self.wait_s = None  # its session's seconds; how long the main one waited
 
     def stop(self) -> None:
         """End the process if it still runs (the session stopped early, e.g. ``-x``)."""
@@ -103,14 +105,17 @@ class SideProcess:
 
     def result(self, nodeid: str) -> dict:
         if self.results is None:
+            t0 = time.monotonic()
             try:
                 self.proc.wait(timeout=SIDE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self.wait_s = time.monotonic() - t0
             text = self.out.read_text()
             data = json.loads(text) if text else {}
             self.results, self.builds = data.get("results", {}), data.get("builds", {})
+            self.side_s = data.get("seconds")
             self.out.unlink(missing_ok=True)
         hit = self.results.get(nodeid)
         if hit is None:
@@ -166,11 +171,15 @@ def pytest_sessionfinish(session):
     BUILD_STATS = _build_stats()
     if _side_mode() == "side":
         Path(os.environ[SIDE_ENV]).write_text(json.dumps(
-            {"results": _RESULTS, "builds": dict(BUILD_STATS)}))
+            {"results": _RESULTS, "builds": dict(BUILD_STATS),
+             "seconds": round(time.monotonic() - _START, 1)}))
     side = session.config.stash.get(_SIDE, None)
     if side is not None:
         side.stop()
         session.config.stash[_STATS] = BUILD_STATS + collections.Counter(side.builds)
+
+
+_START = time.monotonic()  # this process's start, near enough (conftest imports first)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -178,6 +187,11 @@ def pytest_terminal_summary(terminalreporter):
     if BUILD_STATS:
         terminalreporter.write_line("build cache (both processes): " + ", ".join(
             f"{n} {how}" for how, n in sorted(BUILD_STATS.items())))
+    side = terminalreporter.config.stash.get(_SIDE, None)
+    if side is not None and side.side_s is not None:  # what balances the two processes
+        terminalreporter.write_line(
+            f"side process: {side.side_s:.0f} s; this one waited {side.wait_s:.0f} s for it "
+            f"after {time.monotonic() - _START - side.wait_s:.0f} s of its own")
 
 
 @pytest.fixture
