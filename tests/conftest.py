@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # machine: the mainloop and epilogue traces, the fragment-layout probes (cute.compile of
 # probes, nothing cached) and the harness watchdog (child processes, a 3 s hang)
 SIDE_MODULES = ("test_sm120_mainloop.py", "test_epilogue.py", "test_sf_layout.py",
-                "test_sm120_harness.py")
+                "test_sm120_harness.py", "test_docs.py")
 SIDE_ENV = "CUTE_FP4_SIDE_PROCESS"  # "0": no side process; in the side process: its JSON
 SIDE_TIMEOUT_S = 1800
 _SIDE = pytest.StashKey()
