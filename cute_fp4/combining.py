@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 
 from cute_fp4.errors import InputError
-from cute_fp4.quant import CompiledSpecKernel, cross_compile_spec, memo_spec_kernel
-from cute_fp4.sorting import target_of
+from cute_fp4.quant import (
+    CompiledSpecKernel,
+    cross_compile_spec,
+    memo_spec_kernel,
+    target_of,
+)
 from cute_fp4.targets import reference_mode
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -286,21 +286,33 @@ def cross_compile_spec(kernel, dump_dir: str | None = None):
 
 
 _SPEC_LOCK = threading.Lock()
+_TARGETS: dict[int, str | None] = {}  # device index -> its target's name (None: none)
+
+
+def target_of(index: int) -> str | None:
+    """The target name of CUDA device ``index`` where this package has kernels for it, else
+    None; detected once per device (the spec kernels' host sides ask it per call)."""
+    name = _TARGETS.get(index, "?")
+    if name == "?":
+        from cute_fp4.targets import detect_device
+
+        dev = detect_device(index)
+        name = _TARGETS[index] = None if dev is None or dev.target is None else \
+            dev.target.name
+    return name
 
 
 def memo_spec_kernel(memo: dict, key, index: int, make_kernel, compiled: type):
     """``memo[key]``, else the compiled spec kernel of ``make_kernel(target)`` for device
-    ``index``'s target (built or loaded once, :func:`cached_spec_build`, wrapped in
-    ``compiled``, a :class:`CompiledSpecKernel`); a DeviceError for a device without kernels
-    here."""
+    ``index``'s target (:func:`target_of`; built or loaded once, :func:`cached_spec_build`,
+    wrapped in ``compiled``, a :class:`CompiledSpecKernel`); a DeviceError for a device
+    without kernels here."""
     kern = memo.get(key)
     if kern is None:
-        from cute_fp4.targets import detect_device
-
-        dev = detect_device(index)
-        if dev is None or dev.target is None:
+        target = target_of(index)
+        if target is None:
             raise DeviceError(f"cuda:{index} has no kernels here (see cute_fp4.targets)")
-        kernel = make_kernel(dev.target.name)
+        kernel = make_kernel(target)
         with _SPEC_LOCK:
             fn, secs, how = cached_spec_build(kernel, type(kernel).__name__)
             kern = memo[key] = compiled(kernel.spec, fn, kernel, secs, how)
@@ -674,5 +686,6 @@ __all__ = ["quantize_activation", "quantize_values", "dequantize_activation",
            "dequantize_with_alpha", "w4a16_operands", "BoundActivation",
            "compile_quantize",
            "cross_compile_quantize", "default_spec", "CompiledQuantize", "CompiledDequantize",
-           "CompiledSpecKernel", "cached_spec_build", "spec_compile",
+           "CompiledSpecKernel", "cached_spec_build", "cross_compile_spec",
+           "memo_spec_kernel", "spec_compile", "target_of",
            "FUSED_MAX_ELEMENTS", "DYNAMIC_MODES"]

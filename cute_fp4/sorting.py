@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 
 from cute_fp4.errors import InputError
-from cute_fp4.quant import CompiledSpecKernel, cross_compile_spec, memo_spec_kernel
+from cute_fp4.quant import (
+    CompiledSpecKernel,
+    cross_compile_spec,
+    memo_spec_kernel,
+    target_of,
+)
 from cute_fp4.targets import reference_mode
 
 # One CTA of 256 threads, at most 4 rounds of 32 pairs per warp, an (E + 2) x 8 int32
@@ -30,22 +35,6 @@ def fits(pairs: int, num_experts: int) -> bool:
     """Whether a call of ``pairs`` (T * top_k) pairs over ``num_experts`` experts is within
     the kernel's limits (an empty call is not: torch's path returns it)."""
     return 1 <= pairs <= MAX_PAIRS and 1 <= num_experts <= MAX_EXPERTS
-
-
-_SUPPORTED: dict[int, str | None] = {}  # device index -> its target's name (None: none)
-
-
-def target_of(index: int) -> str | None:
-    """The target name of CUDA device ``index`` where this package has kernels for it, else
-    None; detected once per device (the routing sort and the combine ask it per call)."""
-    name = _SUPPORTED.get(index, "?")
-    if name == "?":
-        from cute_fp4.targets import detect_device
-
-        dev = detect_device(index)
-        name = _SUPPORTED[index] = None if dev is None or dev.target is None else \
-            dev.target.name
-    return name
 
 
 def kernel_applies(ids: torch.Tensor, num_experts: int) -> bool:
@@ -144,4 +133,4 @@ def _check_out(out, shapes, dev: torch.device) -> None:
 
 
 __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "CompiledRoute", "cross_compile_route", "default_spec",
-           "fits", "kernel_applies", "route_kernel", "sort_pairs", "target_of"]
+           "fits", "kernel_applies", "route_kernel", "sort_pairs"]

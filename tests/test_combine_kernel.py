@@ -11,7 +11,7 @@ import pytest
 import torch
 from cubins import one_kernel
 
-from cute_fp4 import combining, sorting
+from cute_fp4 import combining, quant
 from cute_fp4.errors import InputError
 from cute_fp4.layers import routing
 from cute_fp4.targets import reference_execution
@@ -97,7 +97,7 @@ class _OnCuda0:
 
 def test_kernel_applies_to_16_bit_rows_of_whole_vectors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setitem(sorting._SUPPORTED, 0, "sm_90a")
+    monkeypatch.setitem(quant._TARGETS, 0, "sm_90a")
     down, inverse, weights = _case(2, 4, 64)
     assert combining.kernel_applies(_OnCuda0(down), inverse, weights)
     assert combining.kernel_applies(_OnCuda0(down.half()), inverse, weights.half())
@@ -109,9 +109,9 @@ def test_kernel_applies_to_16_bit_rows_of_whole_vectors(monkeypatch):
         assert not combining.kernel_applies(bad, inverse, weights), why
     assert not combining.kernel_applies(_OnCuda0(down), inverse.int(), weights)
     assert not combining.kernel_applies(_OnCuda0(down), inverse, weights[:1])
-    monkeypatch.setitem(sorting._SUPPORTED, 0, None)  # a GPU without kernels here
+    monkeypatch.setitem(quant._TARGETS, 0, None)  # a GPU without kernels here
     assert not combining.kernel_applies(_OnCuda0(down), inverse, weights)
-    monkeypatch.setitem(sorting._SUPPORTED, 0, "sm_90a")
+    monkeypatch.setitem(quant._TARGETS, 0, "sm_90a")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not combining.kernel_applies(_OnCuda0(down), inverse, weights)
 
@@ -167,7 +167,7 @@ def test_each_device_and_dtype_builds_its_kernel_once(monkeypatch):
     the device's target, one build per key, a typed error for a GPU without kernels."""
     import types
 
-    from cute_fp4 import quant, targets
+    from cute_fp4 import targets
     from cute_fp4.errors import DeviceError
 
     builds = []
@@ -176,6 +176,7 @@ def test_each_device_and_dtype_builds_its_kernel_once(monkeypatch):
                         (object(), 0.5, "built"))
     gpu = types.SimpleNamespace(target=types.SimpleNamespace(name="sm_120a"))
     monkeypatch.setattr(targets, "detect_device", lambda index: gpu)
+    monkeypatch.setattr(quant, "_TARGETS", {})  # each device's target detected afresh
     memo = {}
     monkeypatch.setattr(combining, "_KERNELS", memo)
     a = combining._kernel_for(0, torch.bfloat16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cubins import one_kernel
 
-from cute_fp4 import sorting
+from cute_fp4 import quant, sorting
 from cute_fp4.errors import DeviceError, InputError
 from cute_fp4.layers import routing
 from cute_fp4.targets import reference_execution
@@ -162,7 +162,7 @@ def _cuda_ids(n: int):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setitem(sorting._SUPPORTED, 0, "sm_90a")
+    monkeypatch.setitem(quant._TARGETS, 0, "sm_90a")
 
 
 def test_kernel_applies_within_the_limits(fake_gpu, monkeypatch):
@@ -187,7 +187,7 @@ def _untraceable():
 def test_kernel_applies_only_on_the_current_device_of_a_known_gpu(fake_gpu, monkeypatch):
     other = types.SimpleNamespace(device=torch.device("cuda", 1), numel=lambda: 8)
     assert not sorting.kernel_applies(other, 8)
-    monkeypatch.setitem(sorting._SUPPORTED, 0, None)  # a GPU without kernels here
+    monkeypatch.setitem(quant._TARGETS, 0, None)  # a GPU without kernels here
     assert not sorting.kernel_applies(_cuda_ids(8), 8)
 
 
