@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cute_fp4.bench import torch_combine
 from cute_fp4.fused import deinterleave_gate_up
 from cute_fp4.layers.common import LAYOUTS, mode_of
 from cute_fp4.layers.experts import (
@@ -212,8 +213,6 @@ def moe_bf16(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     """The MoE layer in torch BF16 (x's dtype) with the same conventions as
     :class:`NVFP4MoE`: ``torch._grouped_mm`` on CUDA (no sync), a per-expert loop elsewhere;
     the torch peer's combine (``bench.torch_combine``: a gather and a batched matmul)."""
-    from cute_fp4.bench import torch_combine
-
     r = route(topk_ids, w13.shape[0])
     xs = x.index_select(0, r.token)
     act = silu_and_mul(_bf16_grouped(xs, w13, r.offsets))
