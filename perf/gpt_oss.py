@@ -150,6 +150,12 @@ def require(ok: bool, what: str) -> None:
 
 # ----------------------------------------------------------------------------- grouped
 
+def _experts(st: dict) -> Experts:
+    """The experts layer of :func:`_stacks`' checkpoint tensors (``Experts.from_gpt_oss``)."""
+    return Experts.from_gpt_oss(*st["gate_up_proj"][:2], st["gate_up_proj_bias"],
+                                *st["down_proj"][:2], st["down_proj_bias"], name="experts")
+
+
 def _stacks(experts: int, seed: int):
     """gpt-oss-sized random expert stacks: MXFP4 checkpoint tensors and their BF16 values
     (``[E, out, in]``), biases."""
@@ -250,8 +256,7 @@ def grouped(args) -> list[dict]:
     rows = []
     for experts in (32, 128):
         st = _stacks(experts, experts)
-        ex = Experts.from_gpt_oss(*st["gate_up_proj"][:2], st["gate_up_proj_bias"],
-                                  *st["down_proj"][:2], st["down_proj_bias"], name="experts")
+        ex = _experts(st)
         for tokens in (1, 4, 16):
             row = grouped_case(experts, tokens, st, ex, args.iters, args.reps)
             print(f"grouped E={experts} T={tokens}: ours {row['ours_layer']:.1f} us, torch "

@@ -117,8 +117,7 @@ def main() -> None:
     rows = []
     for experts in args.experts:
         st = bench._stacks(experts, experts)
-        ex = Experts.from_gpt_oss(*st["gate_up_proj"][:2], st["gate_up_proj_bias"],
-                                  *st["down_proj"][:2], st["down_proj_bias"], name="experts")
+        ex = bench._experts(st)
         for tokens in args.tokens:
             rows.append(point(experts, tokens, st, ex, args))
             args.out.write_text(json.dumps(rows, indent=1))

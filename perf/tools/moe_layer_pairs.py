@@ -118,7 +118,6 @@ def main() -> None:
     args = p.parse_args()
     import gpt_oss as bench
 
-    from cute_fp4.layers import Experts
 
     rows = []
     qwen = args.model == "qwen3"
@@ -127,9 +126,7 @@ def main() -> None:
             ex, routing = qwen3_layer(experts)
         else:
             st = bench._stacks(experts, experts)
-            ex = Experts.from_gpt_oss(*st["gate_up_proj"][:2], st["gate_up_proj_bias"],
-                                      *st["down_proj"][:2], st["down_proj_bias"],
-                                      name="experts")
+            ex = bench._experts(st)
 
             def routing(tokens, seed, experts=experts):
                 return bench._routing(experts, tokens, seed)

@@ -72,11 +72,9 @@ def main(argv=None) -> int:
     from pdl_timeline import add_row, save, timeline
 
     from cute_fp4.grouped import grouped_gemm
-    from cute_fp4.layers import Experts
 
     st = bench._stacks(args.experts, args.experts)
-    ex = Experts.from_gpt_oss(*st["gate_up_proj"][:2], st["gate_up_proj_bias"],
-                              *st["down_proj"][:2], st["down_proj_bias"], name="experts")
+    ex = bench._experts(st)
     b13, b2 = ex.biases
     cases = [bench._routing(args.experts, args.tokens, 100 * args.tokens + i)
              for i in range(args.layers)]

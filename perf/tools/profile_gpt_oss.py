@@ -27,7 +27,6 @@ import gpt_oss as bench  # noqa: E402
 
 from cute_fp4 import catalogue  # noqa: E402
 from cute_fp4.grouped import grouped_gemm  # noqa: E402
-from cute_fp4.layers import Experts  # noqa: E402
 
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 experts = int(sys.argv[2]) if len(sys.argv) > 2 else 32
@@ -35,8 +34,7 @@ schedule = sys.argv[3] if len(sys.argv) > 3 else "auto"
 if len(sys.argv) > 4:
     schedule = catalogue.get(schedule).replace(stages=int(sys.argv[4]))
 st = bench._stacks(experts, 0)
-ex = Experts.from_gpt_oss(*st["gate_up_proj"][:2], st["gate_up_proj_bias"],
-                          *st["down_proj"][:2], st["down_proj_bias"], name="experts")
+ex = bench._experts(st)
 c = bench._routing(experts, tokens, 0)
 b13, b2 = ex.biases
 for _ in range(4):
